@@ -1,0 +1,77 @@
+#include "backends/dtype.h"
+
+#include <cmath>
+
+#include "backends/errors.h"
+
+namespace tpsim {
+
+std::size_t dtypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return 4;
+    case DType::kBFloat16: return 2;
+    case DType::kFloat16: return 2;
+    case DType::kFloat64: return 8;
+    case DType::kInt64: return 8;
+  }
+  TPSIM_INTERNAL_ASSERT(false, "unknown dtype ", int(dtype));
+}
+
+const char* dtypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return "fp32";
+    case DType::kBFloat16: return "bf16";
+    case DType::kFloat16: return "fp16";
+    case DType::kFloat64: return "fp64";
+    case DType::kInt64: return "int64";
+  }
+  return "unknown";
+}
+
+DType parseDType(const std::string& name) {
+  for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat64, DType::kInt64})
+    if (name == dtypeName(d)) return d;
+  TPSIM_CHECK(false, "dtype must be one of fp32, bf16, fp16, fp64, int64, got '", name, "'");
+}
+
+float halfToFloat(std::uint16_t h) {
+  const std::uint32_t sign = std::uint32_t(h & 0x8000u) << 16;
+  const std::uint32_t exp = (h >> 10) & 0x1fu;
+  const std::uint32_t mant = h & 0x3ffu;
+  std::uint32_t u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (mant << 13);  // inf / NaN
+  } else if (exp != 0) {
+    u = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    u = sign;
+  } else {  // subnormal: value = mant * 2^-24
+    float f = std::ldexp(float(mant), -24);
+    std::memcpy(&u, &f, sizeof u);
+    u |= sign;
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+std::uint16_t floatToHalf(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const std::uint16_t sign = std::uint16_t((u >> 16) & 0x8000u);
+  const std::uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return sign | 0x7e00u;     // NaN
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;    // rounds to >= 65520: inf
+  if (abs < 0x38800000u) {                          // below 2^-14: subnormal or zero
+    // Scale so the subnormal unit 2^-24 becomes 1, then round to nearest even in float.
+    float a;
+    std::memcpy(&a, &abs, sizeof a);
+    return sign | std::uint16_t(std::nearbyint(a * 16777216.0f));
+  }
+  // Normal: rebias exponent, round mantissa from 23 to 10 bits to nearest even.
+  std::uint32_t v = abs - (112u << 23);
+  v += 0xfffu + ((v >> 13) & 1u);
+  return sign | std::uint16_t(v >> 13);
+}
+
+}  // namespace tpsim

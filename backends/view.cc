@@ -1,0 +1,7 @@
+#include "backends/view.h"
+
+namespace tpsim {
+
+const char* deviceName(Device device) { return device == Device::kHost ? "host" : "cuda"; }
+
+}  // namespace tpsim

@@ -1,0 +1,21 @@
+// The simulator's reduction rule, shared by allReduce and reduceScatter.
+//
+// out = in_0 + in_1 + ... + in_{n-1}, added in rank order, each partial sum rounded to the data's
+// dtype (as a ring of NCCL kernels does for 16-bit data, but in a fixed order), so results are
+// bitwise reproducible for any thread count. kMean divides the sum by n once, in fp32 (fp64 for
+// fp64; truncating for int64). Not a general reduction library: sum and mean only.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "backends/collectives.h"
+#include "backends/dtype.h"
+
+namespace tpsim::sim {
+
+// inputs[r] points at `count` elements of `dtype`; out may alias any input.
+void reduceInRankOrder(DType dtype, ReduceOp op, const std::vector<const void*>& inputs, std::int64_t count,
+                       void* out);
+
+}  // namespace tpsim::sim

@@ -1,0 +1,455 @@
+#include "sim/sim_compute.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <initializer_list>
+#include <new>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "backends/errors.h"
+
+namespace tpsim::sim {
+namespace {
+
+using Eigen::Dynamic;
+using Eigen::Index;
+
+constexpr std::size_t kAlignment = 64;
+constexpr double kSqrtHalf = 0.70710678118654752440;    // 1/√2
+constexpr double kInvSqrt2Pi = 0.39894228040143267794;  // 1/√(2π)
+
+// Operands with a unit-stride mode are mapped in place. OuterStride<> (inner stride fixed at 1),
+// not Stride<Dynamic, Dynamic>: Eigen's gemm copies any operand whose inner stride is only known
+// at run time (blas_traits::HasUsableDirectAccess), which would break the no-copy fp32 path.
+template <typename T, int Order>
+using ConstMap =
+    Eigen::Map<const Eigen::Matrix<T, Dynamic, Dynamic, Order>, Eigen::Unaligned, Eigen::OuterStride<>>;
+template <typename T, int Order>
+using MutMap = Eigen::Map<Eigen::Matrix<T, Dynamic, Dynamic, Order>, Eigen::Unaligned, Eigen::OuterStride<>>;
+template <typename T>
+using Dense = Eigen::Matrix<T, Dynamic, Dynamic, Eigen::RowMajor>;
+
+void freeHost(void* p) { std::free(p); }
+
+// ---- Checks -------------------------------------------------------------------------------------
+
+void checkHost(const char* op, const char* arg, ConstView v) {
+  TPSIM_CHECK(v.device() == Device::kHost, op, ": ", arg, " must be host memory, got ", v.str(), " on ",
+              deviceName(v.device()));
+}
+
+void checkFloating(const char* op, const char* arg, ConstView v) {
+  checkHost(op, arg, v);
+  TPSIM_CHECK(isFloating(v.dtype()), op, ": ", arg, " must be fp32, bf16, fp16 or fp64, got ", v.str());
+}
+
+void checkSameShape(const char* op, const char* arg, ConstView v, const char* refArg, ConstView ref) {
+  TPSIM_CHECK(v.shape() == ref.shape(), op, ": ", arg, " must have ", refArg, "'s shape ", ref.shape(),
+              ", got ", v.str());
+}
+
+// True when `wide` holds every value of `narrow` exactly: same dtype, or 16-bit -> fp32 -> fp64.
+bool holds(DType wide, DType narrow) {
+  if (wide == narrow) return true;
+  if (wide == DType::kFloat64) return narrow == DType::kFloat32 || is16Bit(narrow);
+  return wide == DType::kFloat32 && is16Bit(narrow);
+}
+
+// Accumulations (axpy, scatterAddRows) may widen but never narrow.
+void checkHolds(const char* op, const char* dstArg, ConstView dst, const char* srcArg, ConstView src) {
+  TPSIM_CHECK(holds(dst.dtype(), src.dtype()), op, ": ", dstArg, " must have ", srcArg, "'s dtype ",
+              dtypeName(src.dtype()), " or a wider one, got ", dst.str());
+}
+
+// ---- Element access -----------------------------------------------------------------------------
+
+// double -> float rounded to odd (truncate, then set the last bit if inexact). Rounding that float
+// to nearest bf16/fp16 (<= 11 significant bits of float's 24) equals rounding the double directly.
+float toOddFloat(double v) {
+  float f = float(v);
+  if (std::isnan(v) || double(f) == v) return f;
+  if (std::fabs(double(f)) > std::fabs(v)) f = std::nextafter(f, 0.f);
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  u |= 1u;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+float toOddFloat(float v) { return v; }
+
+template <typename T>
+T load(const void* p, DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return T(*static_cast<const float*>(p));
+    case DType::kBFloat16: return T(bf16ToFloat(*static_cast<const std::uint16_t*>(p)));
+    case DType::kFloat16: return T(halfToFloat(*static_cast<const std::uint16_t*>(p)));
+    case DType::kFloat64: return T(*static_cast<const double*>(p));
+    case DType::kInt64: return T(*static_cast<const std::int64_t*>(p));
+  }
+  TPSIM_INTERNAL_ASSERT(false, "unknown dtype ", int(dtype));
+}
+
+// Stores v rounded once (to nearest even) to `dtype`.
+template <typename T>
+void store(void* p, DType dtype, T v) {
+  switch (dtype) {
+    case DType::kFloat32: *static_cast<float*>(p) = float(v); return;
+    case DType::kBFloat16: *static_cast<std::uint16_t*>(p) = floatToBf16(toOddFloat(v)); return;
+    case DType::kFloat16: *static_cast<std::uint16_t*>(p) = floatToHalf(toOddFloat(v)); return;
+    case DType::kFloat64: *static_cast<double*>(p) = double(v); return;
+    case DType::kInt64:
+      // 2^63 is exact in float and double; NaN fails both comparisons.
+      TPSIM_CHECK(v >= T(-9223372036854775808.0) && v < T(9223372036854775808.0),
+                  "SimCompute: an int64 output must receive values in [-2^63, 2^63), got ", v);
+      *static_cast<std::int64_t*>(p) = std::int64_t(v);
+      return;
+  }
+  TPSIM_INTERNAL_ASSERT(false, "unknown dtype ", int(dtype));
+}
+
+// dst = src rounded once to dst's dtype; bitwise when the dtypes match (NaN payloads survive).
+template <typename T>
+void convert(const void* src, DType from, void* dst, DType to) {
+  if (from == to)
+    std::memcpy(dst, src, dtypeSize(to));
+  else
+    store<T>(dst, to, load<T>(src, from));
+}
+
+// Runs fn(T{}) with T = double when any operand is fp64 (or int64, which fp32 cannot hold), else
+// T = float: compute.h's "fp32 arithmetic, fp64 for fp64 data".
+template <typename Fn>
+void withAccumType(std::initializer_list<DType> dtypes, Fn&& fn) {
+  for (DType d : dtypes)
+    if (d == DType::kFloat64 || d == DType::kInt64) return fn(double{});
+  fn(float{});
+}
+
+// Calls fn(offsets) for every element of `shape` in row-major order; offsets[k] is the element's
+// offset (in elements) in the k-th operand, whose strides are strides[k].
+template <std::size_t N, typename Fn>
+void forEach(const Shape& shape, const std::array<Strides, N>& strides, Fn&& fn) {
+  static_assert(Shape::kMaxRank == 4, "forEach unrolls exactly four modes");
+  std::int64_t dims[4] = {1, 1, 1, 1};
+  std::int64_t st[N][4] = {};
+  const int pad = 4 - shape.rank();  // leading modes of extent 1
+  for (int i = 0; i < shape.rank(); ++i) {
+    dims[pad + i] = shape[i];
+    for (std::size_t k = 0; k < N; ++k) st[k][pad + i] = strides[k][i];
+  }
+  std::array<std::int64_t, N> off;
+  for (std::int64_t i0 = 0; i0 < dims[0]; ++i0)
+    for (std::int64_t i1 = 0; i1 < dims[1]; ++i1)
+      for (std::int64_t i2 = 0; i2 < dims[2]; ++i2)
+        for (std::int64_t i3 = 0; i3 < dims[3]; ++i3) {
+          for (std::size_t k = 0; k < N; ++k)
+            off[k] = i0 * st[k][0] + i1 * st[k][1] + i2 * st[k][2] + i3 * st[k][3];
+          fn(off);
+        }
+}
+
+// Strides that repeat a vector of v.dim(-1) elements (stride `inner`) over every row of v.
+Strides rowBroadcast(ConstView v, std::int64_t inner) {
+  Strides s = v.strides();
+  for (int i = 0; i + 1 < v.rank(); ++i) s[i] = 0;
+  s[v.rank() - 1] = inner;
+  return s;
+}
+
+std::vector<std::int64_t> flatIds(const char* op, ConstView ids) {
+  checkHost(op, "ids", ids);
+  TPSIM_CHECK(ids.dtype() == DType::kInt64, op, ": ids must be int64, got ", ids.str());
+  std::vector<std::int64_t> flat;  // (n)
+  flat.reserve(std::size_t(ids.numel()));
+  forEach<1>(ids.shape(), {ids.strides()},
+             [&](const auto& o) { flat.push_back(*static_cast<const std::int64_t*>(ids.at(o[0]))); });
+  return flat;
+}
+
+// ---- gemm ---------------------------------------------------------------------------------------
+
+// A mode of extent <= 1 is never stepped along, so its stride does not matter.
+bool unitStride(ConstView v, int mode) { return v.stride(mode) == 1 || v.dim(mode) <= 1; }
+Eigen::OuterStride<> outerStride(ConstView v, int outer, int inner) {
+  return Eigen::OuterStride<>(v.dim(outer) <= 1 ? std::max<Index>(v.dim(inner), 1) : v.stride(outer));
+}
+
+// v (R, C) widened to a dense row-major matrix of T.
+template <typename T>
+Dense<T> toDense(ConstView v) {
+  Dense<T> m(v.dim(0), v.dim(1));  // (R, C)
+  forEach<2>(v.shape(), {v.strides(), v.shape().contiguousStrides()},
+             [&](const auto& o) { m.data()[o[1]] = load<T>(v.at(o[0]), v.dtype()); });
+  return m;
+}
+
+// Calls fn(map) with v (R, C) as an Eigen matrix of T: in place when v already holds T with a
+// unit-stride mode, else through a dense copy (16-bit widening, or no unit-stride mode).
+template <typename T, typename Fn>
+void withMatrix(ConstView v, Fn&& fn) {
+  const Index rows = v.dim(0), cols = v.dim(1);
+  if (v.dtype() == dtypeOf<T>() && unitStride(v, 1))
+    return fn(ConstMap<T, Eigen::RowMajor>(v.typed<T>(), rows, cols, outerStride(v, 0, 1)));
+  if (v.dtype() == dtypeOf<T>() && unitStride(v, 0))
+    return fn(ConstMap<T, Eigen::ColMajor>(v.typed<T>(), rows, cols, outerStride(v, 1, 0)));
+  const Dense<T> dense = toDense<T>(v);  // (R, C)
+  fn(ConstMap<T, Eigen::RowMajor>(dense.data(), rows, cols, Eigen::OuterStride<>(cols)));
+}
+
+// C = alpha·A·B + beta·C in T, exactly the plain Eigen expression.
+template <typename T, typename CMap, typename AMap, typename BMap>
+void accumulate(CMap& c, const AMap& a, const BMap& b, float alpha, float beta) {  // (M,N) (M,K) (K,N)
+  if (beta == 0.f)
+    c.setZero();  // ignores NaN in the old c
+  else if (beta != 1.f)
+    c *= T(beta);
+  c.noalias() += T(alpha) * a * b;
+}
+
+template <typename T, typename AMap, typename BMap>
+void gemmInto(const AMap& a, const BMap& b, View c, float alpha, float beta) {  // (M,K) (K,N) (M,N)
+  const Index m = c.dim(0), n = c.dim(1);
+  if (c.dtype() == dtypeOf<T>() && unitStride(c, 1)) {
+    MutMap<T, Eigen::RowMajor> cm(c.typed<T>(), m, n, outerStride(c, 0, 1));  // (M, N)
+    return accumulate<T>(cm, a, b, alpha, beta);
+  }
+  if (c.dtype() == dtypeOf<T>() && unitStride(c, 0)) {
+    MutMap<T, Eigen::ColMajor> cm(c.typed<T>(), m, n, outerStride(c, 1, 0));  // (M, N)
+    return accumulate<T>(cm, a, b, alpha, beta);
+  }
+  // c is 16-bit or has no unit-stride mode: accumulate in T, then round once into c.
+  Dense<T> acc(m, n);  // (M, N)
+  if (beta == 0.f)
+    acc.setZero();
+  else
+    acc = T(beta) * toDense<T>(c);
+  MutMap<T, Eigen::RowMajor> accMap(acc.data(), m, n, Eigen::OuterStride<>(n));  // (M, N)
+  accumulate<T>(accMap, a, b, alpha, 1.f);
+  forEach<2>(c.shape(), {c.shape().contiguousStrides(), c.strides()},
+             [&](const auto& o) { store<T>(c.at(o[1]), c.dtype(), acc.data()[o[0]]); });
+}
+
+template <typename T>
+void gemmAs(ConstView a, ConstView b, View c, float alpha, float beta) {
+  withMatrix<T>(a, [&](const auto& am) {
+    withMatrix<T>(b, [&](const auto& bm) { gemmInto<T>(am, bm, c, alpha, beta); });
+  });
+}
+
+}  // namespace
+
+// ---- Memory -------------------------------------------------------------------------------------
+
+Tensor SimCompute::empty(Shape shape, DType dtype) {
+  // aligned_alloc wants a multiple of the alignment; never 0 bytes, so the Tensor stays defined.
+  const std::size_t bytes = std::size_t(shape.numel()) * dtypeSize(dtype);
+  const std::size_t padded = std::max(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
+  void* data = std::aligned_alloc(kAlignment, padded);
+  if (data == nullptr) throw std::bad_alloc();
+  return Tensor(data, shape, dtype, Device::kHost, &freeHost);
+}
+
+void SimCompute::upload(const void* host, View dst) {
+  checkHost("upload", "dst", dst);
+  TPSIM_CHECK(dst.isContiguous(), "upload: dst must be contiguous, got ", dst.str(),
+              "; upload into a contiguous tensor and copy() into the strided view");
+  if (dst.bytes() != 0) std::memcpy(dst.data(), host, dst.bytes());
+}
+
+void SimCompute::download(ConstView src, void* host) {
+  checkHost("download", "src", src);
+  TPSIM_CHECK(src.isContiguous(), "download: src must be contiguous, got ", src.str(),
+              "; copy() it into a contiguous tensor first");
+  if (src.bytes() != 0) std::memcpy(host, src.data(), src.bytes());
+}
+
+// ---- Elementwise --------------------------------------------------------------------------------
+
+void SimCompute::fill(View y, double value) {
+  checkHost("fill", "y", y);
+  forEach<1>(y.shape(), {y.strides()}, [&](const auto& o) { store<double>(y.at(o[0]), y.dtype(), value); });
+}
+
+void SimCompute::copy(ConstView x, View y) {
+  checkHost("copy", "x", x);
+  checkHost("copy", "y", y);
+  checkSameShape("copy", "y", y, "x", x);
+  withAccumType({x.dtype(), y.dtype()}, [&](auto zero) {
+    using T = decltype(zero);
+    forEach<2>(x.shape(), {x.strides(), y.strides()},
+               [&](const auto& o) { convert<T>(x.at(o[0]), x.dtype(), y.at(o[1]), y.dtype()); });
+  });
+}
+
+void SimCompute::axpy(float alpha, ConstView x, View y) {
+  checkFloating("axpy", "x", x);
+  checkFloating("axpy", "y", y);
+  checkSameShape("axpy", "y", y, "x", x);
+  checkHolds("axpy", "y", y, "x", x);
+  withAccumType({x.dtype(), y.dtype()}, [&](auto zero) {
+    using T = decltype(zero);
+    forEach<2>(x.shape(), {x.strides(), y.strides()}, [&](const auto& o) {
+      void* yp = y.at(o[1]);
+      store<T>(yp, y.dtype(), load<T>(yp, y.dtype()) + T(alpha) * load<T>(x.at(o[0]), x.dtype()));
+    });
+  });
+}
+
+void SimCompute::scale(View y, float alpha) {
+  checkFloating("scale", "y", y);
+  withAccumType({y.dtype()}, [&](auto zero) {
+    using T = decltype(zero);
+    forEach<1>(y.shape(), {y.strides()}, [&](const auto& o) {
+      void* yp = y.at(o[0]);
+      store<T>(yp, y.dtype(), T(alpha) * load<T>(yp, y.dtype()));
+    });
+  });
+}
+
+// ---- gemm ---------------------------------------------------------------------------------------
+
+void SimCompute::gemm(ConstView a, ConstView b, View c, float alpha, float beta) {
+  checkFloating("gemm", "a", a);
+  checkHost("gemm", "b", b);
+  checkHost("gemm", "c", c);
+  TPSIM_CHECK(a.rank() == 2, "gemm: a must be a matrix (M, K), got ", a.str());
+  const std::int64_t m = a.dim(0), k = a.dim(1);
+  TPSIM_CHECK(b.dtype() == a.dtype(), "gemm: b must have a's dtype ", dtypeName(a.dtype()), ", got ",
+              b.str());
+  TPSIM_CHECK(b.rank() == 2 && b.dim(0) == k, "gemm: b must be (K=", k, ", N), got ", b.str());
+  const std::int64_t n = b.dim(1);
+  TPSIM_CHECK(c.rank() == 2 && c.dim(0) == m && c.dim(1) == n, "gemm: c must be (M=", m, ", N=", n, "), got ",
+              c.str());
+  const bool wideOut = is16Bit(a.dtype()) && c.dtype() == DType::kFloat32;
+  TPSIM_CHECK(c.dtype() == a.dtype() || wideOut, "gemm: c must have a's dtype ", dtypeName(a.dtype()),
+              is16Bit(a.dtype()) ? " or fp32" : "", ", got ", c.str(),
+              "; for another output dtype, gemm into a temporary and copy()");
+  if (a.dtype() == DType::kFloat64)
+    gemmAs<double>(a, b, c, alpha, beta);
+  else
+    gemmAs<float>(a, b, c, alpha, beta);
+}
+
+// ---- Bias, reductions, activations ---------------------------------------------------------------
+
+void SimCompute::addBias(ConstView bias, View y) {
+  checkFloating("addBias", "bias", bias);
+  checkFloating("addBias", "y", y);
+  TPSIM_CHECK(bias.rank() == 1, "addBias: bias must be a vector (N), got ", bias.str());
+  TPSIM_CHECK(y.rank() >= 1 && y.dim(-1) == bias.dim(0), "addBias: y must be (..., N=", bias.dim(0),
+              "), got ", y.str());
+  withAccumType({bias.dtype(), y.dtype()}, [&](auto zero) {
+    using T = decltype(zero);
+    forEach<2>(y.shape(), {y.strides(), rowBroadcast(y, bias.stride(0))}, [&](const auto& o) {
+      void* yp = y.at(o[0]);
+      store<T>(yp, y.dtype(), load<T>(yp, y.dtype()) + load<T>(bias.at(o[1]), bias.dtype()));
+    });
+  });
+}
+
+void SimCompute::sumRows(ConstView y, View out, float beta) {
+  checkFloating("sumRows", "y", y);
+  checkFloating("sumRows", "out", out);
+  TPSIM_CHECK(y.rank() >= 1, "sumRows: y must be (..., N), got a scalar ", y.str());
+  const std::int64_t n = y.dim(-1);
+  TPSIM_CHECK(out.rank() == 1 && out.dim(0) == n, "sumRows: out must be (N=", n, "), got ", out.str());
+  withAccumType({y.dtype(), out.dtype()}, [&](auto zero) {
+    using T = decltype(zero);
+    std::vector<T> acc(std::size_t(n), T(0));  // (N); forEach visits rows in increasing order
+    forEach<2>(y.shape(), {y.strides(), rowBroadcast(y, 1)},
+               [&](const auto& o) { acc[std::size_t(o[1])] += load<T>(y.at(o[0]), y.dtype()); });
+    for (std::int64_t j = 0; j < n; ++j) {
+      void* op = out.at(j * out.stride(0));
+      T v = acc[std::size_t(j)];
+      if (beta != 0.f) v += T(beta) * load<T>(op, out.dtype());
+      store<T>(op, out.dtype(), v);
+    }
+  });
+}
+
+// Φ(x) and φ(x) as PyTorch writes them: erf of x·(1/√2), not x/√2.
+void SimCompute::gelu(ConstView x, View y) {
+  checkFloating("gelu", "x", x);
+  checkFloating("gelu", "y", y);
+  checkSameShape("gelu", "y", y, "x", x);
+  withAccumType({x.dtype(), y.dtype()}, [&](auto zero) {
+    using T = decltype(zero);
+    forEach<2>(x.shape(), {x.strides(), y.strides()}, [&](const auto& o) {
+      const T v = load<T>(x.at(o[0]), x.dtype());
+      store<T>(y.at(o[1]), y.dtype(), v * T(0.5) * (T(1) + std::erf(v * T(kSqrtHalf))));
+    });
+  });
+}
+
+void SimCompute::geluBackward(ConstView x, ConstView dy, View dx) {
+  checkFloating("geluBackward", "x", x);
+  checkFloating("geluBackward", "dy", dy);
+  checkFloating("geluBackward", "dx", dx);
+  checkSameShape("geluBackward", "dy", dy, "x", x);
+  checkSameShape("geluBackward", "dx", dx, "x", x);
+  withAccumType({x.dtype(), dy.dtype(), dx.dtype()}, [&](auto zero) {
+    using T = decltype(zero);
+    forEach<3>(x.shape(), {x.strides(), dy.strides(), dx.strides()}, [&](const auto& o) {
+      const T v = load<T>(x.at(o[0]), x.dtype());
+      const T cdf = T(0.5) * (T(1) + std::erf(v * T(kSqrtHalf)));
+      const T pdf = std::exp(T(-0.5) * v * v) * T(kInvSqrt2Pi);
+      store<T>(dx.at(o[2]), dx.dtype(), load<T>(dy.at(o[1]), dy.dtype()) * (cdf + v * pdf));
+    });
+  });
+}
+
+// ---- Embedding rows -----------------------------------------------------------------------------
+
+void SimCompute::gatherRows(ConstView table, ConstView ids, std::int64_t first, View out) {
+  checkFloating("gatherRows", "table", table);
+  checkFloating("gatherRows", "out", out);
+  TPSIM_CHECK(table.rank() == 2, "gatherRows: table must be (V, h), got ", table.str());
+  const std::vector<std::int64_t> flat = flatIds("gatherRows", ids);  // (n)
+  const std::int64_t vocab = table.dim(0), h = table.dim(1), n = ids.numel();
+  TPSIM_CHECK(out.rank() == 2 && out.dim(0) == n && out.dim(1) == h, "gatherRows: out must be (n=", n,
+              ", h=", h, "), got ", out.str());
+  withAccumType({table.dtype(), out.dtype()}, [&](auto zero) {
+    using T = decltype(zero);
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int64_t row = flat[std::size_t(i)] - first;
+      const bool owned = 0 <= row && row < vocab;
+      for (std::int64_t j = 0; j < h; ++j) {
+        void* dst = out.at(i * out.stride(0) + j * out.stride(1));
+        if (owned)
+          convert<T>(table.at(row * table.stride(0) + j * table.stride(1)), table.dtype(), dst, out.dtype());
+        else
+          store<T>(dst, out.dtype(), T(0));
+      }
+    }
+  });
+}
+
+void SimCompute::scatterAddRows(ConstView grad, ConstView ids, std::int64_t first, View table) {
+  checkFloating("scatterAddRows", "grad", grad);
+  checkFloating("scatterAddRows", "table", table);
+  TPSIM_CHECK(table.rank() == 2, "scatterAddRows: table must be (V, h), got ", table.str());
+  const std::vector<std::int64_t> flat = flatIds("scatterAddRows", ids);  // (n)
+  const std::int64_t vocab = table.dim(0), h = table.dim(1), n = ids.numel();
+  TPSIM_CHECK(grad.rank() == 2 && grad.dim(0) == n && grad.dim(1) == h, "scatterAddRows: grad must be (n=", n,
+              ", h=", h, "), got ", grad.str());
+  checkHolds("scatterAddRows", "table", table, "grad", grad);
+  withAccumType({grad.dtype(), table.dtype()}, [&](auto zero) {
+    using T = decltype(zero);
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int64_t row = flat[std::size_t(i)] - first;
+      if (row < 0 || row >= vocab) continue;
+      for (std::int64_t j = 0; j < h; ++j) {
+        void* dst = table.at(row * table.stride(0) + j * table.stride(1));
+        const T g = load<T>(grad.at(i * grad.stride(0) + j * grad.stride(1)), grad.dtype());
+        store<T>(dst, table.dtype(), load<T>(dst, table.dtype()) + g);
+      }
+    }
+  });
+}
+
+}  // namespace tpsim::sim

@@ -1,0 +1,54 @@
+// SimCompute: the simulator's Compute backend; host memory, Eigen for gemm, plain loops elsewhere.
+//
+// It follows compute.h's precision rule exactly and converts 16-bit values with dtype.h (never
+// Eigen::bfloat16/half), so its results match the other backends bit for bit where the math
+// allows. It is stateless and runs on the calling thread: one instance per rank, or one shared by
+// all. It is not a fast CPU backend beyond gemm, which runs at plain-Eigen speed for fp32/fp64.
+#pragma once
+
+#include <cstdint>
+
+#include "backends/compute.h"
+
+namespace tpsim::sim {
+
+// What SimCompute adds to compute.h's contracts:
+//  - Every view must be host memory. Arithmetic runs in fp64 when any operand is fp64, else in
+//    fp32; fp64 -> 16-bit stores round once (no detour through a rounded fp32).
+//  - int64 data is accepted only by fill, copy, upload and download (and as ids). Storing to int64
+//    truncates toward zero (as torch .to(int64)) and rejects NaN and values outside int64's range.
+//  - axpy and scatterAddRows accumulate into a destination of the source's dtype or a wider one
+//    (16-bit -> fp32 -> fp64); the other elementwise ops take any floating dtypes.
+//  - gemm accepts c of a's dtype, or fp32 for 16-bit a and b. Each operand with a unit-stride mode
+//    is read in place; fp32/fp64 gemm with such a c runs as Eigen's c.noalias() += alpha·a·b.
+//  - beta == 0 ignores the old contents of c (gemm) and out (sumRows): NaN there does not leak.
+//  - sumRows adds rows in increasing order, then beta·out. scatterAddRows rounds each add once
+//    into the table's dtype, so repeated ids in a bf16 table round once per occurrence.
+class SimCompute final : public Compute {
+ public:
+  Device device() const override { return Device::kHost; }
+
+  // 64-byte aligned, freed by the Tensor; a zero-size tensor still owns a small block.
+  Tensor empty(Shape shape, DType dtype) override;
+
+  void upload(const void* host, View dst) override;
+  void download(ConstView src, void* host) override;
+
+  void fill(View y, double value) override;
+  void copy(ConstView x, View y) override;
+  void axpy(float alpha, ConstView x, View y) override;
+  void scale(View y, float alpha) override;
+
+  void gemm(ConstView a, ConstView b, View c, float alpha = 1.f, float beta = 0.f) override;
+
+  void addBias(ConstView bias, View y) override;
+  void sumRows(ConstView y, View out, float beta = 0.f) override;
+
+  void gelu(ConstView x, View y) override;
+  void geluBackward(ConstView x, ConstView dy, View dx) override;
+
+  void gatherRows(ConstView table, ConstView ids, std::int64_t first, View out) override;
+  void scatterAddRows(ConstView grad, ConstView ids, std::int64_t first, View table) override;
+};
+
+}  // namespace tpsim::sim

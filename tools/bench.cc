@@ -1,0 +1,294 @@
+// tpsim bench: what the simulator costs, each figure next to a baseline measured in the same run.
+//
+//  latency    allReduce of one fp32 per rank, N ranks on the fiber world, against one OS thread
+//             per rank meeting at a mutex/condition-variable barrier (the obvious alternative).
+//  bandwidth  nccl-tests' table (size, count, type, redop, time, algbw, busbw, #wrong) for the
+//             five collectives; busbw = algbw · factor, factor 2(n-1)/n for allReduce, (n-1)/n
+//             for allGather, reduceScatter and allToAll, 1 for broadcast.
+//  gemm       SimCompute::gemm against plain Eigen on the same shapes, threads and data.
+#include <Eigen/Core>
+#include <algorithm>
+#include <boost/program_options.hpp>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <iostream>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "backends/compute.h"
+#include "sim/sim_compute.h"
+#include "sim/world.h"
+#include "tools/cli.h"
+
+namespace po = boost::program_options;
+
+namespace tpsim::tools {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double secondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+struct BenchConfig {
+  std::string what = "all";
+  std::vector<int> ranks;
+  int threads = 0;
+  int iters = 2000;
+  int bwRanks = 8;
+  long long minBytes = 0, maxBytes = 0;
+  int bwIters = 5;
+  int gemmReps = 3;
+};
+
+// --- latency ----------------------------------------------------------------------------------
+
+// Seconds per tiny allReduce on the fiber world (startup cost subtracted).
+double simTinyAllReduce(int n, int threads, int iters) {
+  sim::WorldOptions o;
+  o.size = n;
+  o.threads = threads;
+  sim::World world(o);
+  auto timeRun = [&](int count) {
+    const auto start = Clock::now();
+    world.run([count](RankContext& ctx) {
+      Tensor x = ctx.compute.zeros({1}, DType::kFloat32);
+      for (int i = 0; i < count; ++i) ctx.comm.allReduce(x)->wait();
+    });
+    return secondsSince(start);
+  };
+  timeRun(iters / 10);  // warm up allocators and page in stacks
+  const double empty = timeRun(0);
+  return std::max(0.0, timeRun(iters) - empty) / iters;
+}
+
+// The same allReduce with one OS thread per rank and a generation-counting barrier.
+double threadTinyAllReduce(int n, int iters) {
+  std::mutex mu;
+  std::condition_variable cv;
+  int arrived = 0;
+  long generation = 0;
+  std::vector<float> slots(n);
+  float sum = 0;
+  auto barrier = [&](std::unique_lock<std::mutex>& lock) {
+    const long gen = generation;
+    if (++arrived == n) {
+      arrived = 0;
+      ++generation;
+      cv.notify_all();
+    } else {
+      cv.wait(lock, [&] { return generation != gen; });
+    }
+  };
+  const auto start = Clock::now();
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      float x = 0;
+      for (int i = 0; i < iters; ++i) {
+        std::unique_lock<std::mutex> lock(mu);
+        slots[r] = x;
+        barrier(lock);
+        if (r == 0) {
+          sum = 0;
+          for (float v : slots) sum += v;  // rank order, like the fabric
+        }
+        barrier(lock);
+        x = sum;
+      }
+    });
+  for (auto& t : threads) t.join();
+  return secondsSince(start) / iters;
+}
+
+void benchLatency(const BenchConfig& c) {
+  std::printf("\n# Tiny collectives: allReduce of 1 fp32 per rank; us per collective and per rank\n");
+  std::printf("# baseline: one OS thread per rank, mutex + condition-variable barrier, same run\n");
+  std::printf("#%6s %8s %12s %12s %14s %9s\n", "ranks", "threads", "sim(us)", "sim/rank", "thread/rank",
+              "speedup");
+  for (int n : c.ranks) {
+    const int threads = c.threads ? c.threads : std::min<int>(n, int(std::thread::hardware_concurrency()));
+    const double sim = simTinyAllReduce(n, c.threads, c.iters);
+    const int baseIters = std::max(20, c.iters / std::max(1, n / 4));
+    const double thread = threadTinyAllReduce(n, baseIters);
+    std::printf(" %6d %8d %12.2f %12.3f %14.3f %8.1fx\n", n, threads, sim * 1e6, sim * 1e6 / n,
+                thread * 1e6 / n, thread / sim);
+  }
+}
+
+// --- bandwidth --------------------------------------------------------------------------------
+
+struct BwCase {
+  const char* name;
+  double busFactor;  // busbw / algbw
+};
+
+// Returns the number of wrong output elements over all sizes and collectives.
+long benchBandwidth(const BenchConfig& c) {
+  const int n = c.bwRanks;
+  std::printf("\n# Collective bandwidth on %d simulated ranks (fp32; size = bytes per rank's larger buffer)\n", n);
+  long allWrong = 0;
+  const BwCase cases[] = {{"allReduce", 2.0 * (n - 1) / n},
+                          {"allGather", double(n - 1) / n},
+                          {"reduceScatter", double(n - 1) / n},
+                          {"broadcast", 1.0},
+                          {"allToAll", double(n - 1) / n}};
+  for (const BwCase& bc : cases) {
+    std::printf("# %s\n#%12s %12s %6s %6s %10s %8s %8s %7s\n", bc.name, "size", "count", "type", "redop",
+                "time", "algbw", "busbw", "#wrong");
+    std::printf("#%12s %12s %6s %6s %10s %8s %8s %7s\n", "(B)", "(elements)", "", "", "(us)", "(GB/s)", "(GB/s)",
+                "");
+    const std::string op = bc.name;
+    for (long long bytes = c.minBytes; bytes <= c.maxBytes; bytes *= 4) {
+      const std::int64_t count = bytes / 4 / n * n;  // divisible by n for the blocked collectives
+      std::vector<double> seconds(n, 0);
+      std::vector<long> wrong(n, 0);
+      sim::WorldOptions o;
+      o.size = n;
+      o.threads = c.threads;
+      sim::World(o).run([&](RankContext& ctx) {
+        const int r = ctx.comm.rank();
+        const std::int64_t block = count / n;
+        // Input value r+1 everywhere: every output element has a closed form.
+        const std::int64_t inCount = op == "allGather" ? block : count;
+        const std::int64_t outCount = op == "reduceScatter" ? block : count;
+        Tensor in = ctx.compute.empty({inCount}, DType::kFloat32);
+        Tensor out = ctx.compute.empty({outCount}, DType::kFloat32);
+        auto issue = [&] {
+          ctx.compute.fill(in, r + 1);
+          if (op == "allReduce") return ctx.comm.allReduce(in, out);
+          if (op == "allGather") return ctx.comm.allGather(in, out);
+          if (op == "reduceScatter") return ctx.comm.reduceScatter(in, out);
+          if (op == "broadcast") return ctx.comm.broadcast(in, out);
+          return ctx.comm.allToAll(in, out);
+        };
+        issue()->wait();  // warm-up
+        ctx.comm.barrier()->wait();
+        const auto start = Clock::now();
+        for (int i = 0; i < c.bwIters; ++i) issue()->wait();
+        ctx.comm.barrier()->wait();
+        seconds[r] = secondsSince(start) / c.bwIters;
+        const float* y = out.view().typed<float>();
+        for (std::int64_t i = 0; i < outCount; ++i) {
+          float expect = op == "allReduce" || op == "reduceScatter" ? float(n * (n + 1) / 2)
+                         : op == "broadcast"                         ? 1.f
+                                                                     : float(i / block + 1);
+          wrong[r] += y[i] != expect;
+        }
+      });
+      const double t = *std::max_element(seconds.begin(), seconds.end());
+      long totalWrong = 0;
+      for (long w : wrong) totalWrong += w;
+      allWrong += totalWrong;
+      const double sizeBytes = double(count) * 4;
+      const double algbw = sizeBytes / t / 1e9;
+      std::printf(" %12.0f %12lld %6s %6s %10.1f %8.2f %8.2f %7ld\n", sizeBytes, (long long)count, "float",
+                  (op == "allReduce" || op == "reduceScatter") ? "sum" : "none", t * 1e6, algbw,
+                  algbw * bc.busFactor, totalWrong);
+    }
+  }
+  return allWrong;
+}
+
+// --- gemm -------------------------------------------------------------------------------------
+
+struct GemmShape {
+  int m, k, n;
+  bool transposedB;  // b is W.t() of a row-major W (N, K): the layers' x·Wᵀ
+};
+
+void benchGemm(const BenchConfig& c) {
+  using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  std::printf("\n# GEMM c = a·b, fp32, one thread: SimCompute::gemm vs plain Eigen, same data, same run\n");
+  std::printf("#%6s %6s %6s %4s %12s %12s %10s\n", "M", "K", "N", "b", "sim GF/s", "eigen GF/s", "sim/eigen");
+  const GemmShape shapes[] = {{2048, 1024, 4096, true}, {2048, 4096, 1024, false}, {512, 512, 512, false},
+                              {64, 32, 128, true}};
+  sim::SimCompute compute;
+  for (const GemmShape& s : shapes) {
+    RowMajor a = RowMajor::Random(s.m, s.k);
+    RowMajor w = s.transposedB ? RowMajor::Random(s.n, s.k) : RowMajor::Random(s.k, s.n);
+    RowMajor cs(s.m, s.n), ce(s.m, s.n);
+    ConstView av(a.data(), Shape{s.m, s.k}, DType::kFloat32);
+    ConstView wv(w.data(), Shape{w.rows(), w.cols()}, DType::kFloat32);
+    ConstView bv = s.transposedB ? wv.t() : wv;
+    View cv(cs.data(), Shape{s.m, s.n}, DType::kFloat32);
+    const double flops = 2.0 * s.m * s.k * s.n;
+    // Enough calls per sample for ~50 ms; best of gemmReps samples, sim and Eigen interleaved.
+    const int calls = std::max(1, int(5e9 / flops));
+    double bestSim = 1e30, bestEigen = 1e30;
+    for (int rep = 0; rep < c.gemmReps + 1; ++rep) {
+      auto start = Clock::now();
+      for (int i = 0; i < calls; ++i) compute.gemm(av, bv, cv);
+      const double tSim = secondsSince(start) / calls;
+      start = Clock::now();
+      for (int i = 0; i < calls; ++i) {
+        if (s.transposedB)
+          ce.noalias() = a * w.transpose();
+        else
+          ce.noalias() = a * w;
+      }
+      const double tEigen = secondsSince(start) / calls;
+      if (rep == 0) continue;  // warm-up
+      bestSim = std::min(bestSim, tSim);
+      bestEigen = std::min(bestEigen, tEigen);
+    }
+    if (!cs.isApprox(ce, 1e-4f)) throw Error("bench gemm: SimCompute and Eigen disagree");
+    std::printf(" %6d %6d %6d %4s %12.1f %12.1f %9.3fx\n", s.m, s.k, s.n, s.transposedB ? "W^T" : "row",
+                flops / bestSim / 1e9, flops / bestEigen / 1e9, bestSim / bestEigen);
+  }
+}
+
+}  // namespace
+
+int benchMain(const std::vector<std::string>& args) {
+  BenchConfig c;
+  std::string ranks = "2..64", minBytes = "1M", maxBytes = "64M";
+  po::options_description run("Run");
+  run.add_options()
+      ("help,h", "show this help")
+      ("what,W", po::value(&c.what)->default_value(c.what), "latency | bandwidth | gemm | all")
+      ("threads,t", po::value(&c.threads)->default_value(c.threads), "sim worker threads (0 = min(cores, ranks))");
+  po::options_description size("Problem size");
+  size.add_options()
+      ("ranks,r", po::value(&ranks)->default_value(ranks), "latency: rank counts, 2..64 or 2,8,64")
+      ("iters,i", po::value(&c.iters)->default_value(c.iters), "latency: collectives per measurement")
+      ("bw-ranks,p", po::value(&c.bwRanks)->default_value(c.bwRanks), "bandwidth: number of ranks")
+      ("min-bytes,b", po::value(&minBytes)->default_value(minBytes), "bandwidth: smallest size (K/M/G)")
+      ("max-bytes,e", po::value(&maxBytes)->default_value(maxBytes), "bandwidth: largest size (K/M/G)")
+      ("bw-iters,n", po::value(&c.bwIters)->default_value(c.bwIters), "bandwidth: iterations per size")
+      ("gemm-reps,g", po::value(&c.gemmReps)->default_value(c.gemmReps), "gemm: timed samples (best is kept)");
+  po::options_description all("tpsim bench [options]");
+  all.add(run).add(size);
+  po::variables_map vm;
+  po::store(po::command_line_parser(args).options(all).run(), vm);
+  po::notify(vm);
+  if (vm.count("help")) {
+    std::cout << all << "\n";
+    return 0;
+  }
+  c.ranks = parseIntList("ranks", ranks);
+  c.minBytes = parseSize("min-bytes", minBytes);
+  c.maxBytes = parseSize("max-bytes", maxBytes);
+  if (c.what != "all" && c.what != "latency" && c.what != "bandwidth" && c.what != "gemm")
+    throw UsageError{"--what: expected latency, bandwidth, gemm or all, got '" + c.what + "'"};
+  if (c.iters < 10) throw UsageError{"--iters: expected >= 10, got " + std::to_string(c.iters)};
+  if (c.bwRanks < 1) throw UsageError{"--bw-ranks: expected >= 1, got " + std::to_string(c.bwRanks)};
+  if (c.minBytes < 4 * c.bwRanks || c.maxBytes < c.minBytes)
+    throw UsageError{"--min-bytes/--max-bytes: expected 4·bw-ranks <= min <= max, got " + minBytes + " and " +
+                     maxBytes};
+  if (c.bwIters < 1 || c.gemmReps < 1) throw UsageError{"--bw-iters and --gemm-reps must be >= 1"};
+
+  std::printf("# tpsim bench: what=%s threads=%d (hardware %u) ranks=%s iters=%d bw-ranks=%d bytes=%s..%s\n",
+              c.what.c_str(), c.threads, std::thread::hardware_concurrency(), ranks.c_str(), c.iters, c.bwRanks,
+              minBytes.c_str(), maxBytes.c_str());
+  if (c.what == "all" || c.what == "latency") benchLatency(c);
+  long wrong = 0;
+  if (c.what == "all" || c.what == "bandwidth") wrong = benchBandwidth(c);
+  if (c.what == "all" || c.what == "gemm") benchGemm(c);
+  return wrong == 0 ? 0 : 1;
+}
+
+}  // namespace tpsim::tools

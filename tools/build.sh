@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs missing dependencies, configures and builds tpsim.
+#   tools/build.sh                      Release build in build/
+#   tools/build.sh --sanitize=thread    ThreadSanitizer build in build-thread/
+#   tools/build.sh --sanitize=address,undefined   ASan+UBSan build in build-address-undefined/
+# Extra arguments after -- go to CMake's configure step (e.g. -- -DTPSIM_GPU=OFF).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+sanitize=""
+cmake_args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --sanitize=*) sanitize="${1#--sanitize=}" ;;
+    --) shift; cmake_args+=("$@"); break ;;
+    *) echo "tools/build.sh: unknown argument '$1'" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+tools/install_deps.sh
+
+build_dir=build
+build_type=Release
+if [ -n "$sanitize" ]; then
+  build_dir="build-${sanitize//,/-}"
+  build_type=RelWithDebInfo
+fi
+cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE="$build_type" -DTPSIM_SANITIZE="$sanitize" \
+  "${cmake_args[@]}" >"$build_dir.configure.log" 2>&1 || { cat "$build_dir.configure.log"; exit 1; }
+grep '^-- tpsim:' "$build_dir.configure.log" || true
+cmake --build "$build_dir" -j "$(nproc)"

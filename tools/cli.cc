@@ -1,0 +1,55 @@
+#include "tools/cli.h"
+
+#include <cctype>
+
+namespace tpsim::tools {
+
+std::vector<int> parseIntList(const std::string& option, const std::string& text) {
+  auto toInt = [&](const std::string& s) {
+    std::size_t used = 0;
+    int v = 0;
+    try {
+      v = std::stoi(s, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != s.size() || v < 1)
+      throw UsageError{"--" + option + ": expected positive integers like 1,2,4 or 2..64, got '" + text + "'"};
+    return v;
+  };
+  std::vector<int> out;
+  if (auto dots = text.find(".."); dots != std::string::npos) {
+    const int lo = toInt(text.substr(0, dots)), hi = toInt(text.substr(dots + 2));
+    for (long long v = lo; v <= hi; v *= 2) out.push_back(int(v));
+    return out;
+  }
+  std::size_t start = 0;
+  while (start <= text.size()) {
+    std::size_t comma = text.find(',', start);
+    if (comma == std::string::npos) comma = text.size();
+    out.push_back(toInt(text.substr(start, comma - start)));
+    start = comma + 1;
+  }
+  return out;
+}
+
+long long parseSize(const std::string& option, const std::string& text) {
+  std::size_t used = 0;
+  long long v = -1;
+  try {
+    v = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  const std::string suffix = text.substr(used);
+  long long scale = 1;
+  if (suffix == "K" || suffix == "k") scale = 1LL << 10;
+  else if (suffix == "M" || suffix == "m") scale = 1LL << 20;
+  else if (suffix == "G" || suffix == "g") scale = 1LL << 30;
+  else if (!suffix.empty()) used = 0;
+  if (used == 0 || v < 0)
+    throw UsageError{"--" + option + ": expected a size like 128, 64K, 16M or 1G, got '" + text + "'"};
+  return v * scale;
+}
+
+}  // namespace tpsim::tools

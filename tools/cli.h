@@ -1,0 +1,26 @@
+// Shared pieces of the tpsim command line: the usage-error type and the subcommand entry points.
+//
+// Each subcommand parses its own options (Boost.Program_options) into a plain config struct
+// before doing any work, prints its effective configuration first, and returns the process exit
+// code: 0 ok, 1 a check failed, 2 usage error.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace tpsim::tools {
+
+// A bad command line: main prints one line plus "Try 'tpsim --help'" and exits 2.
+struct UsageError {
+  std::string message;
+};
+
+int demoMain(const std::vector<std::string>& args);
+int benchMain(const std::vector<std::string>& args);
+
+// "1,2,4" -> {1, 2, 4}; "2..64" -> powers of two from 2 to 64. Throws UsageError naming `option`.
+std::vector<int> parseIntList(const std::string& option, const std::string& text);
+// "128", "64K", "16M", "1G" -> bytes. Throws UsageError naming `option`.
+long long parseSize(const std::string& option, const std::string& text);
+
+}  // namespace tpsim::tools

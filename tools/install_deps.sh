@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Installs the Debian packages tpsim builds with, when any is missing. The CUDA toolkit and NCCL
+# are not Debian packages: the gpu backend uses them when /usr/local/cuda (or CUDAToolkit_ROOT,
+# NCCL_ROOT) provides them, and is skipped otherwise.
+set -euo pipefail
+
+packages=(cmake ninja-build g++ libeigen3-dev libboost-program-options-dev libboost-context-dev
+          libgtest-dev libgmock-dev librapidcheck-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+echo "tpsim: installing ${missing[*]}"
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then
+  command -v sudo >/dev/null || { echo "tpsim: need root or sudo to install ${missing[*]}" >&2; exit 1; }
+  sudo="sudo"
+fi
+$sudo apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -1,0 +1,52 @@
+// tpsim: the command line. Subcommand first (`tpsim demo`, `tpsim bench`), then its options.
+#include <boost/program_options/errors.hpp>
+#include <cstdio>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "backends/errors.h"
+#include "tools/cli.h"
+#include "tpsim_config.h"
+
+namespace {
+
+const char* kUsage =
+    "tpsim " TPSIM_VERSION ": Megatron-Core tensor-parallel sharding, simulated\n"
+    "\n"
+    "usage: tpsim <command> [options]\n"
+    "\n"
+    "commands:\n"
+    "  demo    run collectives on a simulated 8-rank TP x GTP_remat x DP grid and verify them\n"
+    "  bench   simulator overheads: tiny-collective latency, collective bandwidth, GEMM throughput\n"
+    "\n"
+    "'tpsim <command> --help' lists a command's options.\n";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "-h" || args[0] == "--help" || args[0] == "help") {
+    std::fputs(kUsage, args.empty() ? stderr : stdout);
+    return args.empty() ? 2 : 0;
+  }
+  const std::string command = args[0];
+  args.erase(args.begin());
+  try {
+    if (command == "demo") return tpsim::tools::demoMain(args);
+    if (command == "bench") return tpsim::tools::benchMain(args);
+    throw tpsim::tools::UsageError{"unknown command '" + command + "'"};
+  } catch (const tpsim::tools::UsageError& e) {
+    std::fprintf(stderr, "tpsim: %s\nTry 'tpsim --help'\n", e.message.c_str());
+    return 2;
+  } catch (const boost::program_options::error& e) {
+    std::fprintf(stderr, "tpsim %s: %s\nTry 'tpsim %s --help'\n", command.c_str(), e.what(), command.c_str());
+    return 2;
+  } catch (const tpsim::InvalidArgument& e) {
+    std::fprintf(stderr, "tpsim %s: %s\n", command.c_str(), e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tpsim %s: error: %s\n", command.c_str(), e.what());
+    return 1;
+  }
+}
