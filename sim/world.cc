@@ -245,6 +245,7 @@ void complete(Op& op) {
   const int n = int(op.arrived.size());
   const Fingerprint& fp = op.fp;
   const std::size_t esize = dtypeSize(fp.dtype);
+  if (fp.kind != OpKind::kSplit && fp.inCount == 0 && fp.outCount == 0) return;  // barrier, empty buffers
   switch (fp.kind) {
     case OpKind::kAllReduce:
     case OpKind::kReduceScatter: {
