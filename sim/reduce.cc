@@ -8,28 +8,25 @@ namespace {
 template <typename T>
 void reduceNative(ReduceOp op, const std::vector<const void*>& inputs, std::int64_t count, T* out) {
   const std::size_t n = inputs.size();
-  std::vector<T> acc(static_cast<const T*>(inputs[0]), static_cast<const T*>(inputs[0]) + count);
+  std::memcpy(out, inputs[0], std::size_t(count) * sizeof(T));
   for (std::size_t r = 1; r < n; ++r) {
     const T* x = static_cast<const T*>(inputs[r]);
-    for (std::int64_t i = 0; i < count; ++i) acc[i] += x[i];
+    for (std::int64_t i = 0; i < count; ++i) out[i] += x[i];
   }
   if (op == ReduceOp::kMean)
-    for (auto& v : acc) v /= T(n);
-  std::memcpy(out, acc.data(), std::size_t(count) * sizeof(T));
+    for (std::int64_t i = 0; i < count; ++i) out[i] /= T(n);
 }
 
 template <float (*Load)(std::uint16_t), std::uint16_t (*Store)(float)>
 void reduce16(ReduceOp op, const std::vector<const void*>& inputs, std::int64_t count, std::uint16_t* out) {
   const std::size_t n = inputs.size();
-  std::vector<std::uint16_t> acc(static_cast<const std::uint16_t*>(inputs[0]),
-                                 static_cast<const std::uint16_t*>(inputs[0]) + count);
+  std::memcpy(out, inputs[0], std::size_t(count) * sizeof(std::uint16_t));
   for (std::size_t r = 1; r < n; ++r) {
     const auto* x = static_cast<const std::uint16_t*>(inputs[r]);
-    for (std::int64_t i = 0; i < count; ++i) acc[i] = Store(Load(acc[i]) + Load(x[i]));
+    for (std::int64_t i = 0; i < count; ++i) out[i] = Store(Load(out[i]) + Load(x[i]));
   }
   if (op == ReduceOp::kMean)
-    for (auto& v : acc) v = Store(Load(v) / float(n));
-  std::memcpy(out, acc.data(), std::size_t(count) * sizeof(std::uint16_t));
+    for (std::int64_t i = 0; i < count; ++i) out[i] = Store(Load(out[i]) / float(n));
 }
 
 }  // namespace

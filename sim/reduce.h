@@ -14,7 +14,7 @@
 
 namespace tpsim::sim {
 
-// inputs[r] points at `count` elements of `dtype`; out may alias any input.
+// inputs[r] points at `count` elements of `dtype`; out must not overlap any input.
 void reduceInRankOrder(DType dtype, ReduceOp op, const std::vector<const void*>& inputs, std::int64_t count,
                        void* out);
 

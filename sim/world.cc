@@ -1,6 +1,7 @@
 #include "sim/world.h"
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -127,9 +128,33 @@ struct RankState {
 
 struct Worker {
   std::deque<RankState*> ready;
+  std::atomic<int> readyHint{0};  // ready.size(), readable without the lock for spinning
   std::condition_variable cv;
   int unfinished = 0;
 };
+
+// The world's lock is held for microseconds at a time; a contended std::mutex would put the
+// waiter to sleep in the kernel and cost a wake-up several times that. Spin on try_lock first.
+// Tells a hyper-threaded core that this thread is only polling, so its sibling runs at speed.
+inline void cpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+void lockSpinning(std::unique_lock<std::mutex>& lock) {
+  for (int i = 0; i < 2000; ++i) {
+    if (lock.try_lock()) return;
+    cpuRelax();
+  }
+  lock.lock();
+}
+
+// An idle worker polls this long before it sleeps: a peer's collective usually completes within
+// microseconds, and a condition-variable wake-up across threads costs more than that.
+constexpr auto kSpinBeforeSleep = std::chrono::microseconds(50);
 
 class SimCollectives;
 
@@ -184,8 +209,10 @@ struct RunState {
     r->parkedOn = nullptr;
     --parked;
     ++readyCount;
-    workers[r->worker].ready.push_back(r);
-    workers[r->worker].cv.notify_one();
+    Worker& w = workers[r->worker];
+    w.ready.push_back(r);
+    w.readyHint.store(int(w.ready.size()), std::memory_order_relaxed);
+    w.cv.notify_one();
   }
 
   std::string rankActivity(int rank) const {
@@ -251,11 +278,12 @@ void complete(Op& op) {
     case OpKind::kReduceScatter: {
       std::vector<const void*> inputs(n);
       for (int r = 0; r < n; ++r) inputs[r] = op.in[r].data();
-      std::vector<char> sum(std::size_t(fp.inCount) * esize);
-      reduceInRankOrder(fp.dtype, fp.reduce, inputs, fp.inCount, sum.data());
+      // Not a vector<char>: zero-filling a buffer that is overwritten at once costs a pass.
+      std::unique_ptr<char[]> sum(new char[std::size_t(fp.inCount) * esize]);
+      reduceInRankOrder(fp.dtype, fp.reduce, inputs, fp.inCount, sum.get());
       const std::size_t blockBytes = std::size_t(fp.outCount) * esize;
       for (int r = 0; r < n; ++r) {
-        const char* src = sum.data() + (fp.kind == OpKind::kReduceScatter ? r * blockBytes : 0);
+        const char* src = sum.get() + (fp.kind == OpKind::kReduceScatter ? r * blockBytes : 0);
         std::memcpy(op.out[r].data(), src, blockBytes);
       }
       break;
@@ -276,15 +304,23 @@ void complete(Op& op) {
       break;
     }
     case OpKind::kAllToAll: {
-      // Stage every input first: in-place exchanges overwrite blocks other ranks still need.
+      // An in-place exchange overwrites blocks other ranks still need: stage the inputs first.
       const std::size_t blockBytes = std::size_t(fp.inCount / n) * esize;
-      std::vector<char> staged(std::size_t(n) * n * blockBytes);
-      for (int q = 0; q < n; ++q)
-        std::memcpy(staged.data() + q * n * blockBytes, op.in[q].data(), n * blockBytes);
+      bool inPlace = false;
+      for (int r = 0; r < n; ++r) inPlace = inPlace || op.in[r].data() == op.out[r].data();
+      std::unique_ptr<char[]> staged;
+      std::vector<const char*> src(n);
+      for (int q = 0; q < n; ++q) src[q] = static_cast<const char*>(op.in[q].data());
+      if (inPlace) {
+        staged.reset(new char[std::size_t(n) * n * blockBytes]);
+        for (int q = 0; q < n; ++q) {
+          std::memcpy(staged.get() + q * n * blockBytes, src[q], n * blockBytes);
+          src[q] = staged.get() + q * n * blockBytes;
+        }
+      }
       for (int r = 0; r < n; ++r)
         for (int q = 0; q < n; ++q)
-          std::memcpy(static_cast<char*>(op.out[r].data()) + q * blockBytes,
-                      staged.data() + (q * n + r) * blockBytes, blockBytes);
+          std::memcpy(static_cast<char*>(op.out[r].data()) + q * blockBytes, src[q] + r * blockBytes, blockBytes);
       break;
     }
     case OpKind::kBarrier: break;
@@ -326,7 +362,8 @@ class SimWork final : public Work {
   }
 
   void wait() override {
-    std::unique_lock<std::mutex> lock(run_->mu);
+    std::unique_lock<std::mutex> lock(run_->mu, std::defer_lock);
+    lockSpinning(lock);
     for (;;) {
       if (op_->done) break;
       if (run_->failed) {
@@ -335,7 +372,7 @@ class SimWork final : public Work {
       }
       lock.unlock();
       self_->fiber->suspend(op_.get());
-      lock.lock();
+      lockSpinning(lock);
     }
     waited_ = true;
   }
@@ -441,7 +478,8 @@ class SimCollectives final : public Collectives {
   std::unique_ptr<Work> issue(const Fingerprint& fp, ConstView in, View out, Timeout timeout,
                               int color = 0, int key = 0) {
     RunState& run = *run_;
-    std::lock_guard<std::mutex> lock(run.mu);
+    std::unique_lock<std::mutex> lock(run.mu, std::defer_lock);
+    lockSpinning(lock);
     if (run.failed) throw run.failureFor(self_->rank);
     const std::uint64_t seq = nextSeq_++;
     const int n = size();
@@ -514,7 +552,9 @@ void afterSwitch(RunState& run, RankState* r, Op* op) {
   } else if (op->done || run.failed) {
     r->status = RankStatus::kReady;
     ++run.readyCount;
-    run.workers[r->worker].ready.push_back(r);
+    Worker& w = run.workers[r->worker];
+    w.ready.push_back(r);
+    w.readyHint.store(int(w.ready.size()), std::memory_order_relaxed);
   } else {
     r->status = RankStatus::kParked;
     r->parkedOn = op;
@@ -530,18 +570,23 @@ void workerLoop(std::shared_ptr<RunState> run, int index) {
   std::unique_lock<std::mutex> lock(s.mu);
   while (w.unfinished > 0) {
     if (w.ready.empty()) {
-      w.cv.wait(lock);
+      lock.unlock();
+      const auto until = Clock::now() + kSpinBeforeSleep;
+      while (w.readyHint.load(std::memory_order_relaxed) == 0 && Clock::now() < until) cpuRelax();
+      lockSpinning(lock);
+      if (w.ready.empty() && w.unfinished > 0) w.cv.wait(lock);
       continue;
     }
     RankState* r = w.ready.front();
     w.ready.pop_front();
+    w.readyHint.store(int(w.ready.size()), std::memory_order_relaxed);
     --s.readyCount;
     ++s.running;
     r->status = RankStatus::kRunning;
     lock.unlock();
     void* request = r->fiber->resume();
     if (r->fiber->finished()) r->fiber.reset();  // free the stack outside the lock
-    lock.lock();
+    lockSpinning(lock);
     afterSwitch(s, r, r->fiber ? static_cast<Op*>(request) : nullptr);
   }
 }

@@ -37,7 +37,7 @@ struct BenchConfig {
   std::string what = "all";
   std::vector<int> ranks;
   int threads = 0;
-  int iters = 2000;
+  int iters = 5000;
   int bwRanks = 8;
   long long minBytes = 0, maxBytes = 0;
   int bwIters = 5;
@@ -121,7 +121,10 @@ void benchLatency(const BenchConfig& c) {
 
 // --- bandwidth --------------------------------------------------------------------------------
 
+enum class BwOp { kAllReduce, kAllGather, kReduceScatter, kBroadcast, kAllToAll };
+
 struct BwCase {
+  BwOp op;
   const char* name;
   double busFactor;  // busbw / algbw
 };
@@ -129,21 +132,24 @@ struct BwCase {
 // Returns the number of wrong output elements over all sizes and collectives.
 long benchBandwidth(const BenchConfig& c) {
   const int n = c.bwRanks;
-  std::printf("\n# Collective bandwidth on %d simulated ranks (fp32; size = bytes per rank's larger buffer)\n", n);
+  std::printf("\n# Collective bandwidth on %d simulated ranks (fp32; size = bytes of the larger buffer per rank)\n", n);
   long allWrong = 0;
-  const BwCase cases[] = {{"allReduce", 2.0 * (n - 1) / n},
-                          {"allGather", double(n - 1) / n},
-                          {"reduceScatter", double(n - 1) / n},
-                          {"broadcast", 1.0},
-                          {"allToAll", double(n - 1) / n}};
+  const BwCase cases[] = {{BwOp::kAllReduce, "allReduce", 2.0 * (n - 1) / n},
+                          {BwOp::kAllGather, "allGather", double(n - 1) / n},
+                          {BwOp::kReduceScatter, "reduceScatter", double(n - 1) / n},
+                          {BwOp::kBroadcast, "broadcast", 1.0},
+                          {BwOp::kAllToAll, "allToAll", double(n - 1) / n}};
   for (const BwCase& bc : cases) {
     std::printf("# %s\n#%12s %12s %6s %6s %10s %8s %8s %7s\n", bc.name, "size", "count", "type", "redop",
                 "time", "algbw", "busbw", "#wrong");
     std::printf("#%12s %12s %6s %6s %10s %8s %8s %7s\n", "(B)", "(elements)", "", "", "(us)", "(GB/s)", "(GB/s)",
                 "");
-    const std::string op = bc.name;
+    const bool reduces = bc.op == BwOp::kAllReduce || bc.op == BwOp::kReduceScatter;
     for (long long bytes = c.minBytes; bytes <= c.maxBytes; bytes *= 4) {
       const std::int64_t count = bytes / 4 / n * n;  // divisible by n for the blocked collectives
+      const std::int64_t block = count / n;
+      const std::int64_t inCount = bc.op == BwOp::kAllGather ? block : count;
+      const std::int64_t outCount = bc.op == BwOp::kReduceScatter ? block : count;
       std::vector<double> seconds(n, 0);
       std::vector<long> wrong(n, 0);
       sim::WorldOptions o;
@@ -151,31 +157,30 @@ long benchBandwidth(const BenchConfig& c) {
       o.threads = c.threads;
       sim::World(o).run([&](RankContext& ctx) {
         const int r = ctx.comm.rank();
-        const std::int64_t block = count / n;
         // Input value r+1 everywhere: every output element has a closed form.
-        const std::int64_t inCount = op == "allGather" ? block : count;
-        const std::int64_t outCount = op == "reduceScatter" ? block : count;
         Tensor in = ctx.compute.empty({inCount}, DType::kFloat32);
         Tensor out = ctx.compute.empty({outCount}, DType::kFloat32);
+        ctx.compute.fill(in, r + 1);
         auto issue = [&] {
-          ctx.compute.fill(in, r + 1);
-          if (op == "allReduce") return ctx.comm.allReduce(in, out);
-          if (op == "allGather") return ctx.comm.allGather(in, out);
-          if (op == "reduceScatter") return ctx.comm.reduceScatter(in, out);
-          if (op == "broadcast") return ctx.comm.broadcast(in, out);
+          switch (bc.op) {
+            case BwOp::kAllReduce: return ctx.comm.allReduce(in, out);
+            case BwOp::kAllGather: return ctx.comm.allGather(in, out);
+            case BwOp::kReduceScatter: return ctx.comm.reduceScatter(in, out);
+            case BwOp::kBroadcast: return ctx.comm.broadcast(in, out);
+            case BwOp::kAllToAll: break;
+          }
           return ctx.comm.allToAll(in, out);
         };
-        issue()->wait();  // warm-up
+        issue()->wait();  // warm-up: pages in the output
         ctx.comm.barrier()->wait();
         const auto start = Clock::now();
         for (int i = 0; i < c.bwIters; ++i) issue()->wait();
         ctx.comm.barrier()->wait();
         seconds[r] = secondsSince(start) / c.bwIters;
         const float* y = out.view().typed<float>();
+        const float sum = float(n * (n + 1) / 2);
         for (std::int64_t i = 0; i < outCount; ++i) {
-          float expect = op == "allReduce" || op == "reduceScatter" ? float(n * (n + 1) / 2)
-                         : op == "broadcast"                         ? 1.f
-                                                                     : float(i / block + 1);
+          const float expect = reduces ? sum : bc.op == BwOp::kBroadcast ? 1.f : float(i / block + 1);
           wrong[r] += y[i] != expect;
         }
       });
@@ -186,8 +191,7 @@ long benchBandwidth(const BenchConfig& c) {
       const double sizeBytes = double(count) * 4;
       const double algbw = sizeBytes / t / 1e9;
       std::printf(" %12.0f %12lld %6s %6s %10.1f %8.2f %8.2f %7ld\n", sizeBytes, (long long)count, "float",
-                  (op == "allReduce" || op == "reduceScatter") ? "sum" : "none", t * 1e6, algbw,
-                  algbw * bc.busFactor, totalWrong);
+                  reduces ? "sum" : "none", t * 1e6, algbw, algbw * bc.busFactor, totalWrong);
     }
   }
   return allWrong;
