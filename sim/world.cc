@@ -681,22 +681,25 @@ void World::run(const std::function<void(RankContext&)>& fn) {
   std::lock_guard<std::mutex> lock(run->mu);
   impl_->trace = run->trace;
   std::vector<std::string> rankErrors(o.size);
-  std::string summary;
+  std::map<std::string, std::vector<int>> byMessage;  // ranks grouped by the error they ended with
   for (auto& r : run->ranks) {
-    if (r->status != RankStatus::kFinished) {
+    if (r->status != RankStatus::kFinished)
       rankErrors[r->rank] = detail::concat("rank ", r->rank, " did not return within ", o.timeout.count(),
                                            " ms after the failure; its thread was abandoned");
-    } else if (!r->error.empty()) {
+    else
       rankErrors[r->rank] = r->error;
-    }
-    if (!rankErrors[r->rank].empty()) summary += detail::concat("\n  rank ", r->rank, ": ", rankErrors[r->rank]);
+    if (!rankErrors[r->rank].empty()) byMessage[rankErrors[r->rank]].push_back(r->rank);
   }
   if (!run->failed) return;
   const bool fromCollective = run->failureKind != CollectiveFailure::kPeerFailed;
   std::string cause = fromCollective ? run->failureMessage
                                      : detail::concat("rank ", run->failedRank, " failed: ",
                                                       run->ranks[run->failedRank]->error);
-  throw WorldError(cause + (summary.empty() ? "" : "\nper rank:" + summary), std::move(rankErrors),
+  std::string summary;
+  for (const auto& [message, ranks] : byMessage)
+    summary += detail::concat(ranks.size() == 1 ? "\n  rank " : "\n  ranks ", rankList(ranks), ": ",
+                              message == run->failureMessage ? "the error above" : message);
+  throw WorldError(cause + (summary.empty() ? "" : "\nwhat each rank ended with:" + summary), std::move(rankErrors),
                    fromCollective, run->failureKind);
 }
 

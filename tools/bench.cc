@@ -61,8 +61,9 @@ double simTinyAllReduce(int n, int threads, int iters) {
     return secondsSince(start);
   };
   timeRun(iters / 10);  // warm up allocators and page in stacks
-  const double empty = timeRun(0);
-  return std::max(0.0, timeRun(iters) - empty) / iters;
+  double best = 1e30;   // best of three: a shared VM's noise only ever adds time
+  for (int rep = 0; rep < 3; ++rep) best = std::min(best, std::max(0.0, timeRun(iters) - timeRun(0)) / iters);
+  return best;
 }
 
 // The same allReduce with one OS thread per rank and a generation-counting barrier.
@@ -105,7 +106,7 @@ double threadTinyAllReduce(int n, int iters) {
 }
 
 void benchLatency(const BenchConfig& c) {
-  std::printf("\n# Tiny collectives: allReduce of 1 fp32 per rank; us per collective and per rank\n");
+  std::printf("\n# Tiny collectives: allReduce of 1 fp32 per rank; us per collective and per rank, best of 3\n");
   std::printf("# baseline: one OS thread per rank, mutex + condition-variable barrier, same run\n");
   std::printf("#%6s %8s %12s %12s %14s %9s\n", "ranks", "threads", "sim(us)", "sim/rank", "thread/rank",
               "speedup");
@@ -113,7 +114,8 @@ void benchLatency(const BenchConfig& c) {
     const int threads = c.threads ? c.threads : std::min<int>(n, int(std::thread::hardware_concurrency()));
     const double sim = simTinyAllReduce(n, c.threads, c.iters);
     const int baseIters = std::max(20, c.iters / std::max(1, n / 4));
-    const double thread = threadTinyAllReduce(n, baseIters);
+    double thread = 1e30;
+    for (int rep = 0; rep < 3; ++rep) thread = std::min(thread, threadTinyAllReduce(n, baseIters));
     std::printf(" %6d %8d %12.2f %12.3f %14.3f %8.1fx\n", n, threads, sim * 1e6, sim * 1e6 / n,
                 thread * 1e6 / n, thread / sim);
   }

@@ -71,7 +71,11 @@ int demoMain(const std::vector<std::string>& args) {
     std::cout << all << "\n";
     return 0;
   }
-  if (c.count < 1) throw UsageError{"--count: expected >= 1, got " + std::to_string(c.count)};
+  for (auto [flag, v] : {std::pair{"tp", c.tp}, {"gtp-remat", c.gtpRemat}, {"dp", c.dp}, {"count", c.count}})
+    if (v < 1) throw UsageError{std::string("--") + flag + ": expected >= 1, got " + std::to_string(v)};
+  if (c.tp * c.gtpRemat * c.dp > 64)
+    throw UsageError{"--tp x --gtp-remat x --dp: expected at most 64 ranks, got " +
+                     std::to_string(c.tp * c.gtpRemat * c.dp)};
 
   ParallelSizes sizes;
   sizes.world = c.tp * c.gtpRemat * c.dp;

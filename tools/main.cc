@@ -37,7 +37,9 @@ int main(int argc, char** argv) {
     if (command == "bench") return tpsim::tools::benchMain(args);
     throw tpsim::tools::UsageError{"unknown command '" + command + "'"};
   } catch (const tpsim::tools::UsageError& e) {
-    std::fprintf(stderr, "tpsim: %s\nTry 'tpsim --help'\n", e.message.c_str());
+    const bool known = command == "demo" || command == "bench";
+    std::fprintf(stderr, "tpsim%s%s: %s\nTry 'tpsim%s%s --help'\n", known ? " " : "", known ? command.c_str() : "",
+                 e.message.c_str(), known ? " " : "", known ? command.c_str() : "");
     return 2;
   } catch (const boost::program_options::error& e) {
     std::fprintf(stderr, "tpsim %s: %s\nTry 'tpsim %s --help'\n", command.c_str(), e.what(), command.c_str());
