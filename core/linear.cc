@@ -1,0 +1,260 @@
+#include "core/linear.h"
+
+#include <memory>
+#include <utility>
+
+#include "backends/errors.h"
+
+namespace tpsim {
+namespace {
+
+Shape withLastDim(Shape s, std::int64_t n) {
+  s[s.rank() - 1] = n;
+  return s;
+}
+
+// v itself when it is dense, else a dense copy held in `storage`.
+ConstView contiguous(Compute& compute, ConstView v, Tensor& storage) {
+  if (v.isContiguous()) return v;
+  storage = compute.empty(v.shape(), v.dtype());
+  compute.copy(v, storage);
+  return storage;
+}
+
+// v converted to `dtype` (SPEC 3.14.2 step 1: dY is cast to the input dtype), dense.
+ConstView castTo(Compute& compute, ConstView v, DType dtype, Tensor& storage) {
+  if (v.dtype() == dtype) return contiguous(compute, v, storage);
+  storage = compute.empty(v.shape(), dtype);
+  compute.copy(v, storage);
+  return storage;
+}
+
+// AG along dim 0 over `tp`: (s/T, b, K) -> (s, b, K), asynchronously.
+std::unique_ptr<Work> gatherSequence(Compute& compute, Collectives& tp, ConstView local, Tensor& storage,
+                                     Tensor& out) {
+  local = contiguous(compute, local, storage);
+  Shape full = local.shape();
+  full[0] *= tp.size();
+  out = compute.empty(full, local.dtype());
+  return tp.allGather(local, out);
+}
+
+// main_grad += dYᵀ·X with Megatron's kernel choice by main_grad's dtype (3.14.2 step 11).
+void accumulateIntoMainGrad(Compute& compute, Parameter& weight, ConstView dY2, ConstView x2, const char* where) {
+  const DType g = weight.mainGrad.dtype();
+  TPSIM_CHECK(g == DType::kFloat32 || g == DType::kBFloat16 || g == DType::kFloat16, where,
+              ": unsupported gradient type for gradient accumulation fusion: main_grad of ", weight.name,
+              " must be fp32, bf16 or fp16, got ", dtypeName(g));
+  TPSIM_CHECK(g == DType::kFloat32 || g == dY2.dtype(), where, ": a ", dtypeName(g), " main_grad of ",
+              weight.name, " needs ", dtypeName(g), " activations (the 16-bit fused kernel), got ",
+              dtypeName(dY2.dtype()));
+  compute.gemm(dY2.t(), x2, weight.mainGrad, 1.f, 1.f);  // (N,M)·(M,K) -> (N,K), accumulated
+}
+
+}  // namespace
+
+Tensor linearForward(Compute& compute, ConstView x, ConstView weight, ConstView bias,
+                     std::optional<DType> outputDtype) {
+  TPSIM_CHECK(x.rank() >= 1, "linearForward: input must have at least one mode, got ", x.str());
+  TPSIM_CHECK(weight.rank() == 2 && weight.dim(1) == x.dim(-1), "linearForward: weight must be (N, K=",
+              x.dim(-1), "), got ", weight.str());
+  TPSIM_CHECK(weight.dtype() == x.dtype(), "linearForward: weight dtype must match the input's ",
+              dtypeName(x.dtype()), ", got ", dtypeName(weight.dtype()));
+  const bool hasBias = bias.data() != nullptr;
+  TPSIM_CHECK(!hasBias || (bias.rank() == 1 && bias.dim(0) == weight.dim(0)), "linearForward: bias must be (N=",
+              weight.dim(0), ",), got ", bias.str());
+  const DType outDtype = outputDtype.value_or(x.dtype());
+  Tensor xStorage;
+  ConstView x2 = contiguous(compute, x, xStorage).flattenTo2d();  // (M, K)
+  Tensor y = compute.empty(withLastDim(x.shape(), weight.dim(0)), outDtype);
+  View y2 = y.view().flattenTo2d();  // (M, N)
+  if (!hasBias) {
+    compute.gemm(x2, weight.t(), y2);
+  } else if (is16Bit(outDtype)) {
+    // Bias in the fp32 epilogue, one rounding into the 16-bit output (as cuBLAS addmm does).
+    Tensor acc = compute.empty(y2.shape(), DType::kFloat32);  // (M, N)
+    compute.gemm(x2, weight.t(), acc);
+    compute.addBias(bias, acc);
+    compute.copy(acc, y2);
+  } else {
+    compute.gemm(x2, weight.t(), y2);
+    compute.addBias(bias, y2);
+  }
+  return y;
+}
+
+void wgradGemm(Compute& compute, View out, ConstView dY, ConstView x) {
+  TPSIM_CHECK(dY.rank() == 2 && x.rank() == 2 && dY.dim(0) == x.dim(0), "wgradGemm: grad_output (M, N) and ",
+              "total_input (M, K) must share M, got ", dY.str(), " and ", x.str());
+  TPSIM_CHECK(out.shape() == Shape({dY.dim(1), x.dim(1)}), "wgradGemm: out must be (N=", dY.dim(1), ", K=",
+              x.dim(1), "), got ", out.str());
+  compute.gemm(dY.t(), x, out);  // (N,M)·(M,K) -> (N,K)
+}
+
+LinearWithGradAccumulation::LinearWithGradAccumulation(Compute& compute, Collectives& tp, LinearOptions options)
+    : compute_(compute), tp_(tp), options_(options) {
+  TPSIM_CHECK(!(options_.sequenceParallel && options_.allreduceDgrad),
+              "LinearWithGradAccumulation: sequence_parallel and allreduce_dgrad are mutually exclusive (the "
+              "sequence-parallel reduce-scatter already reduces dX)");
+  TPSIM_CHECK(!options_.gradientAccumulationFusion || kGradAccumFusionAvailable,
+              "LinearWithGradAccumulation: gradient accumulation fusion is unavailable; turn it off");
+  TPSIM_CHECK(options_.gradOutputBuffer == nullptr || options_.gradientAccumulationFusion,
+              "LinearWithGradAccumulation: wgrad deferral (grad_output_buffer) needs gradient accumulation "
+              "fusion: the drain accumulates into main_grad only");
+  TPSIM_CHECK(options_.wgradDeferralLimit >= 0, "LinearWithGradAccumulation: wgrad_deferral_limit must be >= 0, got ",
+              options_.wgradDeferralLimit);
+}
+
+Tensor LinearWithGradAccumulation::forward(ConstView input, Parameter& weight, const Parameter* bias) {
+  TPSIM_CHECK(!options_.gradientAccumulationFusion || weight.hasMainGrad(),
+              "LinearWithGradAccumulation: gradient accumulation fusion needs ", weight.name,
+              ".main_grad allocated before forward");
+  TPSIM_CHECK(!options_.sequenceParallel || input.rank() >= 2, "LinearWithGradAccumulation: sequence-parallel "
+              "input must be (s/T, b, K), got ", input.str());
+  input_ = input;
+  weight_ = &weight;
+  hasBias_ = bias != nullptr;
+  const ConstView biasView = bias ? ConstView(bias->data) : ConstView();
+  if (!options_.sequenceParallel) return linearForward(compute_, input, weight.data, biasView, options_.outputDtype);
+  Tensor staging, total;  // total: (s, b, K)
+  gatherSequence(compute_, tp_, input, staging, total)->wait();
+  return linearForward(compute_, total, weight.data, biasView, options_.outputDtype);
+}
+
+LinearGrads LinearWithGradAccumulation::backward(ConstView dYIn) {
+  TPSIM_CHECK(weight_ != nullptr, "LinearWithGradAccumulation::backward: called before forward");
+  Parameter& weight = *weight_;
+  const std::int64_t n = weight.data.shape()[0], k = weight.data.shape()[1];
+  Shape outShape = withLastDim(input_.shape(), n);
+  if (options_.sequenceParallel) outShape[0] *= tp_.size();
+  TPSIM_CHECK(dYIn.shape() == outShape, "LinearWithGradAccumulation::backward: grad_output must be ",
+              outShape.str(), " like the forward output, got ", dYIn.str());
+  Tensor dYStorage;
+  const ConstView dY = castTo(compute_, dYIn, input_.dtype(), dYStorage);  // (…, N)
+
+  bool wgradCompute = true;
+  if (options_.gradOutputBuffer &&
+      (options_.wgradDeferralLimit == 0 || int(options_.gradOutputBuffer->size()) < options_.wgradDeferralLimit)) {
+    Tensor kept = compute_.empty(dY.shape(), dY.dtype());
+    compute_.copy(dY, kept);
+    options_.gradOutputBuffer->push_back(std::move(kept));
+    wgradCompute = false;
+  }
+
+  Tensor staging, gathered;  // gathered: (s, b, K)
+  std::unique_ptr<Work> gather;
+  ConstView xTotal = input_;
+  if (wgradCompute && options_.sequenceParallel) {
+    gather = gatherSequence(compute_, tp_, input_, staging, gathered);  // overlaps the dgrad GEMM
+    xTotal = gathered;
+  }
+
+  LinearGrads grads;
+  Tensor dX = compute_.empty(withLastDim(dY.shape(), k), dY.dtype());  // (…, K), partial over TP
+  compute_.gemm(dY.flattenTo2d(), weight.data, dX.view().flattenTo2d());
+  if (gather) gather->wait();
+
+  std::unique_ptr<Work> dgradReduction;
+  if (options_.allreduceDgrad) dgradReduction = tp_.allReduce(dX);  // overlaps the wgrad GEMM
+  if (options_.sequenceParallel) {
+    grads.dX = compute_.empty(input_.shape(), dY.dtype());  // (s/T, b, K)
+    dgradReduction = tp_.reduceScatter(dX, grads.dX);        // overlaps the wgrad GEMM
+  } else {
+    grads.dX = std::move(dX);
+  }
+
+  const ConstView dY2 = dY.flattenTo2d();  // (M, N)
+  Tensor xStorage;
+  if (options_.gradientAccumulationFusion) {
+    if (wgradCompute)
+      accumulateIntoMainGrad(compute_, weight, dY2, contiguous(compute_, xTotal, xStorage).flattenTo2d(),
+                             "LinearWithGradAccumulation::backward");
+    if (weight.attrs.gradAddedToMainGrad.has_value()) {
+      grads.dW = compute_.empty(weight.mainGrad.shape(), dY.dtype());
+      if (weight.attrs.zeroOutWgrad.value_or(false)) compute_.fill(grads.dW, 0.0);
+      grads.dWIsDummy = true;
+      weight.attrs.gradAddedToMainGrad = true;
+    }
+  } else {
+    grads.dW = compute_.empty({n, k}, dY.dtype());
+    wgradGemm(compute_, grads.dW, dY2, contiguous(compute_, xTotal, xStorage).flattenTo2d());
+  }
+  if (hasBias_) {
+    grads.db = compute_.empty({n}, dY.dtype());
+    compute_.sumRows(dY2, grads.db);
+  }
+  if (dgradReduction) dgradReduction->wait();
+  return grads;
+}
+
+LinearWithFrozenWeight::LinearWithFrozenWeight(Compute& compute, Collectives& tp, LinearOptions options)
+    : compute_(compute), tp_(tp), options_(options) {
+  TPSIM_CHECK(options_.gradOutputBuffer == nullptr,
+              "LinearWithFrozenWeight: grad_output_buffer must be None: a frozen weight has no wgrad to defer");
+  TPSIM_CHECK(!(options_.sequenceParallel && options_.allreduceDgrad),
+              "LinearWithFrozenWeight: sequence_parallel and allreduce_dgrad together would reduce dX twice; "
+              "pass at most one");
+}
+
+Tensor LinearWithFrozenWeight::forward(ConstView input, const Parameter& weight, const Parameter* bias) {
+  weight_ = weight.data;
+  inputShape_ = input.shape();
+  inputDtype_ = input.dtype();
+  hasBias_ = bias != nullptr;
+  const ConstView biasView = bias ? ConstView(bias->data) : ConstView();
+  if (!options_.sequenceParallel) return linearForward(compute_, input, weight_, biasView, options_.outputDtype);
+  Tensor staging, total;  // total: (s, b, K)
+  gatherSequence(compute_, tp_, input, staging, total)->wait();
+  return linearForward(compute_, total, weight_, biasView, options_.outputDtype);
+}
+
+LinearGrads LinearWithFrozenWeight::backward(ConstView dYIn) {
+  TPSIM_CHECK(weight_.data() != nullptr, "LinearWithFrozenWeight::backward: called before forward");
+  Tensor dYStorage;
+  const ConstView dY = castTo(compute_, dYIn, inputDtype_, dYStorage);  // (…, N)
+  TPSIM_CHECK(dY.dim(-1) == weight_.dim(0), "LinearWithFrozenWeight::backward: grad_output must end in N=",
+              weight_.dim(0), ", got ", dY.str());
+  LinearGrads grads;
+  Tensor dX = compute_.empty(withLastDim(dY.shape(), weight_.dim(1)), inputDtype_);  // (…, K)
+  compute_.gemm(dY.flattenTo2d(), weight_, dX.view().flattenTo2d());
+  if (options_.allreduceDgrad) tp_.allReduce(dX)->wait();
+  if (options_.sequenceParallel) {
+    grads.dX = compute_.empty(inputShape_, inputDtype_);  // (s/T, b, K): backward of the SP gather
+    tp_.reduceScatter(dX, grads.dX)->wait();
+  } else {
+    grads.dX = std::move(dX);
+  }
+  if (hasBias_) {
+    grads.db = compute_.empty({weight_.dim(0)}, inputDtype_);
+    compute_.sumRows(dY.flattenTo2d(), grads.db);
+  }
+  return grads;
+}
+
+void drainEmbeddingWgrad(Compute& compute, Collectives& tp, bool sequenceParallel,
+                         std::vector<Tensor>& activations, std::vector<Tensor>& gradOutputs, Parameter& weight) {
+  TPSIM_CHECK(activations.size() == gradOutputs.size(), "drainEmbeddingWgrad: embedding_activation_buffer and ",
+              "grad_output_buffer must have the same length, got ", activations.size(), " and ",
+              gradOutputs.size());
+  TPSIM_CHECK(activations.empty() || weight.hasMainGrad(), "drainEmbeddingWgrad: ", weight.name,
+              ".main_grad must be allocated");
+  // Double-buffered under SP: the gather of entry i+1 runs while entry i's GEMM does.
+  Tensor staging[2], gathered[2];
+  std::unique_ptr<Work> pending;
+  auto startGather = [&](std::size_t i) {
+    if (sequenceParallel) pending = gatherSequence(compute, tp, activations[i], staging[i % 2], gathered[i % 2]);
+  };
+  if (!activations.empty()) startGather(0);
+  for (std::size_t i = 0; i < activations.size(); ++i) {
+    if (pending) pending->wait();
+    pending.reset();
+    const ConstView x = sequenceParallel ? ConstView(gathered[i % 2]) : ConstView(activations[i]);  // (s, b, K)
+    if (i + 1 < activations.size()) startGather(i + 1);
+    accumulateIntoMainGrad(compute, weight, gradOutputs[i].view().flattenTo2d(), x.flattenTo2d(),
+                           "drainEmbeddingWgrad");
+  }
+  activations.clear();
+  gradOutputs.clear();
+}
+
+}  // namespace tpsim
