@@ -17,6 +17,7 @@ struct UsageError {
 
 int demoMain(const std::vector<std::string>& args);
 int benchMain(const std::vector<std::string>& args);
+int runMain(const std::vector<std::string>& args);
 
 // "1,2,4" -> {1, 2, 4}; "2..64" -> powers of two from 2 to 64. Throws UsageError naming `option`.
 std::vector<int> parseIntList(const std::string& option, const std::string& text);

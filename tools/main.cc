@@ -17,7 +17,8 @@ const char* kUsage =
     "usage: tpsim <command> [options]\n"
     "\n"
     "commands:\n"
-    "  demo    run collectives on a simulated 8-rank TP x GTP_remat x DP grid and verify them\n"
+    "  demo    an MLP block (column fc1, GeLU, row fc2) at TP=4 with sequence parallelism, verified\n"
+    "  run     one layer sharded on your own tensors (.npy) or generated ones, verified\n"
     "  bench   simulator overheads: tiny-collective latency, collective bandwidth, GEMM throughput\n"
     "\n"
     "'tpsim <command> --help' lists a command's options.\n";
@@ -35,9 +36,10 @@ int main(int argc, char** argv) {
   try {
     if (command == "demo") return tpsim::tools::demoMain(args);
     if (command == "bench") return tpsim::tools::benchMain(args);
+    if (command == "run") return tpsim::tools::runMain(args);
     throw tpsim::tools::UsageError{"unknown command '" + command + "'"};
   } catch (const tpsim::tools::UsageError& e) {
-    const bool known = command == "demo" || command == "bench";
+    const bool known = command == "demo" || command == "bench" || command == "run";
     std::fprintf(stderr, "tpsim%s%s: %s\nTry 'tpsim%s%s --help'\n", known ? " " : "", known ? command.c_str() : "",
                  e.message.c_str(), known ? " " : "", known ? command.c_str() : "");
     return 2;

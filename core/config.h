@@ -1,0 +1,32 @@
+// ModelParallelConfig: the fields of Megatron's model-parallel config the layers read (SPEC 1.6).
+//
+// Plain data plus validate(), which applies Megatron's config-time checks. Group objects are not
+// here: a layer is handed the communicators it uses (core/process_groups.h builds them).
+#pragma once
+
+#include "backends/dtype.h"
+
+namespace tpsim {
+
+struct ModelParallelConfig {
+  int tensorModelParallelSize = 1;  // T of the dense grid
+  int expertTensorParallelSize = 0;  // ET; 0 = same as T
+  int expertModelParallelSize = 1;  // E
+  int gtpRematSize = 1;             // G (dense)
+  int expertGtpRematSize = 1;       // EG
+  int pipelineModelParallelSize = 1;
+  bool sequenceParallel = false;
+  bool useCpuInitialization = false;
+  bool performInitialization = true;
+  DType paramsDtype = DType::kFloat32;
+  bool gradientAccumulationFusion = false;
+  bool deferEmbeddingWgradCompute = false;
+  int wgradDeferralLimit = 0;
+  bool deterministicMode = false;
+
+  int expertTp() const { return expertTensorParallelSize ? expertTensorParallelSize : tensorModelParallelSize; }
+  // Megatron's config validation: SP needs T > 1; deferral needs PP > 1, fusion and a limit >= 0.
+  void validate() const;
+};
+
+}  // namespace tpsim

@@ -1,0 +1,335 @@
+// ColumnParallelLinear and RowParallelLinear against the dense, unsharded computation for
+// T in {1,2,3,4,8}, with and without sequence parallelism, for fp32/bf16/fp16 and their options
+// (SPEC 3.18, 3.19, invariants 1 and 2, test facts I1-I3); and each rejected combination.
+#include "core/layers.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <functional>
+
+#include "core/init.h"
+#include "tests/sim_test_util.h"
+
+namespace tpsim {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::runRanks;
+using testing::tensorOf;
+using testing::valuesOf;
+
+// Dense row-major matrices in double: the reference.
+using Fn = std::function<double(std::int64_t, std::int64_t)>;
+std::vector<double> table(std::int64_t rows, std::int64_t cols, const Fn& f) {
+  std::vector<double> v(rows * cols);
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c) v[r * cols + c] = f(r, c);
+  return v;
+}
+
+// Columns [c0, c1) of a row-major (rows, cols) table.
+std::vector<double> columns(const std::vector<double>& m, std::int64_t cols, std::int64_t c0, std::int64_t c1) {
+  std::vector<double> out;
+  for (std::size_t r = 0; r < m.size() / cols; ++r)
+    for (std::int64_t c = c0; c < c1; ++c) out.push_back(m[r * cols + c]);
+  return out;
+}
+std::vector<double> rows(const std::vector<double>& m, std::int64_t cols, std::int64_t r0, std::int64_t r1) {
+  return std::vector<double>(m.begin() + r0 * cols, m.begin() + r1 * cols);
+}
+
+struct Dense {  // y = x·Wᵀ + b and its gradients for one dY, all (M, ·) row-major
+  std::vector<double> x, w, b, dy, y, dx, dw, db;
+};
+
+Dense dense(std::int64_t m, std::int64_t k, std::int64_t n) {
+  Dense d;
+  d.x = table(m, k, [](auto r, auto c) { return double((r * 5 + c * 3) % 7) - 3; });
+  d.w = table(n, k, [](auto r, auto c) { return double((r * 3 + c) % 5) - 2; });
+  d.b = table(1, n, [](auto, auto c) { return double(c % 4) - 1; });
+  d.dy = table(m, n, [](auto r, auto c) { return double((r + 2 * c) % 3) - 1; });
+  d.y = table(m, n, [&](auto i, auto j) {
+    double s = d.b[j];
+    for (std::int64_t p = 0; p < k; ++p) s += d.x[i * k + p] * d.w[j * k + p];
+    return s;
+  });
+  d.dx = table(m, k, [&](auto i, auto p) {
+    double s = 0;
+    for (std::int64_t j = 0; j < n; ++j) s += d.dy[i * n + j] * d.w[j * k + p];
+    return s;
+  });
+  d.dw = table(n, k, [&](auto j, auto p) {
+    double s = 0;
+    for (std::int64_t i = 0; i < m; ++i) s += d.dy[i * n + j] * d.x[i * k + p];
+    return s;
+  });
+  d.db = table(1, n, [&](auto, auto j) {
+    double s = 0;
+    for (std::int64_t i = 0; i < m; ++i) s += d.dy[i * n + j];
+    return s;
+  });
+  return d;
+}
+
+struct Case {
+  int T;
+  bool sp;
+  DType dtype;
+  bool flag;  // gather_output (column) or input_is_parallel (row)
+};
+
+std::string name(const Case& c) {
+  return ::testing::PrintToString(c.T) + (c.sp ? " sp" : "") + " " + dtypeName(c.dtype) + (c.flag ? " flag" : "");
+}
+
+ModelParallelConfig configFor(const Case& c) {
+  ModelParallelConfig config;
+  config.tensorModelParallelSize = std::max(2, c.T);  // SP validation reads the dense size
+  config.sequenceParallel = c.sp;
+  config.performInitialization = false;
+  config.paramsDtype = c.dtype;
+  return config;
+}
+
+void checkColumn(const Case& c) {
+  const std::int64_t s = 2 * c.T, b = 2, k = 6, n = 2 * c.T, m = s * b;
+  const Dense d = dense(m, k, n);
+  const std::int64_t nl = n / c.T, ml = m / c.T;
+  runRanks(c.T, [&](RankContext& ctx) {
+    const int t = ctx.comm.rank();
+    ColumnParallelOptions o;
+    o.gatherOutput = c.flag;
+    ColumnParallelLinear layer({ctx.compute, ctx.comm}, configFor(c), k, n, initMethodNormal(0.02), o);
+    ctx.compute.copy(tensorOf(ctx.compute, c.dtype, rows(d.w, k, t * nl, (t + 1) * nl), Shape{nl, k}),
+                     layer.weight()->data);
+    ctx.compute.copy(tensorOf(ctx.compute, c.dtype, rows(d.b, n, 0, 1), Shape{n}).view().slice(0, t * nl, (t + 1) * nl),
+                     layer.bias()->data);
+    const bool sp = layer.sequenceParallel();
+    Tensor x = tensorOf(ctx.compute, c.dtype, sp ? rows(d.x, k, t * ml, (t + 1) * ml) : d.x,
+                        Shape{sp ? s / c.T : s, b, k});
+    LayerOutput out = layer.forward(x);
+    const auto yExpect = c.flag ? d.y : columns(d.y, n, t * nl, (t + 1) * nl);
+    EXPECT_EQ(valuesOf(ctx.compute, out.output), yExpect) << "forward";
+    Tensor dy = tensorOf(ctx.compute, c.dtype, c.flag ? d.dy : columns(d.dy, n, t * nl, (t + 1) * nl),
+                         Shape{s, b, c.flag ? n : nl});
+    Tensor dx = layer.backward(dy);
+    EXPECT_EQ(valuesOf(ctx.compute, dx), sp ? rows(d.dx, k, t * ml, (t + 1) * ml) : d.dx) << "dgrad";
+    EXPECT_EQ(valuesOf(ctx.compute, layer.weight()->grad), rows(d.dw, k, t * nl, (t + 1) * nl)) << "wgrad";
+    EXPECT_EQ(valuesOf(ctx.compute, layer.bias()->grad), columns(d.db, n, t * nl, (t + 1) * nl)) << "bias grad";
+  });
+}
+
+void checkRow(const Case& c) {
+  const std::int64_t s = 2 * c.T, b = 2, k = 2 * c.T, n = 5, m = s * b;
+  const Dense d = dense(m, k, n);
+  const std::int64_t kl = k / c.T, ml = m / c.T;
+  const bool inputIsParallel = c.flag || c.sp;
+  runRanks(c.T, [&](RankContext& ctx) {
+    const int t = ctx.comm.rank();
+    RowParallelOptions o;
+    o.inputIsParallel = inputIsParallel;
+    RowParallelLinear layer({ctx.compute, ctx.comm}, configFor(c), k, n, initMethodNormal(0.02), o);
+    ctx.compute.copy(tensorOf(ctx.compute, c.dtype, columns(d.w, k, t * kl, (t + 1) * kl), Shape{n, kl}),
+                     layer.weight().data);
+    ctx.compute.copy(tensorOf(ctx.compute, c.dtype, d.b, Shape{n}), layer.bias()->data);
+    Tensor x = tensorOf(ctx.compute, c.dtype, inputIsParallel ? columns(d.x, k, t * kl, (t + 1) * kl) : d.x,
+                        Shape{s, b, inputIsParallel ? kl : k});
+    LayerOutput out = layer.forward(x);
+    EXPECT_EQ(valuesOf(ctx.compute, out.output), c.sp ? rows(d.y, n, t * ml, (t + 1) * ml) : d.y) << "forward";
+    Tensor dy = tensorOf(ctx.compute, c.dtype, c.sp ? rows(d.dy, n, t * ml, (t + 1) * ml) : d.dy,
+                         Shape{c.sp ? s / c.T : s, b, n});
+    Tensor dx = layer.backward(dy);
+    EXPECT_EQ(valuesOf(ctx.compute, dx), inputIsParallel ? columns(d.dx, k, t * kl, (t + 1) * kl) : d.dx) << "dgrad";
+    EXPECT_EQ(valuesOf(ctx.compute, layer.weight().grad), columns(d.dw, k, t * kl, (t + 1) * kl)) << "wgrad";
+    // Under SP each rank holds the bias gradient of its sequence slice; their TP sum is the full one.
+    auto db = valuesOf(ctx.compute, layer.bias()->grad);
+    if (c.sp) {
+      Tensor full = tensorOf(ctx.compute, DType::kFloat32, db, Shape{n});
+      ctx.comm.allReduce(full)->wait();
+      db = valuesOf(ctx.compute, full);
+    }
+    EXPECT_EQ(db, d.db) << "bias grad";
+  });
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> all;
+  for (int T : {1, 2, 3, 4, 8})
+    for (bool sp : {false, true})
+      for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
+        for (bool flag : {false, true})
+          if (!(sp && T == 1)) all.push_back({T, sp, dt, flag});
+  return all;
+}
+
+TEST(ColumnParallelLinear, MatchesDense) {
+  for (const Case& c : cases()) {
+    if (c.sp && c.flag) continue;  // gather_output with SP output is not a Megatron configuration
+    SCOPED_TRACE(name(c));
+    checkColumn(c);
+  }
+}
+
+TEST(RowParallelLinear, MatchesDense) {
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(name(c));
+    checkRow(c);
+  }
+}
+
+TEST(RowParallelLinear, SpecWorkedExample) {  // 3.19, T = 2
+  runRanks(2, [](RankContext& ctx) {
+    ModelParallelConfig config;
+    config.performInitialization = false;
+    RowParallelLinear layer({ctx.compute, ctx.comm}, config, 4, 2, initMethodNormal(0.02), {});
+    ctx.compute.upload(std::vector<float>{1, 0, 0, 1}.data(), layer.weight().data);
+    ctx.compute.upload(std::vector<float>{10, 20}.data(), layer.bias()->data);
+    Tensor x = tensorOf(ctx.compute, DType::kFloat32, {1, 2, 3, 4}, Shape{1, 4});
+    EXPECT_EQ(valuesOf(ctx.compute, layer.forward(x).output), (std::vector<double>{14, 26}));
+  });
+}
+
+TEST(Layers, GradientsAccumulateAcrossMicroBatches) {
+  runRanks(2, [](RankContext& ctx) {
+    ModelParallelConfig config;
+    config.performInitialization = false;
+    ColumnParallelLinear layer({ctx.compute, ctx.comm}, config, 3, 4, initMethodNormal(0.02), {});
+    ctx.compute.fill(layer.weight()->data, 1.0);
+    Tensor x = tensorOf(ctx.compute, DType::kFloat32, {1, 2, 3}, Shape{1, 3});
+    Tensor dy = tensorOf(ctx.compute, DType::kFloat32, {1, 1}, Shape{1, 2});
+    for (int mb = 0; mb < 3; ++mb) {
+      layer.forward(x);
+      layer.backward(dy);
+    }
+    EXPECT_EQ(valuesOf(ctx.compute, layer.weight()->grad), (std::vector<double>{3, 6, 9, 3, 6, 9}));
+    EXPECT_EQ(valuesOf(ctx.compute, layer.bias()->grad), (std::vector<double>{3, 3}));
+  });
+}
+
+TEST(Layers, SkipBiasAddHandsTheBiasToTheCaller) {
+  runRanks(2, [](RankContext& ctx) {
+    ModelParallelConfig config;
+    config.performInitialization = false;
+    RowParallelOptions o;
+    o.skipBiasAdd = true;
+    RowParallelLinear row({ctx.compute, ctx.comm}, config, 4, 2, initMethodNormal(0.02), o);
+    ctx.compute.fill(row.bias()->data, 5.0);
+    Tensor x = ctx.compute.zeros({1, 4}, DType::kFloat32);
+    LayerOutput out = row.forward(x);
+    ASSERT_EQ(out.outputBias, row.bias());
+    EXPECT_EQ(valuesOf(ctx.compute, out.output), (std::vector<double>{0, 0}));  // not added
+    Tensor dBias = tensorOf(ctx.compute, DType::kFloat32, {7, 8});
+    row.backward(ctx.compute.zeros({1, 2}, DType::kFloat32), dBias);
+    EXPECT_EQ(valuesOf(ctx.compute, row.bias()->grad), (std::vector<double>{7, 8}));
+  });
+}
+
+// I1: CPU initialization is TP-invariant: the T = 4 shard equals rows (Column) or columns (Row)
+// of the T = 1 weight drawn from the same generator seed.
+TEST(Layers, CpuInitializationIsTpInvariant) {
+  std::vector<double> columnFull, rowFull;
+  ModelParallelConfig config;
+  config.useCpuInitialization = true;
+  runRanks(1, [&](RankContext& ctx) {
+    Generator g1(42), g2(42);
+    ColumnParallelLinear col({ctx.compute, ctx.comm, nullptr, &g1}, config, 16, 16, initMethodNormal(1.0), {});
+    RowParallelLinear row({ctx.compute, ctx.comm, nullptr, &g2}, config, 16, 16, initMethodNormal(1.0), {});
+    columnFull = valuesOf(ctx.compute, col.weight()->data);
+    rowFull = valuesOf(ctx.compute, row.weight().data);
+  });
+  runRanks(4, [&](RankContext& ctx) {
+    const int t = ctx.comm.rank();
+    Generator g1(42), g2(42);
+    RngTracker tracker;  // different tracker seeds change nothing: CPU init never touches it
+    tracker.add("model-parallel-rng", 41 + std::uint64_t(t));
+    ColumnParallelLinear col({ctx.compute, ctx.comm, &tracker, &g1}, config, 16, 16, initMethodNormal(1.0), {});
+    RowParallelLinear row({ctx.compute, ctx.comm, &tracker, &g2}, config, 16, 16, initMethodNormal(1.0), {});
+    EXPECT_EQ(valuesOf(ctx.compute, col.weight()->data), rows(columnFull, 16, 4 * t, 4 * t + 4));
+    EXPECT_EQ(valuesOf(ctx.compute, row.weight().data), columns(rowFull, 16, 4 * t, 4 * t + 4));
+  });
+}
+
+TEST(Layers, AttributesWithoutInitializationAndForExperts) {  // I2, I3
+  runRanks(2, [](RankContext& ctx) {
+    ModelParallelConfig config;
+    config.performInitialization = false;
+    config.tensorModelParallelSize = 2;
+    ColumnParallelLinear col({ctx.compute, ctx.comm}, config, 4, 4, initMethodNormal(0.02), {});
+    RowParallelLinear row({ctx.compute, ctx.comm}, config, 4, 4, initMethodNormal(0.02), {});
+    EXPECT_EQ(col.weight()->attrs.tensorModelParallel, std::optional<bool>(true));
+    EXPECT_EQ(col.weight()->attrs.partitionDim, std::optional<int>(0));
+    EXPECT_EQ(col.weight()->attrs.partitionStride, std::optional<int>(1));
+    EXPECT_EQ(row.weight().attrs.partitionDim, std::optional<int>(1));
+    EXPECT_FALSE(row.bias()->attrs.tensorModelParallel.has_value());  // replicated
+    EXPECT_EQ(col.weight()->attrs.allreduce, std::optional<bool>(true));
+    config.expertTensorParallelSize = 1;  // ET = 1 != T = 2
+    ColumnParallelOptions co;
+    co.isExpert = true;
+    RowParallelOptions ro;
+    ro.isExpert = true;
+    ro.skipBiasAdd = true;
+    ColumnParallelLinear ecol({ctx.compute, ctx.comm}, config, 4, 4, initMethodNormal(0.02), co);
+    RowParallelLinear erow({ctx.compute, ctx.comm}, config, 4, 4, initMethodNormal(0.02), ro);
+    for (const Parameter* p : {ecol.weight(), ecol.bias(), &erow.weight(), erow.bias()})
+      EXPECT_EQ(p->attrs.allreduce, std::optional<bool>(false)) << p->name;
+    EXPECT_EQ(col.extraRepr(), "in_features=4, out_features=4, bias=True, TP=2");
+    EXPECT_EQ(row.extraRepr(), "in_features=4, out_features=4, bias=True, TP=2");
+  });
+}
+
+TEST(Layers, RejectedConfigurationsNameTheArgument) {
+  runRanks(2, [](RankContext& ctx) {
+    auto message = [](const std::function<void()>& f) {
+      try {
+        f();
+      } catch (const InvalidArgument& e) {
+        return std::string(e.what());
+      }
+      return std::string("no error");
+    };
+    ModelParallelConfig config;
+    config.performInitialization = false;
+    config.tensorModelParallelSize = 2;
+    const InitMethod init = initMethodNormal(0.02);
+    EXPECT_THAT(message([&] { ColumnParallelLinear({ctx.compute, ctx.comm}, config, 4, 5, init, {}); }),
+                HasSubstr("output_size by the TP size"));
+    EXPECT_THAT(message([&] { RowParallelLinear({ctx.compute, ctx.comm}, config, 5, 4, init, {}); }),
+                HasSubstr("input_size by the TP size"));
+    ModelParallelConfig sp = config;
+    sp.sequenceParallel = true;
+    EXPECT_THAT(message([&] { RowParallelLinear({ctx.compute, ctx.comm}, sp, 4, 4, init, {}); }),
+                HasSubstr("sequence_parallel needs input_is_parallel = True"));
+    ModelParallelConfig spT1;
+    spT1.sequenceParallel = true;
+    EXPECT_THAT(message([&] { RowParallelLinear({ctx.compute, ctx.comm}, spT1, 4, 4, init, {}); }),
+                HasSubstr("sequence_parallel needs tensor_model_parallel_size > 1"));
+    ColumnParallelOptions skip;
+    skip.skipWeightParamAllocation = true;
+    ColumnParallelLinear noWeight({ctx.compute, ctx.comm}, config, 4, 4, init, skip);
+    Tensor x = ctx.compute.zeros({1, 4}, DType::kFloat32);
+    EXPECT_THAT(message([&] { noWeight.forward(x); }), HasSubstr("weight was not supplied"));
+    Parameter wrong;
+    wrong.data = ctx.compute.zeros({4, 4}, DType::kFloat32);
+    EXPECT_THAT(message([&] { noWeight.forward(x, &wrong); }), HasSubstr("supplied weight must be (2, 4)"));
+    ModelParallelConfig defer = config;
+    defer.deferEmbeddingWgradCompute = true;
+    defer.gradientAccumulationFusion = true;
+    defer.pipelineModelParallelSize = 2;
+    std::vector<Tensor> activations;
+    ColumnParallelOptions half;
+    half.embeddingActivationBuffer = &activations;
+    EXPECT_THAT(message([&] { ColumnParallelLinear({ctx.compute, ctx.comm}, defer, 4, 4, init, half); }),
+                HasSubstr("grad_output_buffer is missing"));
+    ModelParallelConfig gtp = config;
+    gtp.gtpRematSize = 2;
+    EXPECT_THAT(message([&] { ColumnParallelLinear({ctx.compute, ctx.comm}, gtp, 4, 4, init, {}); }),
+                HasSubstr("GTP_remat sizes must be 1"));
+    ColumnParallelLinear col({ctx.compute, ctx.comm}, config, 4, 4, init, {});
+    Tensor badX = ctx.compute.zeros({1, 3}, DType::kFloat32);
+    EXPECT_THAT(message([&] { col.forward(badX); }), HasSubstr("input must end in K=4, got fp32 (1, 3)"));
+  });
+}
+
+}  // namespace
+}  // namespace tpsim

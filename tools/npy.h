@@ -1,0 +1,38 @@
+// Reads and writes NumPy .npy files, so tools can load reference tensors saved with np.save and
+// write results that np.load reads back.
+//
+// Format versions 1.0, 2.0 and 3.0; little-endian fp32, fp16, fp64 and int64 in C order. This is
+// not a general NumPy reader: no Fortran order, big-endian, structured or object dtypes, no .npz
+// archives and no memory mapping; the data is read whole into memory.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "backends/dtype.h"
+
+namespace tpsim::tools {
+
+// One array as stored in a .npy file.
+struct NpyArray {
+  DType dtype = DType::kFloat32;
+  std::vector<std::int64_t> shape;  // () is a scalar with one element
+  std::vector<char> data;           // row-major, little-endian, dtypeSize(dtype) bytes per element
+};
+
+// Reads the array in `path`. Accepts descr '<f4' (kFloat32), '<f2' (kFloat16, raw half bits),
+// '<f8' (kFloat64) and '<i8' (kInt64); '|' or '=' in place of '<' where they mean little-endian
+// on this machine. Throws InvalidArgument naming the file for anything else.
+NpyArray readNpy(const std::string& path);
+
+// Writes `data` (row-major, little-endian, one element per index of `shape`) to `path` byte for
+// byte as numpy.save does: version 1.0, or 2.0 if the header would exceed 65535 bytes. bf16 has
+// no NumPy dtype and is rejected. Throws InvalidArgument naming the path if it cannot be written.
+void writeNpy(const std::string& path, DType dtype, const std::vector<std::int64_t>& shape,
+              const void* data);
+
+// The repr of a NumPy shape tuple: "(2, 3)", "(5,)", "()".
+std::string shapeString(const std::vector<std::int64_t>& shape);
+
+}  // namespace tpsim::tools

@@ -1,0 +1,226 @@
+#include "tools/reference.h"
+
+#include <cmath>
+
+#include "backends/errors.h"
+
+namespace tpsim::tools {
+namespace {
+
+// Row-major matrix view of a HostTensor's values: (rows, cols) with cols = the last dim.
+struct Mat {
+  std::int64_t rows, cols;
+  std::vector<double> v;
+};
+
+Mat asMat(const HostTensor& t) {
+  const std::int64_t cols = t.shape.back();
+  return {t.numel() / cols, cols, t.values};
+}
+
+Mat absMat(Mat m) {
+  for (double& x : m.v) x = std::fabs(x);
+  return m;
+}
+
+// a·bᵀ (+ bias). a: (M, K)  b: (N, K)  -> (M, N)
+Mat linear(const Mat& a, const Mat& b, const std::vector<double>* bias) {
+  Mat out{a.rows, b.rows, std::vector<double>(a.rows * b.rows)};
+  for (std::int64_t i = 0; i < a.rows; ++i)
+    for (std::int64_t j = 0; j < b.rows; ++j) {
+      double s = bias ? (*bias)[j] : 0.0;
+      for (std::int64_t p = 0; p < a.cols; ++p) s += a.v[i * a.cols + p] * b.v[j * b.cols + p];
+      out.v[i * out.cols + j] = s;
+    }
+  return out;
+}
+
+// a·b. a: (M, N)  b: (N, K)  -> (M, K)
+Mat matmul(const Mat& a, const Mat& b) {
+  Mat out{a.rows, b.cols, std::vector<double>(a.rows * b.cols, 0.0)};
+  for (std::int64_t i = 0; i < a.rows; ++i)
+    for (std::int64_t p = 0; p < a.cols; ++p) {
+      const double x = a.v[i * a.cols + p];
+      for (std::int64_t j = 0; j < b.cols; ++j) out.v[i * out.cols + j] += x * b.v[p * b.cols + j];
+    }
+  return out;
+}
+
+// aᵀ·b. a: (M, N)  b: (M, K)  -> (N, K)
+Mat transposeMatmul(const Mat& a, const Mat& b) {
+  Mat out{a.cols, b.cols, std::vector<double>(a.cols * b.cols, 0.0)};
+  for (std::int64_t m = 0; m < a.rows; ++m)
+    for (std::int64_t i = 0; i < a.cols; ++i) {
+      const double x = a.v[m * a.cols + i];
+      for (std::int64_t j = 0; j < b.cols; ++j) out.v[i * out.cols + j] += x * b.v[m * b.cols + j];
+    }
+  return out;
+}
+
+std::vector<double> columnSums(const Mat& m) {
+  std::vector<double> s(m.cols, 0.0);
+  for (std::int64_t i = 0; i < m.rows; ++i)
+    for (std::int64_t j = 0; j < m.cols; ++j) s[j] += m.v[i * m.cols + j];
+  return s;
+}
+
+double unitRoundoff(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16: return std::ldexp(1.0, -8);
+    case DType::kFloat16: return std::ldexp(1.0, -11);
+    case DType::kFloat64: return std::ldexp(1.0, -53);
+    default: return std::ldexp(1.0, -24);
+  }
+}
+
+// A dense result and its bound: (length · u_acc + stages · u_store) · magnitude.
+Checked checked(std::vector<std::int64_t> shape, DType dtype, const Mat& value, const Mat& magnitude,
+                std::int64_t length, int stages, DType storeDtype) {
+  const double rel = double(length + 2) * unitRoundoff(DType::kFloat32) + double(stages) * unitRoundoff(storeDtype);
+  Checked c{HostTensor{std::move(shape), dtype, value.v}, std::vector<double>(value.v.size())};
+  for (std::size_t i = 0; i < value.v.size(); ++i) c.bound[i] = rel * magnitude.v[i] + 1e-30;
+  return c;
+}
+
+std::vector<std::int64_t> withLast(std::vector<std::int64_t> shape, std::int64_t n) {
+  shape.back() = n;
+  return shape;
+}
+
+const HostTensor& need(const TensorMap& m, const std::string& name) {
+  auto it = m.find(name);
+  TPSIM_INTERNAL_ASSERT(it != m.end(), "reference input ", name, " missing");
+  return it->second;
+}
+
+// One linear layer y = x·Wᵀ + b and its gradients, written into `out` under `prefix`.
+// Returns dX's magnitude's helpers through `out` too.
+void linearLayer(const ReferenceOptions& o, const HostTensor& x, const HostTensor& w, const HostTensor* b,
+                 const HostTensor& dy, const std::string& prefix, std::map<std::string, Checked>& out,
+                 int extraStages) {
+  const Mat X = asMat(x), W = asMat(w), dY = asMat(dy);
+  const Mat aX = absMat(X), aW = absMat(W), adY = absMat(dY);
+  std::vector<double> bias, absBias;
+  if (b) {
+    bias = b->values;
+    absBias = absMat(asMat(*b)).v;
+  }
+  const DType c = o.computeDtype;
+  const int reduceStages = o.tp;  // partial sums rounded once each, then added in rank order
+  out[prefix + "output"] = checked(withLast(x.shape, W.rows), o.outputDtype, linear(X, W, b ? &bias : nullptr),
+                                   linear(aX, aW, b ? &absBias : nullptr), X.cols, 1 + extraStages + reduceStages,
+                                   o.outputDtype);
+  out[prefix + "input.grad"] = checked(x.shape, c, matmul(dY, W), matmul(adY, aW), W.rows,
+                                       1 + extraStages + reduceStages, c);
+  out[prefix + "weight.grad"] = checked(w.shape, c, transposeMatmul(dY, X), transposeMatmul(adY, aX), X.rows,
+                                        1 + extraStages, c);
+  if (b) {
+    Mat db{1, dY.cols, columnSums(dY)}, adb{1, dY.cols, columnSums(adY)};
+    out[prefix + "bias.grad"] = checked(b->shape, c, db, adb, dY.rows, 1 + extraStages + reduceStages, c);
+  }
+}
+
+}  // namespace
+
+const char* layerName(LayerKind kind) {
+  switch (kind) {
+    case LayerKind::kColumn: return "column";
+    case LayerKind::kRow: return "row";
+    case LayerKind::kEmbedding: return "embedding";
+    case LayerKind::kMlp: return "mlp";
+  }
+  return "unknown";
+}
+
+double gelu(double x) { return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0))); }
+
+double geluGrad(double x) {
+  return 0.5 * (1.0 + std::erf(x / std::sqrt(2.0))) + x * std::exp(-0.5 * x * x) / std::sqrt(2.0 * M_PI);
+}
+
+std::map<std::string, Checked> denseReference(const ReferenceOptions& o, const TensorMap& in) {
+  std::map<std::string, Checked> out;
+  switch (o.kind) {
+    case LayerKind::kColumn:
+    case LayerKind::kRow: {
+      auto b = in.find("bias");
+      linearLayer(o, need(in, "input"), need(in, "weight"), b == in.end() ? nullptr : &b->second,
+                  need(in, "grad_output"), "", out, 0);
+      break;
+    }
+    case LayerKind::kEmbedding: {
+      const HostTensor& ids = need(in, "input");  // (b, s)
+      const Mat W = asMat(need(in, "weight"));
+      const std::int64_t h = W.cols;
+      HostTensor e{{ids.shape[0], ids.shape[1], h}, need(in, "weight").dtype, {}};
+      for (double id : ids.values)
+        e.values.insert(e.values.end(), W.v.begin() + std::int64_t(id) * h, W.v.begin() + (std::int64_t(id) + 1) * h);
+      if (o.reduceScatterEmbeddings) e = swap01(e);  // (s, b, h)
+      HostTensor dy = need(in, "grad_output");
+      if (o.reduceScatterEmbeddings) dy = swap01(dy);  // back to (b, s, h)
+      Mat dW{W.rows, h, std::vector<double>(W.v.size(), 0.0)}, adW = dW;
+      for (std::size_t i = 0; i < ids.values.size(); ++i)
+        for (std::int64_t j = 0; j < h; ++j) {
+          dW.v[std::int64_t(ids.values[i]) * h + j] += dy.values[i * h + j];
+          adW.v[std::int64_t(ids.values[i]) * h + j] += std::fabs(dy.values[i * h + j]);
+        }
+      const Mat eMat = asMat(e);
+      out["output"] = checked(e.shape, e.dtype, eMat, absMat(eMat), 0, 1 + o.tp, e.dtype);
+      out["weight.grad"] = checked(need(in, "weight").shape, e.dtype, dW, adW, std::int64_t(ids.values.size()), 1,
+                                   e.dtype);
+      break;
+    }
+    case LayerKind::kMlp: {
+      // fc1 (column) -> GeLU -> fc2 (row), each with its bias; SPEC's MLP block.
+      const HostTensor& x = need(in, "input");
+      const Mat X = asMat(x), W1 = asMat(need(in, "fc1.weight")), W2 = asMat(need(in, "fc2.weight"));
+      const std::vector<double>& b1 = need(in, "fc1.bias").values;
+      const Mat H = linear(X, W1, &b1);  // (M, F)
+      Mat A = H, dGelu = H;
+      for (std::size_t i = 0; i < H.v.size(); ++i) {
+        A.v[i] = gelu(H.v[i]);
+        dGelu.v[i] = geluGrad(H.v[i]);
+      }
+      HostTensor a{withLast(x.shape, W1.rows), x.dtype, A.v};
+      const HostTensor& dy = need(in, "grad_output");
+      std::map<std::string, Checked> fc2;
+      linearLayer(o, a, need(in, "fc2.weight"), &need(in, "fc2.bias"), dy, "", fc2, 2);
+      // GeLU's backward: dH = dA ⊙ GeLU'(H); then fc1's backward from dH.
+      HostTensor dh{a.shape, x.dtype, fc2["input.grad"].value.values};
+      for (std::size_t i = 0; i < dh.values.size(); ++i) dh.values[i] *= dGelu.v[i];
+      std::map<std::string, Checked> fc1;
+      linearLayer(o, x, need(in, "fc1.weight"), &need(in, "fc1.bias"), dh, "", fc1, 2);
+      // fc1's input gradient went through fc2's dgrad, GeLU and fc1: widen its bound by fc2's
+      // reduction length through the magnitudes (|dY|·|W2| feeds |dH| up to max|GeLU'| < 1.13).
+      const double chain = double(W2.rows + 2) * unitRoundoff(DType::kFloat32) + 4 * unitRoundoff(o.computeDtype);
+      const Mat adH = [&] {
+        Mat m = matmul(absMat(asMat(dy)), absMat(W2));
+        for (double& v : m.v) v *= 1.13;
+        return m;
+      }();
+      const Mat adX = matmul(adH, absMat(W1));
+      for (std::size_t i = 0; i < adX.v.size(); ++i) fc1["input.grad"].bound[i] += chain * adX.v[i];
+      const Mat adW1 = transposeMatmul(adH, absMat(X));
+      for (std::size_t i = 0; i < adW1.v.size(); ++i) fc1["weight.grad"].bound[i] += chain * adW1.v[i];
+      const std::vector<double> adb1 = columnSums(adH);
+      for (std::size_t i = 0; i < adb1.size(); ++i) fc1["bias.grad"].bound[i] += chain * adb1[i];
+      // fc2's input is GeLU(H) rounded: its error feeds the output and fc2's wgrad.
+      const Mat aH = linear(absMat(X), absMat(W1), nullptr);
+      const double hErr = double(W1.cols + 2) * unitRoundoff(DType::kFloat32) + 2 * unitRoundoff(o.computeDtype);
+      const Mat outErr = linear(aH, absMat(W2), nullptr);
+      for (std::size_t i = 0; i < outErr.v.size(); ++i) fc2["output"].bound[i] += 1.13 * hErr * outErr.v[i];
+      const Mat w2Err = transposeMatmul(absMat(asMat(dy)), aH);
+      for (std::size_t i = 0; i < w2Err.v.size(); ++i) fc2["weight.grad"].bound[i] += 1.13 * hErr * w2Err.v[i];
+      out["output"] = std::move(fc2["output"]);
+      out["input.grad"] = std::move(fc1["input.grad"]);
+      out["fc1.weight.grad"] = std::move(fc1["weight.grad"]);
+      out["fc1.bias.grad"] = std::move(fc1["bias.grad"]);
+      out["fc2.weight.grad"] = std::move(fc2["weight.grad"]);
+      out["fc2.bias.grad"] = std::move(fc2["bias.grad"]);
+      break;
+    }
+  }
+  return out;
+}
+
+}  // namespace tpsim::tools

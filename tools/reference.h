@@ -1,0 +1,44 @@
+// The unsharded computation in double precision: what every sharded run is checked against.
+//
+// One dense forward and backward per layer kind, on the same (already dtype-rounded) inputs the
+// sharded run received, plus an error bound per element: |sharded - dense| <= bound. The bound
+// is first-order: (reduction length · u_acc + rounding stages · u_dtype) · magnitude, where the
+// magnitude is the same computation on absolute values (|X|·|W|ᵀ + |b|, ...). It is a tool's
+// tolerance, derived from the data, not a proof.
+#pragma once
+
+#include <map>
+#include <string>
+
+#include "tools/host_tensor.h"
+
+namespace tpsim::tools {
+
+enum class LayerKind { kColumn, kRow, kEmbedding, kMlp };
+const char* layerName(LayerKind kind);
+
+// name -> tensor. Inputs: input (or ids), weight, bias, grad_output; mlp: fc1.weight, fc1.bias,
+// fc2.weight, fc2.bias. Results: output, input.grad, weight.grad, bias.grad (mlp: fc1.weight.grad,
+// ...), each unsharded.
+using TensorMap = std::map<std::string, HostTensor>;
+
+struct Checked {
+  HostTensor value;  // the dense result
+  std::vector<double> bound;
+};
+
+struct ReferenceOptions {
+  LayerKind kind = LayerKind::kColumn;
+  bool reduceScatterEmbeddings = false;  // output and grad_output are (s, b, h)
+  int tp = 1;                            // number of partial sums a reduction adds
+  DType computeDtype = DType::kFloat32;  // the activations' dtype
+  DType outputDtype = DType::kFloat32;
+};
+
+std::map<std::string, Checked> denseReference(const ReferenceOptions& options, const TensorMap& inputs);
+
+// Exact (erf) GeLU and its derivative, in double.
+double gelu(double x);
+double geluGrad(double x);
+
+}  // namespace tpsim::tools

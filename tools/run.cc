@@ -1,0 +1,174 @@
+// tpsim run: one layer (column, row, embedding or the MLP block) sharded over a simulated TP
+// group, on generated data or on your own NumPy files, checked against the unsharded computation.
+// The command line is a contract for outside harnesses; see README.md ("tpsim run").
+#include <boost/program_options.hpp>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+
+#include "backends/errors.h"
+#include "tools/cli.h"
+#include "tools/npy.h"
+#include "tools/runner.h"
+
+namespace po = boost::program_options;
+
+namespace tpsim::tools {
+namespace {
+
+std::vector<std::string> inputNames(const RunConfig& c) {
+  switch (c.layer) {
+    case LayerKind::kMlp: return {"input", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "grad_output"};
+    case LayerKind::kEmbedding: return {"input", "weight", "grad_output"};
+    default:
+      if (c.bias) return {"input", "weight", "bias", "grad_output"};
+      return {"input", "weight", "grad_output"};
+  }
+}
+
+HostTensor fromNpy(const NpyArray& a, DType want, const std::string& file) {
+  const bool ids = want == DType::kInt64;
+  TPSIM_CHECK(ids == (a.dtype == DType::kInt64), file, ": expected ", ids ? "int64 token ids" : "float32 or float16 values",
+              ", got ", dtypeName(a.dtype));
+  const std::size_t n = a.data.size() / dtypeSize(a.dtype);
+  std::vector<double> values(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const char* p = a.data.data() + i * dtypeSize(a.dtype);
+    switch (a.dtype) {
+      case DType::kFloat32: { float f; std::memcpy(&f, p, 4); values[i] = f; break; }
+      case DType::kFloat64: std::memcpy(&values[i], p, 8); break;
+      case DType::kFloat16: { std::uint16_t h; std::memcpy(&h, p, 2); values[i] = halfToFloat(h); break; }
+      case DType::kBFloat16: { std::uint16_t h; std::memcpy(&h, p, 2); values[i] = bf16ToFloat(h); break; }
+      case DType::kInt64: { std::int64_t x; std::memcpy(&x, p, 8); values[i] = double(x); break; }
+    }
+  }
+  return makeHost(a.shape, want, std::move(values));  // 16-bit --dtype: rounded once, here
+}
+
+TensorMap load(const RunConfig& c, const std::string& dir) {
+  TPSIM_CHECK(std::filesystem::is_directory(dir), "--load: ", dir, " is not a directory");
+  TensorMap m;
+  for (const std::string& name : inputNames(c)) {
+    const std::string file = (std::filesystem::path(dir) / (name + ".npy")).string();
+    TPSIM_CHECK(std::filesystem::exists(file), "--load: ", file, " is missing; --layer ", layerName(c.layer),
+                " reads ", [&] {
+                  std::string all;
+                  for (const auto& n : inputNames(c)) all += (all.empty() ? "" : ", ") + n + ".npy";
+                  return all;
+                }());
+    const bool ids = c.layer == LayerKind::kEmbedding && name == "input";
+    m[name] = fromNpy(readNpy(file), ids ? DType::kInt64 : c.dtype, file);
+  }
+  return m;
+}
+
+void save(const std::string& dir, const TensorMap& tensors) {
+  std::filesystem::create_directories(dir);
+  for (const auto& [name, t] : tensors) {
+    const std::string file = (std::filesystem::path(dir) / (name + ".npy")).string();
+    if (t.dtype == DType::kInt64) {
+      std::vector<std::int64_t> v(t.values.begin(), t.values.end());
+      writeNpy(file, DType::kInt64, t.shape, v.data());
+    } else {
+      std::vector<float> v(t.values.begin(), t.values.end());
+      writeNpy(file, DType::kFloat32, t.shape, v.data());
+    }
+  }
+}
+
+LayerKind parseLayer(const std::string& s) {
+  for (LayerKind k : {LayerKind::kColumn, LayerKind::kRow, LayerKind::kEmbedding, LayerKind::kMlp})
+    if (s == layerName(k)) return k;
+  throw UsageError{"--layer: expected column, row, embedding or mlp, got '" + s + "'"};
+}
+
+DType parseFloatDtype(const std::string& flag, const std::string& s) {
+  if (s == "fp32" || s == "bf16" || s == "fp16") return parseDType(s);
+  throw UsageError{"--" + flag + ": expected fp32, bf16 or fp16, got '" + s + "'"};
+}
+
+}  // namespace
+
+int runMain(const std::vector<std::string>& args) {
+  RunConfig c;
+  std::string layer, dtype = "fp32", outputDtype, mainGradDtype = "fp32", backend = "sim", loadDir, saveDir;
+  po::options_description par("Parallelism");
+  par.add_options()
+      ("help,h", "show this help")
+      ("layer,l", po::value(&layer), "column | row | embedding | mlp (required)")
+      ("tp,p", po::value(&c.tp)->default_value(c.tp), "tensor-parallel size T (ranks)")
+      ("sequence-parallel,S", po::bool_switch(&c.sequenceParallel), "shard activations along the sequence");
+  po::options_description lay("Layer options (Megatron's constructor arguments)");
+  lay.add_options()
+      ("bias", po::bool_switch(&c.bias), "column/row: with a bias")
+      ("gather-output", po::bool_switch(&c.gatherOutput), "column: all-gather the output")
+      ("input-is-parallel", po::bool_switch(&c.inputIsParallel), "row: the input is already split along K")
+      ("reduce-scatter-embeddings", po::bool_switch(&c.reduceScatterEmbeddings),
+       "embedding: reduce-scatter the output along the sequence")
+      ("skip-bias-add", po::bool_switch(&c.skipBiasAdd), "column/row: return the bias instead of adding it")
+      ("stride", po::value(&c.stride)->default_value(c.stride), "column/row: interleaved partition stride")
+      ("dtype,d", po::value(&dtype)->default_value(dtype), "fp32 | bf16 | fp16: params and activations")
+      ("output-dtype", po::value(&outputDtype), "column: output dtype when it differs from --dtype")
+      ("grad-accumulation-fusion", po::bool_switch(&c.gradAccumulationFusion), "add wgrads into main_grad")
+      ("main-grad-dtype", po::value(&mainGradDtype)->default_value(mainGradDtype), "fp32 | bf16");
+  po::options_description size("Problem size (generated data; ignored with --load)");
+  size.add_options()
+      ("seq,s", po::value(&c.seq)->default_value(c.seq), "sequence length s")
+      ("batch,b", po::value(&c.batch)->default_value(c.batch), "micro-batch b")
+      ("in-features,k", po::value(&c.inFeatures)->default_value(c.inFeatures), "K (the MLP's hidden size h)")
+      ("out-features,n", po::value(&c.outFeatures)->default_value(c.outFeatures), "N (the embedding's h)")
+      ("ffn-hidden,f", po::value(&c.ffnHidden)->default_value(c.ffnHidden), "mlp: ffn hidden size F")
+      ("vocab,V", po::value(&c.vocab)->default_value(c.vocab), "embedding: vocabulary size V");
+  po::options_description run("Run");
+  run.add_options()
+      ("backend,B", po::value(&backend)->default_value(backend), "sim (the only backend in this build)")
+      ("seed", po::value(&c.seed)->default_value(c.seed), "seed of the generated data")
+      ("threads,t", po::value(&c.threads)->default_value(c.threads), "sim worker threads (0 = min(cores, ranks))")
+      ("load", po::value(&loadDir), "read the unsharded tensors from DIR/*.npy")
+      ("save", po::value(&saveDir), "write the unsharded results (and generated inputs) to DIR/*.npy");
+  po::options_description all("tpsim run --layer KIND [options]");
+  all.add(par).add(lay).add(size).add(run);
+  po::variables_map vm;
+  po::store(po::command_line_parser(args).options(all).run(), vm);
+  po::notify(vm);
+  if (vm.count("help")) {
+    std::cout << all << "\n";
+    return 0;
+  }
+  if (layer.empty()) throw UsageError{"--layer is required: column, row, embedding or mlp"};
+  c.layer = parseLayer(layer);
+  c.dtype = parseFloatDtype("dtype", dtype);
+  if (!outputDtype.empty()) c.outputDtype = parseFloatDtype("output-dtype", outputDtype);
+  if (mainGradDtype != "fp32" && mainGradDtype != "bf16")
+    throw UsageError{"--main-grad-dtype: expected fp32 or bf16, got '" + mainGradDtype + "'"};
+  c.mainGradDtype = parseDType(mainGradDtype);
+  if (backend != "sim") throw UsageError{"--backend: expected sim (this build has no gpu backend), got '" + backend + "'"};
+  c.validate();
+
+  std::printf("# tpsim run: %s\n", c.str().c_str());
+  const TensorMap inputs = loadDir.empty() ? generateInputs(c) : load(c, loadDir);
+  std::printf("# inputs (%s):", loadDir.empty() ? "generated" : loadDir.c_str());
+  for (const auto& [name, t] : inputs) std::printf(" %s %s", name.c_str(), t.shapeStr().c_str());
+  std::printf("\n");
+  const RunResult result = runSharded(c, inputs);
+  std::size_t collectives = 0;
+  for (const auto& events : result.trace) collectives += events.size();
+  std::printf("# %d ranks issued %zu collectives\n\n", c.tp, collectives);
+
+  std::printf("%-18s %-16s %12s %12s %9s  %s\n", "tensor", "shape", "max|err|", "bound", "#outside", "result");
+  bool ok = true;
+  for (const Verdict& v : verify(c, inputs, result.results)) {
+    ok = ok && v.outside == 0;
+    std::printf("%-18s %-16s %12.3e %12.3e %9lld  %s\n", v.name.c_str(), v.shape.c_str(), v.maxError, v.maxBound,
+                (long long)v.outside, v.outside == 0 ? "OK" : "FAIL");
+  }
+  if (!saveDir.empty()) {
+    save(saveDir, result.results);
+    if (loadDir.empty()) save(saveDir, inputs);
+    std::printf("\nsaved to %s\n", saveDir.c_str());
+  }
+  std::printf("\n%s\n", ok ? "sharded results agree with the unsharded computation" : "MISMATCH");
+  return ok ? 0 : 1;
+}
+
+}  // namespace tpsim::tools

@@ -1,0 +1,472 @@
+#include "tools/runner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <random>
+
+#include "backends/errors.h"
+#include "core/embedding.h"
+#include "core/layers.h"
+
+namespace tpsim::tools {
+namespace {
+
+using Range = std::pair<std::int64_t, std::int64_t>;
+
+// The rows (or columns) of a dim of `total` that TP rank t owns: chunks t, t+T, ... of size
+// total/(T·stride) (SPEC 3.11; stride 1 is one contiguous block).
+std::vector<Range> ownedRanges(std::int64_t total, int T, int stride, int t) {
+  const std::int64_t chunk = total / (std::int64_t(T) * stride);
+  std::vector<Range> out;
+  for (int j = 0; j < stride; ++j) out.push_back({(t + std::int64_t(j) * T) * chunk, (t + std::int64_t(j) * T + 1) * chunk});
+  return out;
+}
+
+HostTensor take(const HostTensor& full, int dim, const std::vector<Range>& ranges) {
+  std::vector<HostTensor> parts;
+  for (auto [b, e] : ranges) parts.push_back(slice(full, dim, b, e));
+  return concat(parts, dim);
+}
+
+// Inverse of take() over all ranks: rank t's tensor holds its ranges, in order, along `dim`.
+HostTensor place(const std::vector<HostTensor>& perRank, int dim, std::int64_t total, int stride) {
+  const int T = int(perRank.size());
+  std::vector<std::pair<std::int64_t, HostTensor>> pieces;
+  for (int t = 0; t < T; ++t) {
+    const auto ranges = ownedRanges(total, T, stride, t);
+    std::int64_t at = 0;
+    for (auto [b, e] : ranges) {
+      pieces.push_back({b, slice(perRank[t], dim, at, at + (e - b))});
+      at += e - b;
+    }
+  }
+  std::sort(pieces.begin(), pieces.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<HostTensor> ordered;
+  for (auto& p : pieces) ordered.push_back(std::move(p.second));
+  return concat(ordered, dim);
+}
+
+std::string describe(const std::string& name, const HostTensor& shard, const HostTensor& full, int dim,
+                     const std::vector<Range>& ranges) {
+  std::string what = dim == 0 ? "rows " : "columns ";
+  for (std::size_t i = 0; i < ranges.size(); ++i)
+    what += (i ? "+[" : "[") + std::to_string(ranges[i].first) + ", " + std::to_string(ranges[i].second) + ")";
+  return name + " " + shard.shapeStr() + " = " + what + " of " + full.shapeStr();
+}
+
+const HostTensor& need(const TensorMap& m, const std::string& name) {
+  auto it = m.find(name);
+  TPSIM_CHECK(it != m.end(), "tpsim run: ", name, ".npy is missing");
+  return it->second;
+}
+
+// Each rank's results, gathered under a lock and reassembled after the run.
+struct PerRank {
+  std::mutex mu;
+  std::vector<TensorMap> results;
+  std::vector<std::vector<std::string>> shards;
+  void put(int rank, const std::string& name, HostTensor t) {
+    std::lock_guard<std::mutex> lock(mu);
+    results[rank][name] = std::move(t);
+  }
+  void shard(int rank, std::string text) {
+    std::lock_guard<std::mutex> lock(mu);
+    shards[rank].push_back(std::move(text));
+  }
+  std::vector<HostTensor> all(const std::string& name) const {
+    std::vector<HostTensor> out;
+    for (const auto& r : results) out.push_back(r.at(name));
+    return out;
+  }
+};
+
+ModelParallelConfig layerConfig(const RunConfig& c) {
+  ModelParallelConfig mp;
+  mp.tensorModelParallelSize = c.tp;
+  mp.sequenceParallel = c.sequenceParallel;
+  mp.performInitialization = false;  // the tool copies its tensors in
+  mp.paramsDtype = c.dtype;
+  mp.gradientAccumulationFusion = c.gradAccumulationFusion;
+  return mp;
+}
+
+void setShard(Compute& compute, Parameter& p, const HostTensor& shard, const RunConfig& c) {
+  compute.copy(toBackend(compute, shard), p.data);
+  if (c.gradAccumulationFusion && p.data.shape().rank() == 2) p.mainGrad = compute.zeros(p.data.shape(), c.mainGradDtype);
+}
+
+// What the optimizer reads: main_grad under fusion (weights), else grad.
+HostTensor gradOf(Compute& compute, const Parameter& p) {
+  TPSIM_CHECK(p.mainGrad.defined() || p.grad.defined(), "tpsim run: ", p.name, " received no gradient");
+  return fromBackend(compute, p.mainGrad.defined() ? ConstView(p.mainGrad) : ConstView(p.grad));
+}
+
+Tensor sumRowsOf(Compute& compute, ConstView y, DType dtype) {
+  Tensor db = compute.empty({y.dim(-1)}, dtype);
+  compute.sumRows(y, db);
+  return db;
+}
+
+}  // namespace
+
+void RunConfig::validate() const {
+  TPSIM_CHECK(tp >= 1 && tp <= 64, "--tp: expected 1..64, got ", tp);
+  TPSIM_CHECK(!sequenceParallel || tp > 1, "--sequence-parallel: needs --tp > 1, got --tp ", tp);
+  TPSIM_CHECK(stride >= 1, "--stride: expected >= 1, got ", stride);
+  TPSIM_CHECK(stride == 1 || layer == LayerKind::kColumn || layer == LayerKind::kRow,
+              "--stride: applies to --layer column or row, got --layer ", layerName(layer));
+  TPSIM_CHECK(!outputDtype || layer == LayerKind::kColumn, "--output-dtype: only ColumnParallelLinear has "
+              "output_dtype, got --layer ", layerName(layer));
+  TPSIM_CHECK(!gatherOutput || layer == LayerKind::kColumn, "--gather-output: applies to --layer column");
+  TPSIM_CHECK(!inputIsParallel || layer == LayerKind::kRow, "--input-is-parallel: applies to --layer row");
+  TPSIM_CHECK(!reduceScatterEmbeddings || layer == LayerKind::kEmbedding,
+              "--reduce-scatter-embeddings: applies to --layer embedding");
+  TPSIM_CHECK(!(sequenceParallel && layer == LayerKind::kRow && !inputIsParallel),
+              "--sequence-parallel: RowParallelLinear needs --input-is-parallel with it");
+  TPSIM_CHECK(!(sequenceParallel && layer == LayerKind::kEmbedding),
+              "--sequence-parallel: the embedding's sequence parallelism is --reduce-scatter-embeddings");
+  TPSIM_CHECK(!(sequenceParallel && gatherOutput), "--gather-output: not with --sequence-parallel (the column "
+              "output would be gathered along both the sequence and the features)");
+  TPSIM_CHECK(!skipBiasAdd || (bias && (layer == LayerKind::kColumn || layer == LayerKind::kRow)),
+              "--skip-bias-add: needs --bias and --layer column or row");
+  TPSIM_CHECK(!(skipBiasAdd && gatherOutput), "--skip-bias-add: not with --gather-output (the returned bias is "
+              "sharded while the output is gathered)");
+  TPSIM_CHECK(!gradAccumulationFusion || layer != LayerKind::kEmbedding,
+              "--grad-accumulation-fusion: the embedding has no fused wgrad path");
+  TPSIM_CHECK(dtype != DType::kInt64 && dtype != DType::kFloat64, "--dtype: expected fp32, bf16 or fp16, got ",
+              dtypeName(dtype));
+  TPSIM_CHECK(mainGradDtype == DType::kFloat32 || mainGradDtype == DType::kBFloat16,
+              "--main-grad-dtype: expected fp32 or bf16, got ", dtypeName(mainGradDtype));
+  TPSIM_CHECK(!gradAccumulationFusion || mainGradDtype == DType::kFloat32 || mainGradDtype == dtype,
+              "--main-grad-dtype bf16: needs --dtype bf16 (the 16-bit fused kernel), got --dtype ", dtypeName(dtype));
+  for (auto [flag, v] : {std::pair{"seq", seq}, {"batch", batch}, {"in-features", inFeatures},
+                         {"out-features", outFeatures}, {"ffn-hidden", ffnHidden}, {"vocab", vocab}})
+    TPSIM_CHECK(v >= 1, "--", flag, ": expected >= 1, got ", v);
+}
+
+std::string RunConfig::str() const {
+  std::string s = detail::concat("layer=", layerName(layer), " tp=", tp, " dtype=", dtypeName(dtype));
+  if (outputDtype) s += detail::concat(" output-dtype=", dtypeName(*outputDtype));
+  if (sequenceParallel) s += " sequence-parallel";
+  if (bias) s += " bias";
+  if (gatherOutput) s += " gather-output";
+  if (inputIsParallel) s += " input-is-parallel";
+  if (reduceScatterEmbeddings) s += " reduce-scatter-embeddings";
+  if (skipBiasAdd) s += " skip-bias-add";
+  if (stride > 1) s += detail::concat(" stride=", stride);
+  if (gradAccumulationFusion) s += detail::concat(" grad-accumulation-fusion main-grad-dtype=", dtypeName(mainGradDtype));
+  return s + detail::concat(" seed=", seed);
+}
+
+TensorMap generateInputs(const RunConfig& c) {
+  std::mt19937_64 rng(c.seed);
+  auto normal = [&](std::vector<std::int64_t> shape, double sigma) {
+    std::normal_distribution<double> dist(0.0, sigma);
+    std::int64_t n = 1;
+    for (auto d : shape) n *= d;
+    std::vector<double> v(static_cast<std::size_t>(n));
+    for (double& x : v) x = dist(rng);
+    return makeHost(std::move(shape), c.dtype, std::move(v));
+  };
+  const std::int64_t s = c.seq, b = c.batch, k = c.inFeatures, n = c.outFeatures;
+  TensorMap m;
+  switch (c.layer) {
+    case LayerKind::kColumn:
+    case LayerKind::kRow:
+      m["input"] = normal({s, b, k}, 1.0);
+      m["weight"] = normal({n, k}, 1.0 / std::sqrt(double(k)));
+      if (c.bias) m["bias"] = normal({n}, 0.1);
+      m["grad_output"] = normal({s, b, n}, 1.0);
+      break;
+    case LayerKind::kEmbedding: {
+      std::uniform_int_distribution<std::int64_t> id(0, c.vocab - 1);
+      std::vector<double> ids(static_cast<std::size_t>(b * s));
+      for (double& x : ids) x = double(id(rng));
+      m["input"] = makeHost({b, s}, DType::kInt64, std::move(ids));
+      m["weight"] = normal({c.vocab, n}, 1.0);
+      m["grad_output"] = c.reduceScatterEmbeddings ? normal({s, b, n}, 1.0) : normal({b, s, n}, 1.0);
+      break;
+    }
+    case LayerKind::kMlp:
+      m["input"] = normal({s, b, k}, 1.0);
+      m["fc1.weight"] = normal({c.ffnHidden, k}, 1.0 / std::sqrt(double(k)));
+      m["fc1.bias"] = normal({c.ffnHidden}, 0.1);
+      m["fc2.weight"] = normal({k, c.ffnHidden}, 1.0 / std::sqrt(double(c.ffnHidden)));
+      m["fc2.bias"] = normal({k}, 0.1);
+      m["grad_output"] = normal({s, b, k}, 1.0);
+      break;
+  }
+  return m;
+}
+
+void checkInputs(const RunConfig& c, const TensorMap& in) {
+  auto expectShape = [&](const std::string& name, const std::vector<std::int64_t>& shape) {
+    const HostTensor& t = need(in, name);
+    HostTensor want{shape, t.dtype, {}};
+    TPSIM_CHECK(t.shape == shape, "tpsim run: ", name, ".npy must have shape ", want.shapeStr(), ", got ",
+                t.shapeStr());
+  };
+  auto divisible = [&](const std::string& what, std::int64_t v, std::int64_t by, const std::string& why) {
+    TPSIM_CHECK(v % by == 0, "tpsim run: ", what, " = ", v, " must be divisible by ", why, " = ", by);
+  };
+  const int T = c.tp;
+  const HostTensor& input = need(in, "input");
+  if (c.layer == LayerKind::kEmbedding) {
+    TPSIM_CHECK(input.dtype == DType::kInt64 && input.shape.size() == 2, "tpsim run: input.npy of the embedding "
+                "must hold int64 token ids of shape (b, s), got ", dtypeName(input.dtype), " ", input.shapeStr());
+    const HostTensor& w = need(in, "weight");
+    TPSIM_CHECK(w.shape.size() == 2, "tpsim run: weight.npy must be (V, h), got ", w.shapeStr());
+    divisible("the vocabulary size V (weight.npy dim 0)", w.shape[0], T, "--tp");
+    for (std::size_t i = 0; i < input.values.size(); ++i)
+      TPSIM_CHECK(input.values[i] >= 0 && input.values[i] < double(w.shape[0]), "tpsim run: input.npy holds id ",
+                  std::int64_t(input.values[i]), " at flat position ", i, ", outside [0, V=", w.shape[0], ")");
+    const std::int64_t b = input.shape[0], s = input.shape[1], h = w.shape[1];
+    if (c.reduceScatterEmbeddings) divisible("the sequence length s (input.npy dim 1)", s, T, "--tp");
+    expectShape("grad_output", c.reduceScatterEmbeddings ? std::vector<std::int64_t>{s, b, h}
+                                                         : std::vector<std::int64_t>{b, s, h});
+    return;
+  }
+  TPSIM_CHECK(input.shape.size() == 3 && isFloating(input.dtype), "tpsim run: input.npy must be a float (s, b, K) "
+              "tensor, got ", dtypeName(input.dtype), " ", input.shapeStr());
+  const std::int64_t s = input.shape[0], b = input.shape[1], k = input.shape[2];
+  if (c.sequenceParallel) divisible("the sequence length s (input.npy dim 0)", s, T, "--tp");
+  if (c.layer == LayerKind::kMlp) {
+    const HostTensor& w1 = need(in, "fc1.weight");
+    TPSIM_CHECK(w1.shape.size() == 2, "tpsim run: fc1.weight.npy must be (F, h), got ", w1.shapeStr());
+    const std::int64_t f = w1.shape[0];
+    expectShape("fc1.weight", {f, k});
+    expectShape("fc1.bias", {f});
+    expectShape("fc2.weight", {k, f});
+    expectShape("fc2.bias", {k});
+    divisible("the ffn hidden size F (fc1.weight.npy dim 0)", f, T, "--tp");
+    expectShape("grad_output", {s, b, k});
+    return;
+  }
+  const HostTensor& w = need(in, "weight");
+  TPSIM_CHECK(w.shape.size() == 2, "tpsim run: weight.npy must be (N, K), got ", w.shapeStr());
+  const std::int64_t n = w.shape[0];
+  expectShape("weight", {n, k});
+  if (c.bias) expectShape("bias", {n});
+  if (c.layer == LayerKind::kColumn) divisible("N (weight.npy dim 0)", n, std::int64_t(T) * c.stride, "--tp x --stride");
+  if (c.layer == LayerKind::kRow) divisible("K (weight.npy dim 1)", k, std::int64_t(T) * c.stride, "--tp x --stride");
+  expectShape("grad_output", {s, b, n});
+}
+
+RunResult runSharded(const RunConfig& c, const TensorMap& in) {
+  c.validate();
+  checkInputs(c, in);
+  const int T = c.tp;
+  PerRank per;
+  per.results.resize(T);
+  per.shards.resize(T);
+  sim::WorldOptions wo;
+  wo.size = T;
+  wo.threads = c.threads;
+  wo.trace = true;
+  sim::World world(wo);
+  const InitMethod unused = initMethodNormal(0.02);  // weights are copied in
+  world.run([&](RankContext& ctx) {
+    Compute& compute = ctx.compute;
+    const int t = ctx.comm.rank();
+    auto tp = ctx.comm.split(0, t, "tp");  // the whole world is one TP group
+    const LayerContext lc{compute, *tp};
+    const ModelParallelConfig mp = layerConfig(c);
+    const HostTensor& input = in.at("input");
+    const HostTensor& dyFull = in.at("grad_output");
+    auto put = [&](const std::string& name, ConstView v) { per.put(t, name, fromBackend(compute, v)); };
+    switch (c.layer) {
+      case LayerKind::kColumn: {
+        ColumnParallelOptions o;
+        o.bias = c.bias;
+        o.gatherOutput = c.gatherOutput;
+        o.stride = c.stride;
+        o.skipBiasAdd = c.skipBiasAdd;
+        o.outputDtype = c.outputDtype;
+        o.name = "column";
+        const HostTensor& w = in.at("weight");
+        ColumnParallelLinear layer(lc, mp, w.shape[1], w.shape[0], unused, o);
+        const auto rows = ownedRanges(w.shape[0], T, c.stride, t);
+        const HostTensor wShard = take(w, 0, rows);
+        setShard(compute, *layer.weight(), wShard, c);
+        per.shard(t, describe("weight", wShard, w, 0, rows));
+        if (c.bias) {
+          const HostTensor bShard = take(in.at("bias"), 0, rows);
+          setShard(compute, *layer.bias(), bShard, c);
+          per.shard(t, describe("bias", bShard, in.at("bias"), 0, rows));
+        }
+        const HostTensor x = c.sequenceParallel ? chunk(input, 0, t, T) : input;
+        Tensor xt = toBackend(compute, x);
+        LayerOutput out = layer.forward(xt);
+        const HostTensor dy = c.gatherOutput ? dyFull : take(dyFull, -1, rows);
+        Tensor dyt = toBackend(compute, dy);
+        Tensor dBias;
+        if (out.outputBias) {  // the caller's use of the returned bias: y = output + b
+          compute.addBias(out.outputBias->data, out.output);
+          dBias = sumRowsOf(compute, dyt, c.dtype);
+        }
+        Tensor dx = layer.backward(dyt, dBias.defined() ? ConstView(dBias) : ConstView());
+        put("output", out.output);
+        put("input.grad", dx);
+        per.put(t, "weight.grad", gradOf(compute, *layer.weight()));
+        if (c.bias) per.put(t, "bias.grad", gradOf(compute, *layer.bias()));
+        break;
+      }
+      case LayerKind::kRow: {
+        RowParallelOptions o;
+        o.bias = c.bias;
+        o.inputIsParallel = c.inputIsParallel;
+        o.skipBiasAdd = c.skipBiasAdd;
+        o.stride = c.stride;
+        o.name = "row";
+        const HostTensor& w = in.at("weight");
+        RowParallelLinear layer(lc, mp, w.shape[1], w.shape[0], unused, o);
+        const auto cols = ownedRanges(w.shape[1], T, c.stride, t);
+        const HostTensor wShard = take(w, 1, cols);
+        setShard(compute, layer.weight(), wShard, c);
+        per.shard(t, describe("weight", wShard, w, 1, cols));
+        if (c.bias) {
+          setShard(compute, *layer.bias(), in.at("bias"), c);
+          per.shard(t, "bias " + in.at("bias").shapeStr() + " replicated");
+        }
+        const HostTensor x = c.inputIsParallel ? take(input, -1, cols) : input;
+        Tensor xt = toBackend(compute, x);
+        LayerOutput out = layer.forward(xt);
+        Tensor dyt = toBackend(compute, c.sequenceParallel ? chunk(dyFull, 0, t, T) : dyFull);
+        Tensor dBias;
+        if (out.outputBias) {
+          compute.addBias(out.outputBias->data, out.output);
+          dBias = sumRowsOf(compute, dyt, c.dtype);
+        }
+        Tensor dx = layer.backward(dyt, dBias.defined() ? ConstView(dBias) : ConstView());
+        put("output", out.output);
+        put("input.grad", dx);
+        per.put(t, "weight.grad", gradOf(compute, layer.weight()));
+        if (c.bias) per.put(t, "bias.grad", gradOf(compute, *layer.bias()));
+        break;
+      }
+      case LayerKind::kEmbedding: {
+        const HostTensor& w = in.at("weight");
+        VocabParallelEmbeddingOptions o;
+        o.reduceScatterEmbeddings = c.reduceScatterEmbeddings;
+        ModelParallelConfig emp = mp;
+        emp.sequenceParallel = false;  // the embedding's sequence parallelism is reduce_scatter_embeddings
+        VocabParallelEmbedding layer(lc, emp, w.shape[0], w.shape[1], unused, o);
+        const auto rows = ownedRanges(w.shape[0], T, 1, t);
+        const HostTensor wShard = take(w, 0, rows);
+        setShard(compute, layer.weight(), wShard, c);
+        per.shard(t, describe("weight", wShard, w, 0, rows));
+        Tensor ids = toBackend(compute, input);
+        Tensor y = layer.forward(ids);
+        layer.backward(toBackend(compute, c.reduceScatterEmbeddings ? chunk(dyFull, 0, t, T) : dyFull));
+        put("output", y);
+        per.put(t, "weight.grad", gradOf(compute, layer.weight()));
+        break;
+      }
+      case LayerKind::kMlp: {
+        const HostTensor &w1 = in.at("fc1.weight"), &w2 = in.at("fc2.weight");
+        ColumnParallelOptions o1;
+        o1.name = "fc1";
+        RowParallelOptions o2;
+        o2.inputIsParallel = true;
+        o2.name = "fc2";
+        ColumnParallelLinear fc1(lc, mp, w1.shape[1], w1.shape[0], unused, o1);
+        RowParallelLinear fc2(lc, mp, w2.shape[1], w2.shape[0], unused, o2);
+        const auto rows = ownedRanges(w1.shape[0], T, 1, t);
+        const HostTensor w1s = take(w1, 0, rows), b1s = take(in.at("fc1.bias"), 0, rows), w2s = take(w2, 1, rows);
+        setShard(compute, *fc1.weight(), w1s, c);
+        setShard(compute, *fc1.bias(), b1s, c);
+        setShard(compute, fc2.weight(), w2s, c);
+        setShard(compute, *fc2.bias(), in.at("fc2.bias"), c);
+        per.shard(t, describe("fc1.weight", w1s, w1, 0, rows));
+        per.shard(t, describe("fc1.bias", b1s, in.at("fc1.bias"), 0, rows));
+        per.shard(t, describe("fc2.weight", w2s, w2, 1, rows));
+        per.shard(t, "fc2.bias " + in.at("fc2.bias").shapeStr() + " replicated");
+        Tensor xt = toBackend(compute, c.sequenceParallel ? chunk(input, 0, t, T) : input);
+        Tensor h = fc1.forward(xt).output;  // (s, b, F/T)
+        Tensor a = compute.empty(h.shape(), h.dtype());
+        compute.gelu(h, a);
+        Tensor y = fc2.forward(a).output;  // (s, b, h), or (s/T, b, h) under SP
+        Tensor dA = fc2.backward(toBackend(compute, c.sequenceParallel ? chunk(dyFull, 0, t, T) : dyFull));
+        Tensor dH = compute.empty(h.shape(), h.dtype());
+        compute.geluBackward(h, dA, dH);
+        Tensor dx = fc1.backward(dH);
+        put("output", y);
+        put("input.grad", dx);
+        per.put(t, "fc1.weight.grad", gradOf(compute, *fc1.weight()));
+        per.put(t, "fc1.bias.grad", gradOf(compute, *fc1.bias()));
+        per.put(t, "fc2.weight.grad", gradOf(compute, fc2.weight()));
+        per.put(t, "fc2.bias.grad", gradOf(compute, *fc2.bias()));
+        break;
+      }
+    }
+  });
+
+  // Back to the unsharded layout.
+  RunResult r;
+  r.shards = per.shards;
+  r.trace = world.trace();
+  auto rank0 = [&](const std::string& name) { return per.results[0].at(name); };
+  auto sequence = [&](const std::string& name) { return concat(per.all(name), 0); };
+  const bool sp = c.sequenceParallel;
+  switch (c.layer) {
+    case LayerKind::kColumn: {
+      const std::int64_t n = in.at("weight").shape[0];
+      r.results["output"] = c.gatherOutput ? rank0("output") : place(per.all("output"), -1, n, c.stride);
+      r.results["input.grad"] = sp ? sequence("input.grad") : rank0("input.grad");
+      r.results["weight.grad"] = place(per.all("weight.grad"), 0, n, c.stride);
+      if (c.bias) r.results["bias.grad"] = place(per.all("bias.grad"), 0, n, c.stride);
+      break;
+    }
+    case LayerKind::kRow: {
+      const std::int64_t k = in.at("weight").shape[1];
+      r.results["output"] = sp ? sequence("output") : rank0("output");
+      r.results["input.grad"] = c.inputIsParallel ? place(per.all("input.grad"), -1, k, c.stride) : rank0("input.grad");
+      r.results["weight.grad"] = place(per.all("weight.grad"), 1, k, c.stride);
+      // Finalize: a sequence-parallel bias's gradient is all-reduced over TP.
+      if (c.bias) r.results["bias.grad"] = sp ? sum(per.all("bias.grad")) : rank0("bias.grad");
+      break;
+    }
+    case LayerKind::kEmbedding:
+      r.results["output"] = c.reduceScatterEmbeddings ? sequence("output") : rank0("output");
+      r.results["weight.grad"] = sequence("weight.grad");
+      break;
+    case LayerKind::kMlp:
+      r.results["output"] = sp ? sequence("output") : rank0("output");
+      r.results["input.grad"] = sp ? sequence("input.grad") : rank0("input.grad");
+      r.results["fc1.weight.grad"] = sequence("fc1.weight.grad");
+      r.results["fc1.bias.grad"] = sequence("fc1.bias.grad");
+      r.results["fc2.weight.grad"] = concat(per.all("fc2.weight.grad"), 1);
+      r.results["fc2.bias.grad"] = sp ? sum(per.all("fc2.bias.grad")) : rank0("fc2.bias.grad");
+      break;
+  }
+  return r;
+}
+
+std::vector<Verdict> verify(const RunConfig& c, const TensorMap& inputs, const TensorMap& results) {
+  ReferenceOptions o;
+  o.kind = c.layer;
+  o.reduceScatterEmbeddings = c.reduceScatterEmbeddings;
+  o.tp = c.tp;
+  o.computeDtype = c.dtype;
+  o.outputDtype = c.outputDtype.value_or(c.dtype);
+  std::vector<Verdict> out;
+  for (auto& [name, ref] : denseReference(o, inputs)) {
+    auto it = results.find(name);
+    TPSIM_INTERNAL_ASSERT(it != results.end(), "no sharded result named ", name);
+    const HostTensor& got = it->second;
+    TPSIM_INTERNAL_ASSERT(got.shape == ref.value.shape, name, ": sharded ", got.shapeStr(), " vs dense ",
+                          ref.value.shapeStr());
+    Verdict v{name, got.shapeStr()};
+    for (std::size_t i = 0; i < got.values.size(); ++i) {
+      const double err = std::fabs(got.values[i] - ref.value.values[i]);
+      v.maxError = std::max(v.maxError, err);
+      v.maxBound = std::max(v.maxBound, ref.bound[i]);
+      v.outside += !(err <= ref.bound[i]);
+    }
+    out.push_back(v);
+  }
+  return out;
+}
+
+}  // namespace tpsim::tools

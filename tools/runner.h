@@ -1,0 +1,68 @@
+// Runs one layer kind sharded on the simulator, exactly as Megatron would shard it, and puts
+// the results back into the unsharded layout: the engine behind `tpsim run` and `tpsim demo`.
+//
+// Inputs and results are unsharded HostTensors named after Megatron's tensors (reference.h).
+// Sharding: column weights by output rows, row weights by input columns, embeddings by vocab
+// rows, stride-interleaved when stride > 1 (SPEC 3.11), activations along the sequence under
+// sequence parallelism. Gradients are what an optimizer would read after Megatron's gradient
+// finalization: main_grad under fusion, sequence-parallel biases all-reduced over TP.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "sim/world.h"
+#include "tools/reference.h"
+
+namespace tpsim::tools {
+
+struct RunConfig {
+  LayerKind layer = LayerKind::kColumn;
+  int tp = 2;
+  bool sequenceParallel = false;
+  bool bias = false;
+  bool gatherOutput = false;
+  bool inputIsParallel = false;
+  bool reduceScatterEmbeddings = false;
+  bool skipBiasAdd = false;
+  int stride = 1;
+  DType dtype = DType::kFloat32;
+  std::optional<DType> outputDtype;
+  bool gradAccumulationFusion = false;
+  DType mainGradDtype = DType::kFloat32;
+  std::uint64_t seed = 1234;
+  int threads = 0;
+  // Shapes of generated data (ignored for tensors loaded from files).
+  std::int64_t seq = 8, batch = 2, inFeatures = 16, outFeatures = 16, ffnHidden = 64, vocab = 32;
+
+  // Throws InvalidArgument naming the flag for combinations Megatron rejects or cannot express.
+  void validate() const;
+  std::string str() const;  // the effective configuration, one line
+};
+
+// Seeded data with the configured shapes, rounded to the configured dtype.
+TensorMap generateInputs(const RunConfig& config);
+// Checks that loaded tensors have consistent shapes and dtypes; messages name the file.
+void checkInputs(const RunConfig& config, const TensorMap& inputs);
+
+struct RunResult {
+  TensorMap results;                               // unsharded, named as in reference.h
+  std::vector<std::vector<std::string>> shards;    // per rank: "fc1.weight (16, 32) = rows [0, 16) of (64, 32)"
+  std::vector<std::vector<sim::TraceEvent>> trace; // per rank: every collective it issued
+};
+
+RunResult runSharded(const RunConfig& config, const TensorMap& inputs);
+
+// A row of the verification table: max |sharded - dense| against the largest allowed.
+struct Verdict {
+  std::string name;
+  std::string shape;
+  double maxError = 0;
+  double maxBound = 0;
+  std::int64_t outside = 0;  // elements beyond their bound
+};
+std::vector<Verdict> verify(const RunConfig& config, const TensorMap& inputs, const TensorMap& results);
+
+}  // namespace tpsim::tools
