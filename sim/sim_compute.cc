@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <mutex>
+#include <unordered_map>
 #include <new>
 #include <vector>
 
@@ -34,7 +36,70 @@ using MutMap = Eigen::Map<Eigen::Matrix<T, Dynamic, Dynamic, Order>, Eigen::Unal
 template <typename T>
 using Dense = Eigen::Matrix<T, Dynamic, Dynamic, Eigen::RowMajor>;
 
-void freeHost(void* p) { std::free(p); }
+// Freed blocks of 1 MiB or more are kept for reuse, by exact size: a fresh block of that size
+// comes from mmap and page-faults on first touch, which cost about 5% of an MLP step of tpsim
+// bench -W mlp. Small blocks go straight back to malloc, which reuses them well. The cache holds
+// at most kMaxCachedBytes; AddressSanitizer builds bypass it so that use-after-free stays visible.
+class BlockCache {
+ public:
+  static BlockCache& instance() {
+    static BlockCache* cache = new BlockCache;  // never destroyed: tensors may outlive static destruction
+    return *cache;
+  }
+
+  void* allocate(std::size_t bytes) {
+    if (bytes >= kMinCachedBytes && kEnabled) {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = free_.find(bytes);
+      if (it != free_.end() && !it->second.empty()) {
+        void* block = it->second.back();
+        it->second.pop_back();
+        cached_ -= bytes;
+        return static_cast<char*>(block) + kAlignment;
+      }
+    }
+    // One alignment unit in front of the data remembers the size for release().
+    void* block = std::aligned_alloc(kAlignment, bytes + kAlignment);
+    if (block == nullptr) throw std::bad_alloc();
+    *static_cast<std::size_t*>(block) = bytes;
+    return static_cast<char*>(block) + kAlignment;
+  }
+
+  void release(void* data) {
+    void* block = static_cast<char*>(data) - kAlignment;
+    const std::size_t bytes = *static_cast<std::size_t*>(block);
+    if (bytes >= kMinCachedBytes && kEnabled) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (cached_ + bytes <= kMaxCachedBytes) {
+        free_[bytes].push_back(block);
+        cached_ += bytes;
+        return;
+      }
+    }
+    std::free(block);
+  }
+
+ private:
+#if defined(__SANITIZE_ADDRESS__)
+  static constexpr bool kEnabled = false;
+#else
+  static constexpr bool kEnabled = true;
+#endif
+  static constexpr std::size_t kMinCachedBytes = std::size_t(1) << 20;
+  static constexpr std::size_t kMaxCachedBytes = std::size_t(2) << 30;
+  std::mutex mu_;
+  std::unordered_map<std::size_t, std::vector<void*>> free_;
+  std::size_t cached_ = 0;
+};
+
+void freeHost(void* p) { BlockCache::instance().release(p); }
+
+// True when every view is dense fp32: the elementwise ops then run plain loops over float
+// pointers, doing exactly the float operations of the general path (same results, bit for bit).
+template <typename... Views>
+bool denseFp32(const Views&... views) {
+  return ((views.dtype() == DType::kFloat32 && views.isContiguous()) && ...);
+}
 
 // ---- Checks -------------------------------------------------------------------------------------
 
@@ -249,9 +314,7 @@ Tensor SimCompute::empty(Shape shape, DType dtype) {
   // aligned_alloc wants a multiple of the alignment; never 0 bytes, so the Tensor stays defined.
   const std::size_t bytes = std::size_t(shape.numel()) * dtypeSize(dtype);
   const std::size_t padded = std::max(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
-  void* data = std::aligned_alloc(kAlignment, padded);
-  if (data == nullptr) throw std::bad_alloc();
-  return Tensor(data, shape, dtype, Device::kHost, &freeHost);
+  return Tensor(BlockCache::instance().allocate(padded), shape, dtype, Device::kHost, &freeHost);
 }
 
 void SimCompute::upload(const void* host, View dst) {
@@ -272,6 +335,11 @@ void SimCompute::download(ConstView src, void* host) {
 
 void SimCompute::fill(View y, double value) {
   checkHost("fill", "y", y);
+  if (denseFp32(y)) {
+    float* p = y.typed<float>();
+    std::fill(p, p + y.numel(), float(value));
+    return;
+  }
   forEach<1>(y.shape(), {y.strides()}, [&](const auto& o) { store<double>(y.at(o[0]), y.dtype(), value); });
 }
 
@@ -279,6 +347,10 @@ void SimCompute::copy(ConstView x, View y) {
   checkHost("copy", "x", x);
   checkHost("copy", "y", y);
   checkSameShape("copy", "y", y, "x", x);
+  if (x.dtype() == y.dtype() && x.isContiguous() && y.isContiguous()) {
+    if (x.bytes() != 0 && x.data() != y.data()) std::memmove(y.data(), x.data(), x.bytes());
+    return;
+  }
   withAccumType({x.dtype(), y.dtype()}, [&](auto zero) {
     using T = decltype(zero);
     forEach<2>(x.shape(), {x.strides(), y.strides()},
@@ -291,6 +363,12 @@ void SimCompute::axpy(float alpha, ConstView x, View y) {
   checkFloating("axpy", "y", y);
   checkSameShape("axpy", "y", y, "x", x);
   checkHolds("axpy", "y", y, "x", x);
+  if (denseFp32(x, y)) {
+    const float* xp = x.typed<float>();
+    float* yp = y.typed<float>();
+    for (std::int64_t i = 0, n = x.numel(); i < n; ++i) yp[i] = yp[i] + alpha * xp[i];
+    return;
+  }
   withAccumType({x.dtype(), y.dtype()}, [&](auto zero) {
     using T = decltype(zero);
     forEach<2>(x.shape(), {x.strides(), y.strides()}, [&](const auto& o) {
@@ -343,6 +421,14 @@ void SimCompute::addBias(ConstView bias, View y) {
   TPSIM_CHECK(bias.rank() == 1, "addBias: bias must be a vector (N), got ", bias.str());
   TPSIM_CHECK(y.rank() >= 1 && y.dim(-1) == bias.dim(0), "addBias: y must be (..., N=", bias.dim(0),
               "), got ", y.str());
+  if (denseFp32(bias, y)) {
+    const float* b = bias.typed<float>();
+    float* yp = y.typed<float>();
+    const std::int64_t n = bias.dim(0), rows = n ? y.numel() / n : 0;
+    for (std::int64_t r = 0; r < rows; ++r, yp += n)
+      for (std::int64_t j = 0; j < n; ++j) yp[j] = yp[j] + b[j];
+    return;
+  }
   withAccumType({bias.dtype(), y.dtype()}, [&](auto zero) {
     using T = decltype(zero);
     forEach<2>(y.shape(), {y.strides(), rowBroadcast(y, bias.stride(0))}, [&](const auto& o) {
@@ -358,6 +444,16 @@ void SimCompute::sumRows(ConstView y, View out, float beta) {
   TPSIM_CHECK(y.rank() >= 1, "sumRows: y must be (..., N), got a scalar ", y.str());
   const std::int64_t n = y.dim(-1);
   TPSIM_CHECK(out.rank() == 1 && out.dim(0) == n, "sumRows: out must be (N=", n, "), got ", out.str());
+  if (denseFp32(y, out)) {
+    std::vector<float> acc(std::size_t(n), 0.f);  // (N), rows added in increasing order
+    const float* yp = y.typed<float>();
+    const std::int64_t rows = n ? y.numel() / n : 0;
+    for (std::int64_t r = 0; r < rows; ++r, yp += n)
+      for (std::int64_t j = 0; j < n; ++j) acc[j] += yp[j];
+    float* o = out.typed<float>();
+    for (std::int64_t j = 0; j < n; ++j) o[j] = beta != 0.f ? acc[j] + beta * o[j] : acc[j];
+    return;
+  }
   withAccumType({y.dtype(), out.dtype()}, [&](auto zero) {
     using T = decltype(zero);
     std::vector<T> acc(std::size_t(n), T(0));  // (N); forEach visits rows in increasing order
@@ -377,6 +473,13 @@ void SimCompute::gelu(ConstView x, View y) {
   checkFloating("gelu", "x", x);
   checkFloating("gelu", "y", y);
   checkSameShape("gelu", "y", y, "x", x);
+  if (denseFp32(x, y)) {
+    const float* xp = x.typed<float>();
+    float* yp = y.typed<float>();
+    for (std::int64_t i = 0, n = x.numel(); i < n; ++i)
+      yp[i] = xp[i] * 0.5f * (1.f + std::erf(xp[i] * float(kSqrtHalf)));
+    return;
+  }
   withAccumType({x.dtype(), y.dtype()}, [&](auto zero) {
     using T = decltype(zero);
     forEach<2>(x.shape(), {x.strides(), y.strides()}, [&](const auto& o) {
@@ -392,6 +495,17 @@ void SimCompute::geluBackward(ConstView x, ConstView dy, View dx) {
   checkFloating("geluBackward", "dx", dx);
   checkSameShape("geluBackward", "dy", dy, "x", x);
   checkSameShape("geluBackward", "dx", dx, "x", x);
+  if (denseFp32(x, dy, dx)) {
+    const float *xp = x.typed<float>(), *dyp = dy.typed<float>();
+    float* dxp = dx.typed<float>();
+    for (std::int64_t i = 0, n = x.numel(); i < n; ++i) {
+      const float v = xp[i];
+      const float cdf = 0.5f * (1.f + std::erf(v * float(kSqrtHalf)));
+      const float pdf = std::exp(-0.5f * v * v) * float(kInvSqrt2Pi);
+      dxp[i] = dyp[i] * (cdf + v * pdf);
+    }
+    return;
+  }
   withAccumType({x.dtype(), dy.dtype(), dx.dtype()}, [&](auto zero) {
     using T = decltype(zero);
     forEach<3>(x.shape(), {x.strides(), dy.strides(), dx.strides()}, [&](const auto& o) {

@@ -180,6 +180,7 @@ struct RunState {
   std::map<std::pair<GroupState*, std::uint64_t>, std::shared_ptr<Op>> pendingOps;  // for watchdog/deadlock
   Clock::duration minTimeout;
   std::vector<std::vector<TraceEvent>> trace;
+  std::vector<char> scratch;  // staging of the collective being completed; guarded by mu
 
   CollectiveError failureFor(int rank) const {
     if (failureKind == CollectiveFailure::kPeerFailed && rank == failedRank)
@@ -268,7 +269,7 @@ struct RunState {
 
 // Copies and reductions of one completed collective. Caller holds mu; every member has issued,
 // and none may touch its buffers until wait() returns, so reading and writing them here is safe.
-void complete(Op& op) {
+void complete(Op& op, std::vector<char>& scratch) {
   const int n = int(op.arrived.size());
   const Fingerprint& fp = op.fp;
   const std::size_t esize = dtypeSize(fp.dtype);
@@ -278,12 +279,14 @@ void complete(Op& op) {
     case OpKind::kReduceScatter: {
       std::vector<const void*> inputs(n);
       for (int r = 0; r < n; ++r) inputs[r] = op.in[r].data();
-      // Not a vector<char>: zero-filling a buffer that is overwritten at once costs a pass.
-      std::unique_ptr<char[]> sum(new char[std::size_t(fp.inCount) * esize]);
-      reduceInRankOrder(fp.dtype, fp.reduce, inputs, fp.inCount, sum.get());
+      // The run's scratch buffer only grows: a fresh multi-megabyte buffer per collective would
+      // page-fault on every call.
+      if (scratch.size() < std::size_t(fp.inCount) * esize) scratch.resize(std::size_t(fp.inCount) * esize);
+      char* sum = scratch.data();
+      reduceInRankOrder(fp.dtype, fp.reduce, inputs, fp.inCount, sum);
       const std::size_t blockBytes = std::size_t(fp.outCount) * esize;
       for (int r = 0; r < n; ++r) {
-        const char* src = sum.get() + (fp.kind == OpKind::kReduceScatter ? r * blockBytes : 0);
+        const char* src = sum + (fp.kind == OpKind::kReduceScatter ? r * blockBytes : 0);
         std::memcpy(op.out[r].data(), src, blockBytes);
       }
       break;
@@ -308,14 +311,13 @@ void complete(Op& op) {
       const std::size_t blockBytes = std::size_t(fp.inCount / n) * esize;
       bool inPlace = false;
       for (int r = 0; r < n; ++r) inPlace = inPlace || op.in[r].data() == op.out[r].data();
-      std::unique_ptr<char[]> staged;
       std::vector<const char*> src(n);
       for (int q = 0; q < n; ++q) src[q] = static_cast<const char*>(op.in[q].data());
       if (inPlace) {
-        staged.reset(new char[std::size_t(n) * n * blockBytes]);
+        if (scratch.size() < std::size_t(n) * n * blockBytes) scratch.resize(std::size_t(n) * n * blockBytes);
         for (int q = 0; q < n; ++q) {
-          std::memcpy(staged.get() + q * n * blockBytes, src[q], n * blockBytes);
-          src[q] = staged.get() + q * n * blockBytes;
+          std::memcpy(scratch.data() + q * n * blockBytes, src[q], n * blockBytes);
+          src[q] = scratch.data() + q * n * blockBytes;
         }
       }
       for (int r = 0; r < n; ++r)
@@ -525,7 +527,7 @@ class SimCollectives final : public Collectives {
       group_->pending.erase(seq);
       run.pendingOps.erase({group_.get(), seq});
       if (op->abandonedBy < 0) {
-        complete(*op);
+        complete(*op, run.scratch);
         op->done = true;
         for (RankState* w : op->waiters) run.wake(w);
         op->waiters.clear();

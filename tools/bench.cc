@@ -6,6 +6,9 @@
 //             five collectives; busbw = algbw · factor, factor 2(n-1)/n for allReduce, (n-1)/n
 //             for allGather, reduceScatter and allToAll, 1 for broadcast.
 //  gemm       SimCompute::gemm against plain Eigen on the same shapes, threads and data.
+//  mlp        the MLP block (column fc1, GeLU, row fc2, sequence parallel) forward + backward on
+//             T = 1, 2, 4, 8 simulated ranks against the same unsharded computation in plain Eigen,
+//             with the same number of threads (one: Eigen here is single-threaded).
 #include <Eigen/Core>
 #include <algorithm>
 #include <boost/program_options.hpp>
@@ -18,6 +21,7 @@
 #include <vector>
 
 #include "backends/compute.h"
+#include "core/layers.h"
 #include "sim/sim_compute.h"
 #include "sim/world.h"
 #include "tools/cli.h"
@@ -42,6 +46,9 @@ struct BenchConfig {
   long long minBytes = 0, maxBytes = 0;
   int bwIters = 5;
   int gemmReps = 3;
+  std::int64_t tokens = 2048, hidden = 1024, ffn = 4096;
+  std::vector<int> mlpTp;
+  int mlpReps = 2;
 };
 
 // --- latency ----------------------------------------------------------------------------------
@@ -247,15 +254,114 @@ void benchGemm(const BenchConfig& c) {
   }
 }
 
+
+// --- mlp --------------------------------------------------------------------------------------
+
+using RowMajorF = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+// Seconds per forward + backward of the unsharded block in plain Eigen (best of reps).
+double eigenMlp(std::int64_t m, std::int64_t h, std::int64_t f, int reps) {
+  // The simulator's values (simMlp): erf's cost depends on its argument, so the data must match.
+  RowMajorF x = RowMajorF::Constant(m, h, 0.5f), w1 = RowMajorF::Constant(f, h, 0.01f),
+            w2 = RowMajorF::Constant(h, f, 0.01f);
+  Eigen::RowVectorXf b1 = Eigen::RowVectorXf::Zero(f), b2 = Eigen::RowVectorXf::Zero(h);
+  RowMajorF dy = RowMajorF::Constant(m, h, 1.f), hid(m, f), a(m, f), y(m, h), dA(m, f), dX(m, h), dW1(f, h),
+            dW2(h, f);
+  Eigen::RowVectorXf db1(f), db2(h);
+  double best = 1e30;
+  for (int rep = 0; rep < reps; ++rep) {
+    const auto start = Clock::now();
+    hid.noalias() = x * w1.transpose();
+    hid.rowwise() += b1;
+    // The same float formulas as SimCompute's gelu and geluBackward.
+    a = hid.unaryExpr([](float v) { return v * 0.5f * (1.f + std::erf(v * 0.70710678118654752440f)); });
+    y.noalias() = a * w2.transpose();
+    y.rowwise() += b2;
+    dA.noalias() = dy * w2;
+    dW2.noalias() = dy.transpose() * a;
+    db2 = dy.colwise().sum();
+    dA = dA.cwiseProduct(hid.unaryExpr([](float v) {
+      return 0.5f * (1.f + std::erf(v * 0.70710678118654752440f)) + v * std::exp(-0.5f * v * v) * 0.39894228040143267794f;
+    }));
+    dW1.noalias() = dA.transpose() * x;
+    db1 = dA.colwise().sum();
+    dX.noalias() = dA * w1;
+    best = std::min(best, secondsSince(start));
+  }
+  if (!y.allFinite() || !dX.allFinite()) throw Error("bench mlp: Eigen baseline produced non-finite values");
+  return best;
+}
+
+// Seconds per forward + backward of the block on T simulated ranks with sequence parallelism.
+double simMlp(int T, int threads, std::int64_t m, std::int64_t h, std::int64_t f, int reps) {
+  sim::WorldOptions o;
+  o.size = T;
+  o.threads = threads;
+  std::vector<double> seconds(T, 1e30);
+  sim::World(o).run([&](RankContext& ctx) {
+    ModelParallelConfig config;
+    config.tensorModelParallelSize = std::max(2, T);
+    config.sequenceParallel = T > 1;
+    config.performInitialization = false;
+    ColumnParallelOptions o1;
+    RowParallelOptions o2;
+    o2.inputIsParallel = true;
+    const InitMethod init = initMethodNormal(0.02);
+    ColumnParallelLinear fc1({ctx.compute, ctx.comm}, config, h, f, init, o1);
+    RowParallelLinear fc2({ctx.compute, ctx.comm}, config, f, h, init, o2);
+    ctx.compute.fill(fc1.weight()->data, 0.01);
+    ctx.compute.fill(fc2.weight().data, 0.01);
+    const std::int64_t local = T > 1 ? m / T : m;  // tokens on this rank under SP
+    Tensor x = ctx.compute.empty({local, 1, h}, DType::kFloat32);
+    Tensor dy = ctx.compute.empty({local, 1, h}, DType::kFloat32);
+    ctx.compute.fill(x, 0.5);  // eigenMlp uses the same values
+    ctx.compute.fill(dy, 1.0);
+    for (int rep = 0; rep < reps; ++rep) {
+      ctx.comm.barrier()->wait();
+      const auto start = Clock::now();
+      Tensor hid = fc1.forward(x).output;  // (m, 1, f/T)
+      Tensor a = ctx.compute.empty(hid.shape(), hid.dtype());
+      ctx.compute.gelu(hid, a);
+      Tensor y = fc2.forward(a).output;
+      Tensor dA = fc2.backward(dy);
+      Tensor dH = ctx.compute.empty(hid.shape(), hid.dtype());
+      ctx.compute.geluBackward(hid, dA, dH);
+      Tensor dX = fc1.backward(dH);
+      ctx.comm.barrier()->wait();
+      seconds[ctx.comm.rank()] = std::min(seconds[ctx.comm.rank()], secondsSince(start));
+    }
+  });
+  return *std::max_element(seconds.begin(), seconds.end());
+}
+
+void benchMlp(const BenchConfig& c) {
+  const int threads = c.threads ? c.threads : 1;
+  std::printf("\n# MLP block fc1 (h -> F, column) · GeLU · fc2 (F -> h, row), fp32, forward + backward,\n");
+  std::printf("# sequence parallel for T > 1; %d thread(s) for the simulator and for Eigen; best of %d\n", threads,
+              c.mlpReps);
+  std::printf("#%7s %6s %6s %4s %12s %12s %10s\n", "tokens", "h", "F", "T", "sim(ms)", "eigen(ms)", "sim/eigen");
+  for (auto [m, h, f] : {std::tuple{c.tokens, c.hidden, c.ffn}, std::tuple{std::int64_t(64), std::int64_t(32),
+                                                                           std::int64_t(128)}}) {
+    const bool tiny = m * h * f < 1e7;
+    const int reps = tiny ? 50 : c.mlpReps;
+    const double eigen = eigenMlp(m, h, f, reps);
+    for (int T : c.mlpTp) {
+      if (m % T || f % T) continue;
+      const double sim = simMlp(T, threads, m, h, f, reps);
+      std::printf(" %7lld %6lld %6lld %4d %12.3f %12.3f %9.3fx\n", (long long)m, (long long)h, (long long)f, T,
+                  sim * 1e3, eigen * 1e3, sim / eigen);
+    }
+  }
+}
 }  // namespace
 
 int benchMain(const std::vector<std::string>& args) {
   BenchConfig c;
-  std::string ranks = "2..64", minBytes = "1M", maxBytes = "64M";
+  std::string ranks = "2..64", minBytes = "1M", maxBytes = "64M", mlpTp = "1,2,4,8";
   po::options_description run("Run");
   run.add_options()
       ("help,h", "show this help")
-      ("what,W", po::value(&c.what)->default_value(c.what), "latency | bandwidth | gemm | all")
+      ("what,W", po::value(&c.what)->default_value(c.what), "latency | bandwidth | gemm | mlp | all")
       ("threads,t", po::value(&c.threads)->default_value(c.threads), "sim worker threads (0 = min(cores, ranks))");
   po::options_description size("Problem size");
   size.add_options()
@@ -265,7 +371,12 @@ int benchMain(const std::vector<std::string>& args) {
       ("min-bytes,b", po::value(&minBytes)->default_value(minBytes), "bandwidth: smallest size (K/M/G)")
       ("max-bytes,e", po::value(&maxBytes)->default_value(maxBytes), "bandwidth: largest size (K/M/G)")
       ("bw-iters,n", po::value(&c.bwIters)->default_value(c.bwIters), "bandwidth: iterations per size")
-      ("gemm-reps,g", po::value(&c.gemmReps)->default_value(c.gemmReps), "gemm: timed samples (best is kept)");
+      ("gemm-reps,g", po::value(&c.gemmReps)->default_value(c.gemmReps), "gemm: timed samples (best is kept)")
+      ("tokens,m", po::value(&c.tokens)->default_value(c.tokens), "mlp: tokens s·b")
+      ("hidden,k", po::value(&c.hidden)->default_value(c.hidden), "mlp: hidden size h")
+      ("ffn,f", po::value(&c.ffn)->default_value(c.ffn), "mlp: ffn hidden size F")
+      ("mlp-tp", po::value(&mlpTp)->default_value(mlpTp), "mlp: TP sizes")
+      ("mlp-reps", po::value(&c.mlpReps)->default_value(c.mlpReps), "mlp: timed samples (best is kept)");
   po::options_description all("tpsim bench [options]");
   all.add(run).add(size);
   po::variables_map vm;
@@ -276,10 +387,13 @@ int benchMain(const std::vector<std::string>& args) {
     return 0;
   }
   c.ranks = parseIntList("ranks", ranks);
+  c.mlpTp = parseIntList("mlp-tp", mlpTp);
   c.minBytes = parseSize("min-bytes", minBytes);
   c.maxBytes = parseSize("max-bytes", maxBytes);
-  if (c.what != "all" && c.what != "latency" && c.what != "bandwidth" && c.what != "gemm")
-    throw UsageError{"--what: expected latency, bandwidth, gemm or all, got '" + c.what + "'"};
+  if (c.what != "all" && c.what != "latency" && c.what != "bandwidth" && c.what != "gemm" && c.what != "mlp")
+    throw UsageError{"--what: expected latency, bandwidth, gemm, mlp or all, got '" + c.what + "'"};
+  if (c.tokens < 1 || c.hidden < 1 || c.ffn < 1 || c.mlpReps < 1)
+    throw UsageError{"--tokens, --hidden, --ffn and --mlp-reps must be >= 1"};
   if (c.iters < 10) throw UsageError{"--iters: expected >= 10, got " + std::to_string(c.iters)};
   if (c.bwRanks < 1) throw UsageError{"--bw-ranks: expected >= 1, got " + std::to_string(c.bwRanks)};
   if (c.minBytes < 4 * c.bwRanks || c.maxBytes < c.minBytes)
@@ -294,6 +408,7 @@ int benchMain(const std::vector<std::string>& args) {
   long wrong = 0;
   if (c.what == "all" || c.what == "bandwidth") wrong = benchBandwidth(c);
   if (c.what == "all" || c.what == "gemm") benchGemm(c);
+  if (c.what == "all" || c.what == "mlp") benchMlp(c);
   return wrong == 0 ? 0 : 1;
 }
 
