@@ -182,4 +182,14 @@ ShardedStateDict shardedStateDict(RowParallelLinear& layer, const std::string& p
                         shardedOffsets, tp, dpCp);
 }
 
+ShardedStateDict shardedStateDict(VocabParallelEmbedding& layer, const std::string& prefix,
+                                  const std::vector<RankOffset>& shardedOffsets, Collectives& tp, Collectives* dpCp) {
+  TPSIM_CHECK(dpCp != nullptr, "shardedStateDict(VocabParallelEmbedding): metadata must provide dp_cp_group, got "
+              "nullptr; pass the gtp-inclusive DP-CP group (there is no global group to fall back to)");
+  ShardedTensor weight =
+      makeTpShardedTensorForCheckpoint(layer.weight(), prefix + "weight", 0, std::nullopt, shardedOffsets, tp, *dpCp);
+  weight.allowShapeMismatch = true;
+  return {weight};
+}
+
 }  // namespace tpsim

@@ -16,6 +16,7 @@
 
 #include "backends/collectives.h"
 #include "backends/view.h"
+#include "core/embedding.h"
 #include "core/layers.h"
 #include "core/parameter.h"
 
@@ -120,6 +121,10 @@ ShardedStateDict makeShardedTensorsForCheckpoint(const std::vector<StateDictEntr
 ShardedStateDict shardedStateDict(ColumnParallelLinear& layer, const std::string& prefix,
                                   const std::vector<RankOffset>& shardedOffsets, Collectives& tp, Collectives* dpCp);
 ShardedStateDict shardedStateDict(RowParallelLinear& layer, const std::string& prefix,
+                                  const std::vector<RankOffset>& shardedOffsets, Collectives& tp, Collectives* dpCp);
+// The embedding's (SPEC 3.17): one entry, prefix + "weight", TP-sharded on axis 0, with
+// allow_shape_mismatch so that a checkpoint of a differently padded vocabulary loads.
+ShardedStateDict shardedStateDict(VocabParallelEmbedding& layer, const std::string& prefix,
                                   const std::vector<RankOffset>& shardedOffsets, Collectives& tp, Collectives* dpCp);
 
 }  // namespace tpsim

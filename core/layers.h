@@ -46,6 +46,7 @@ struct ColumnParallelOptions {
   bool disableGradReduce = false;
   std::optional<DType> outputDtype;
   std::string name = "column";
+  std::string tpCommBufferName;  // Transformer Engine's userbuffer name: recorded, no effect here
 };
 
 class ColumnParallelLinear {
@@ -63,6 +64,9 @@ class ColumnParallelLinear {
   Tensor backward(ConstView dOutput, ConstView dOutputBias = ConstView());
 
   void backwardDw() {}  // delayed wgrad is not supported, as in Megatron
+  // Megatron keeps an `_extra_state` key for Transformer Engine compatibility; its value is None.
+  void setExtraState(const std::optional<std::string>&) {}
+  std::optional<std::string> getExtraState() const { return std::nullopt; }
   std::string extraRepr() const;
 
   Parameter* weight() { return weight_ ? &*weight_ : nullptr; }
@@ -100,6 +104,7 @@ struct RowParallelOptions {
   bool keepMasterWeightForTest = false;
   bool isExpert = false;
   std::string name = "row";
+  std::string tpCommBufferName;  // as in ColumnParallelOptions
 };
 
 class RowParallelLinear {
@@ -113,6 +118,8 @@ class RowParallelLinear {
   Tensor backward(ConstView dOutput, ConstView dOutputBias = ConstView());
 
   void backwardDw() {}
+  void setExtraState(const std::optional<std::string>&) {}
+  std::optional<std::string> getExtraState() const { return std::nullopt; }
   std::string extraRepr() const;
 
   Parameter& weight() { return weight_; }

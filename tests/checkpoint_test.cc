@@ -193,6 +193,29 @@ TEST(ShardedStateDict, Spec321TableWorld8Tp2Dp4) {
   }
 }
 
+// SPEC 3.17: the embedding's single entry, world 8, T = 2, D = 4, V = 8, h = 4.
+TEST(ShardedStateDict, EmbeddingWeightAllowsShapeMismatch) {
+  const ParallelLayout layout(sizesFor(2, 1, 4));
+  std::vector<ShardedStateDict> seen(8);
+  runRanks(8, [&](RankContext& ctx) {
+    ProcessGroups groups(ctx.comm, layout);
+    VocabParallelEmbedding emb({ctx.compute, groups.tp()}, configFor(2), 8, 4, initMethodNormal(0.02));
+    seen[ctx.comm.rank()] = shardedStateDict(emb, "emb.", {}, groups.tp(), &groups.dpCpGtp());
+    EXPECT_THROW(shardedStateDict(emb, "emb.", {}, groups.tp(), nullptr), InvalidArgument);
+  });
+  for (int r = 0; r < 8; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    const int t = r % 2, d = r / 2;
+    EXPECT_THAT(keysOf(seen[r]), ElementsAre("emb.weight"));
+    const ShardedTensor& w = tensorAt(seen[r], "emb.weight");
+    EXPECT_EQ(w.localShape, (Ints{4, 4}));
+    EXPECT_EQ(w.globalShape, (Ints{8, 4}));
+    EXPECT_EQ(w.globalOffset, (Ints{4 * t, 0}));
+    EXPECT_EQ(w.replicaId, (ReplicaId{0, 0, d}));
+    EXPECT_TRUE(w.allowShapeMismatch);
+  }
+}
+
 // sharded_offsets ((0, layer_idx, num_layers),) prepend a layer axis and shift the TP axis by one;
 // two prepended axes given out of order are sorted for the extra state.
 TEST(ShardedStateDict, ShardedOffsetsPrependAxesAndShiftTheTpAxis) {
