@@ -26,8 +26,6 @@ bool endsWith(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-bool isGtpShard(const Parameter& param) { return param.attrs.isGtpWeightRemat.value_or(false); }
-
 void checkData(const char* where, const Parameter& param, const std::string& key) {
   TPSIM_CHECK(param.data.defined(), where, ": parameter '", param.name, "' for key '", key,
               "' must hold data, got an undefined tensor");

@@ -12,6 +12,8 @@ void ModelParallelConfig::validate() const {
               tensorModelParallelSize);
   TPSIM_CHECK(wgradDeferralLimit >= 0, "ModelParallelConfig: wgrad_deferral_limit must be >= 0, got ",
               wgradDeferralLimit);
+  TPSIM_CHECK(gtpPadForAlignment >= 0, "ModelParallelConfig: gtp pad_for_alignment must be >= 0, got ",
+              gtpPadForAlignment);
   if (deferEmbeddingWgradCompute) {
     TPSIM_CHECK(pipelineModelParallelSize > 1, "ModelParallelConfig: defer_embedding_wgrad_compute needs "
                 "pipeline_model_parallel_size > 1, got ", pipelineModelParallelSize);

@@ -23,6 +23,10 @@ struct ModelParallelConfig {
   bool deferEmbeddingWgradCompute = false;
   int wgradDeferralLimit = 0;
   bool deterministicMode = false;
+  // GTP_remat (SPEC 4.2, 4.5, 4.6).
+  int gtpPadForAlignment = 16;                 // a: pad dim 0 to a multiple of a·G; 0 = no padding
+  bool calculatePerTokenLoss = false;          // false: the GTP wgrad reduce-scatter is a MEAN
+  bool gtpReduceScatterWithFp32Accumulation = false;
 
   int expertTp() const { return expertTensorParallelSize ? expertTensorParallelSize : tensorModelParallelSize; }
   // Megatron's config validation: SP needs T > 1; deferral needs PP > 1, fusion and a limit >= 0.

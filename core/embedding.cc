@@ -13,11 +13,6 @@ namespace {
 
 constexpr const char* kWhere = "VocabParallelEmbedding";
 
-// The embedding resolves only the dense GTP_remat group (SPEC 3.17 step 4).
-void checkNoGtp(const ModelParallelConfig& c) {
-  TPSIM_CHECK(c.gtpRematSize == 1, kWhere, ": GTP_remat sizes must be 1 in this version, got G = ", c.gtpRematSize);
-}
-
 // Megatron indexes the table with unmasked ids at T = 1, so a bad id is a device fault there
 // (SPEC 8 item 13); here it is an error naming the first bad id.
 void checkIdsInRange(Compute& compute, const Tensor& ids /* int64 (b, s) */, std::int64_t vocabSize) {
@@ -37,7 +32,8 @@ VocabParallelEmbedding::VocabParallelEmbedding(LayerContext ctx, const ModelPara
                                                const InitMethod& initMethod, VocabParallelEmbeddingOptions options)
     : ctx_(ctx), options_(std::move(options)), numEmbeddings_(numEmbeddings), embeddingDim_(embeddingDim) {
   config.validate();
-  checkNoGtp(config);
+  TPSIM_CHECK(!ctx_.gtpActive() || ctx_.gtpReducer != nullptr, kWhere, ": a GTP_remat group of size ",
+              ctx_.gtp->size(), " needs LayerContext::gtpReducer to reduce the weight gradient");
   TPSIM_CHECK(numEmbeddings > 0, kWhere, ": num_embeddings must be positive, got ", numEmbeddings);
   TPSIM_CHECK(embeddingDim > 0, kWhere, ": embedding_dim must be positive, got ", embeddingDim);
   const int T = ctx_.tp.size();
@@ -64,6 +60,8 @@ VocabParallelEmbedding::VocabParallelEmbedding(LayerContext ctx, const ModelPara
     setTensorModelParallelAttributes(weight_.attrs, true, 0, 1);
     compute.fill(weight_.data, 0.0);
   }
+  // The full TP-local table was initialized; GTP_remat now keeps this rank's rows (SPEC 4.9).
+  if (ctx_.gtpActive()) wrapGtp(compute, weight_, *ctx_.gtp, config.gtpPadForAlignment, ctx_.gtpReplica);
 }
 
 Tensor VocabParallelEmbedding::forward(ConstView ids) {
@@ -79,8 +77,11 @@ Tensor VocabParallelEmbedding::forward(ConstView ids) {
   if (T == 1) checkIdsInRange(compute, saved, numEmbeddings_);
 
   // Ids outside [first, last) belong to other ranks and give zero rows: Megatron's mask.
+  Materialized full;  // the GTP_remat table, dropped after the lookup: backward needs no weight
+  const ConstView table = isGtpShard(weight_) ? (full = materialize(compute, weight_)).weight
+                                              : ConstView(weight_.data);  // (V/T, h)
   Tensor embedded = compute.empty({b, s, h}, weight_.data.dtype());  // (b, s, h)
-  compute.gatherRows(weight_.data, saved.view().reshape({b * s}), vocab_.first, embedded.view().reshape({b * s, h}));
+  compute.gatherRows(table, saved.view().reshape({b * s}), vocab_.first, embedded.view().reshape({b * s, h}));
 
   Tensor out;
   if (options_.reduceScatterEmbeddings) {
@@ -122,15 +123,24 @@ void VocabParallelEmbedding::backward(ConstView dOutput) {
   // scatterAddRows adds in increasing position order, a fixed order, so the sum is deterministic
   // whatever deterministic_mode says, and both of Megatron's lookups give these values (SPEC 5.3 E2).
   const DType accumDtype = is16Bit(dtype) ? DType::kFloat32 : dtype;
-  Tensor dWeight = compute.zeros(weight_.data.shape(), accumDtype);  // (V/T, h)
+  const Shape tableShape{numEmbeddingsPerPartition(), h};  // (V/T, h), the shard's logical table
+  Tensor dWeight = compute.zeros(tableShape, accumDtype);
   compute.scatterAddRows(dEmbedded.reshape({b * s, h}), ids_.view().reshape({b * s}), vocab_.first, dWeight);
   if (accumDtype != dtype) {
-    Tensor rounded = compute.empty(weight_.data.shape(), dtype);  // (V/T, h)
+    Tensor rounded = compute.empty(tableShape, dtype);
     compute.copy(dWeight, rounded);
     dWeight = std::move(rounded);
   }
-  accumulateGrad(compute, weight_, std::move(dWeight));
   ids_ = Tensor();
+  if (!isGtpShard(weight_)) {
+    accumulateGrad(compute, weight_, std::move(dWeight));
+    return;
+  }
+  // Under GTP_remat the table gradient, in the param dtype, is reduce-scattered into main_grad.
+  // The embedding heads the chain: its reduction is synchronous and completes its successor's.
+  Tensor dummy = ctx_.gtpReducer->reduceScatter(weight_, dWeight);
+  ctx_.gtpReducer->drain();
+  if (dummy.defined()) weight_.grad = std::move(dummy);
 }
 
 }  // namespace tpsim

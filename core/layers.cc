@@ -17,10 +17,9 @@ bool useExpertPgs(const ModelParallelConfig& c, bool isExpert) {
                       c.expertGtpRematSize != c.gtpRematSize);
 }
 
-void checkNoGtp(const ModelParallelConfig& c, const char* where) {
-  TPSIM_CHECK(c.gtpRematSize == 1 && c.expertGtpRematSize == 1, where,
-              ": GTP_remat sizes must be 1 in this version, got G = ", c.gtpRematSize, ", EG = ",
-              c.expertGtpRematSize);
+void checkGtp(const LayerContext& ctx, const char* where) {
+  TPSIM_CHECK(!ctx.gtpActive() || ctx.gtpReducer != nullptr, where, ": a GTP_remat group of size ", ctx.gtp->size(),
+              " needs LayerContext::gtpReducer to reduce the weight gradients");
 }
 
 // Megatron's three initialization paths (SPEC 3.18 step 4, 3.19 step 4). Returns the master weight
@@ -92,7 +91,7 @@ ColumnParallelLinear::ColumnParallelLinear(LayerContext ctx, const ModelParallel
     : ctx_(ctx), config_(config), options_(std::move(options)), inputSize_(inputSize), outputSize_(outputSize) {
   const char* where = "ColumnParallelLinear";
   config_.validate();
-  checkNoGtp(config_, where);
+  checkGtp(ctx_, where);
   const int T = ctx_.tp.size();
   outputSizePerPartition_ = divide(outputSize, T, "ColumnParallelLinear: output_size by the TP size");
   const bool expertParallel = config_.expertModelParallelSize > 1;
@@ -107,8 +106,9 @@ ColumnParallelLinear::ColumnParallelLinear(LayerContext ctx, const ModelParallel
                                      options_.stride, initMethod, options_.keepMasterWeightForTest,
                                      DType::kFloat32, options_.isExpert, where);
     weight_->attrs.allreduce = !expertPgs;
+    if (ctx_.gtpActive()) wrapGtp(compute, *weight_, *ctx_.gtp, config_.gtpPadForAlignment, ctx_.gtpReplica);
   }
-  if (options_.bias) {
+  if (options_.bias) {  // never GTP_remat-sharded
     bias_ = makeParameter(compute, options_.name + ".bias", {outputSizePerPartition_}, config_.paramsDtype);
     setTensorModelParallelAttributes(bias_->attrs, true, 0, options_.stride);
     compute.fill(bias_->data, 0.0);
@@ -128,7 +128,10 @@ LayerOutput ColumnParallelLinear::forward(ConstView input, Parameter* weight, st
   Parameter* w = weight ? weight : this->weight();
   TPSIM_CHECK(w != nullptr, "ColumnParallelLinear::forward: weight was not supplied, and "
               "skip_weight_param_allocation left the layer without one");
-  TPSIM_CHECK(w->data.shape() == Shape({outputSizePerPartition_, inputSize_}),
+  TPSIM_CHECK(!ctx_.gtpActive() || isGtpShard(*w), "ColumnParallelLinear::forward: the supplied weight ", w->name,
+              " is not a GTP_remat shard but the layer's GTP_remat group has size ", ctx_.gtp->size(),
+              "; wrap it with wrapGtp or give the layer no GTP_remat group");
+  TPSIM_CHECK(isGtpShard(*w) || w->data.shape() == Shape({outputSizePerPartition_, inputSize_}),
               "ColumnParallelLinear::forward: supplied weight must be (", outputSizePerPartition_, ", ", inputSize_,
               "), got ", w->data.str());
   TPSIM_CHECK(input.rank() >= 1 && input.dim(-1) == inputSize_, "ColumnParallelLinear::forward: input must end in K=",
@@ -148,6 +151,7 @@ LayerOutput ColumnParallelLinear::forward(ConstView input, Parameter* weight, st
   lo.gradOutputBuffer = defer ? options_.gradOutputBuffer : nullptr;
   lo.wgradDeferralLimit = config_.wgradDeferralLimit;
   lo.outputDtype = options_.outputDtype;
+  lo.gtpReducer = ctx_.gtpReducer;
   Tensor outputParallel;  // (…, N/T), or (s, b, N/T) under sequence parallelism
   linear_.reset();
   frozen_.reset();
@@ -194,7 +198,7 @@ RowParallelLinear::RowParallelLinear(LayerContext ctx, const ModelParallelConfig
     : ctx_(ctx), config_(config), options_(std::move(options)), inputSize_(inputSize), outputSize_(outputSize) {
   const char* where = "RowParallelLinear";
   config_.validate();
-  checkNoGtp(config_, where);
+  checkGtp(ctx_, where);
   TPSIM_CHECK(!config_.sequenceParallel || options_.inputIsParallel,
               "RowParallelLinear: sequence_parallel needs input_is_parallel = True");
   TPSIM_CHECK(kGradAccumFusionAvailable || !config_.gradientAccumulationFusion,
@@ -209,6 +213,7 @@ RowParallelLinear::RowParallelLinear(LayerContext ctx, const ModelParallelConfig
                                    options_.stride, initMethod, options_.keepMasterWeightForTest,
                                    config_.paramsDtype, options_.isExpert, where);
   weight_.attrs.allreduce = !expertPgs;
+  if (ctx_.gtpActive()) wrapGtp(compute, weight_, *ctx_.gtp, config_.gtpPadForAlignment, ctx_.gtpReplica);
   if (options_.bias) {
     // Replicated: no TP attributes, so the duplicate filter counts it on TP rank 0 only.
     bias_ = makeParameter(compute, options_.name + ".bias", {outputSize}, config_.paramsDtype);
@@ -230,6 +235,7 @@ LayerOutput RowParallelLinear::forward(ConstView input) {
   }
   LinearOptions lo;  // no TP collective inside the linear function: the layer reduces the output
   lo.gradientAccumulationFusion = config_.gradientAccumulationFusion;
+  lo.gtpReducer = ctx_.gtpReducer;
   Tensor partial;    // (…, N), partial over TP
   linear_.reset();
   frozen_.reset();

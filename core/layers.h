@@ -14,6 +14,7 @@
 #include "backends/collectives.h"
 #include "backends/compute.h"
 #include "core/config.h"
+#include "core/gtp.h"
 #include "core/linear.h"
 #include "core/parameter.h"
 #include "core/random.h"
@@ -26,6 +27,13 @@ struct LayerContext {
   Collectives& tp;                 // the layer's TP group (the expert TP group for expert layers)
   RngTracker* rngTracker = nullptr;  // GPU-style initialization (use_cpu_initialization = false)
   Generator* cpuGenerator = nullptr;  // CPU initialization: the master weight's generator
+  // GTP_remat (SPEC 4): the group the layer resolved (EGTP for expert layers; nullptr or size 1 =
+  // off), the gtp-excluded replica group stamped for checkpoints, and the rank's wgrad reducer.
+  Collectives* gtp = nullptr;
+  Collectives* gtpReplica = nullptr;
+  GtpGradReducer* gtpReducer = nullptr;
+
+  bool gtpActive() const { return gtp != nullptr && gtp->size() > 1; }
 };
 
 struct LayerOutput {

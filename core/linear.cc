@@ -106,7 +106,14 @@ LinearWithGradAccumulation::LinearWithGradAccumulation(Compute& compute, Collect
 }
 
 Tensor LinearWithGradAccumulation::forward(ConstView input, Parameter& weight, const Parameter* bias) {
-  TPSIM_CHECK(!options_.gradientAccumulationFusion || weight.hasMainGrad(),
+  const bool gtp = isGtpShard(weight);
+  TPSIM_CHECK(!gtp || options_.gtpReducer != nullptr, "LinearWithGradAccumulation: ", weight.name,
+              " is a GTP_remat shard and needs LinearOptions::gtpReducer");
+  TPSIM_CHECK(!gtp || options_.gradOutputBuffer == nullptr, "LinearWithGradAccumulation: wgrad deferral "
+              "(grad_output_buffer) cannot be used with the GTP_remat shard ", weight.name,
+              ": its wgrad must be reduce-scattered in backward");
+  // GTP_remat forces fusion off: the wgrad goes through the reduce-scatter into main_grad.
+  TPSIM_CHECK(gtp || !options_.gradientAccumulationFusion || weight.hasMainGrad(),
               "LinearWithGradAccumulation: gradient accumulation fusion needs ", weight.name,
               ".main_grad allocated before forward");
   TPSIM_CHECK(!options_.sequenceParallel || input.rank() >= 2, "LinearWithGradAccumulation: sequence-parallel "
@@ -115,16 +122,21 @@ Tensor LinearWithGradAccumulation::forward(ConstView input, Parameter& weight, c
   weight_ = &weight;
   hasBias_ = bias != nullptr;
   const ConstView biasView = bias ? ConstView(bias->data) : ConstView();
-  if (!options_.sequenceParallel) return linearForward(compute_, input, weight.data, biasView, options_.outputDtype);
+  Materialized full;  // the GTP_remat weight, dropped after the GEMM
+  const ConstView w = gtp ? (full = materialize(compute_, weight)).weight : ConstView(weight.data);  // (N, K)
+  if (!options_.sequenceParallel) return linearForward(compute_, input, w, biasView, options_.outputDtype);
   Tensor staging, total;  // total: (s, b, K)
   gatherSequence(compute_, tp_, input, staging, total)->wait();
-  return linearForward(compute_, total, weight.data, biasView, options_.outputDtype);
+  return linearForward(compute_, total, w, biasView, options_.outputDtype);
 }
 
 LinearGrads LinearWithGradAccumulation::backward(ConstView dYIn) {
   TPSIM_CHECK(weight_ != nullptr, "LinearWithGradAccumulation::backward: called before forward");
   Parameter& weight = *weight_;
-  const std::int64_t n = weight.data.shape()[0], k = weight.data.shape()[1];
+  const bool gtp = isGtpShard(weight);
+  Materialized full;  // rematerialized for dgrad: the forward's copy was not kept
+  const ConstView w = gtp ? (full = materialize(compute_, weight)).weight : ConstView(weight.data);  // (N, K)
+  const std::int64_t n = w.dim(0), k = w.dim(1);
   Shape outShape = withLastDim(input_.shape(), n);
   if (options_.sequenceParallel) outShape[0] *= tp_.size();
   TPSIM_CHECK(dYIn.shape() == outShape, "LinearWithGradAccumulation::backward: grad_output must be ",
@@ -151,7 +163,7 @@ LinearGrads LinearWithGradAccumulation::backward(ConstView dYIn) {
 
   LinearGrads grads;
   Tensor dX = compute_.empty(withLastDim(dY.shape(), k), dY.dtype());  // (…, K), partial over TP
-  compute_.gemm(dY.flattenTo2d(), weight.data, dX.view().flattenTo2d());
+  compute_.gemm(dY.flattenTo2d(), w, dX.view().flattenTo2d());
   if (gather) gather->wait();
 
   std::unique_ptr<Work> dgradReduction;
@@ -165,7 +177,15 @@ LinearGrads LinearWithGradAccumulation::backward(ConstView dYIn) {
 
   const ConstView dY2 = dY.flattenTo2d();  // (M, N)
   Tensor xStorage;
-  if (options_.gradientAccumulationFusion) {
+  if (gtp) {
+    // The wgrad is computed in main_grad's dtype when that is wider (the wider GEMM epilogue),
+    // which makes it the reduce-scatter's wire dtype (SPEC 4.5).
+    const bool wider = weight.hasMainGrad() && weight.mainGrad.dtype() == DType::kFloat32;
+    Tensor dW = compute_.empty({n, k}, wider ? DType::kFloat32 : dY.dtype());  // (N, K)
+    wgradGemm(compute_, dW, dY2, contiguous(compute_, xTotal, xStorage).flattenTo2d());
+    grads.dW = options_.gtpReducer->reduceScatter(weight, dW);
+    grads.dWIsDummy = grads.dW.defined();
+  } else if (options_.gradientAccumulationFusion) {
     if (wgradCompute)
       accumulateIntoMainGrad(compute_, weight, dY2, contiguous(compute_, xTotal, xStorage).flattenTo2d(),
                              "LinearWithGradAccumulation::backward");
@@ -197,7 +217,15 @@ LinearWithFrozenWeight::LinearWithFrozenWeight(Compute& compute, Collectives& tp
 }
 
 Tensor LinearWithFrozenWeight::forward(ConstView input, const Parameter& weight, const Parameter* bias) {
-  weight_ = weight.data;
+  if (isGtpShard(weight)) {
+    // Backward reads the weight the forward used: keep this materialization, privately.
+    Materialized full = materialize(compute_, weight);
+    gathered_ = std::move(full.gathered);
+    weight_ = full.weight;
+  } else {
+    gathered_ = Tensor();
+    weight_ = weight.data;
+  }
   inputShape_ = input.shape();
   inputDtype_ = input.dtype();
   hasBias_ = bias != nullptr;

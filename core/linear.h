@@ -15,6 +15,7 @@
 
 #include "backends/collectives.h"
 #include "backends/compute.h"
+#include "core/gtp.h"
 #include "core/parameter.h"
 
 namespace tpsim {
@@ -51,6 +52,8 @@ struct LinearOptions {
   std::vector<Tensor>* gradOutputBuffer = nullptr;
   int wgradDeferralLimit = 0;
   std::optional<DType> outputDtype;
+  // Reduces the wgrads of GTP_remat shards (SPEC 4.5); required when the weight is one.
+  GtpGradReducer* gtpReducer = nullptr;
 };
 
 class LinearWithGradAccumulation {
@@ -58,8 +61,9 @@ class LinearWithGradAccumulation {
   // tp: the TP group of the sequence-parallel gather and the dgrad reduction.
   LinearWithGradAccumulation(Compute& compute, Collectives& tp, LinearOptions options);
 
-  // input: (…, K), or (s/T, b, K) under sequence parallelism.  weight: (N, K).  bias: (N) or
-  // nullptr. Returns (…, N), or (s, b, N) under sequence parallelism.
+  // input: (…, K), or (s/T, b, K) under sequence parallelism.  weight: (N, K), or its GTP_remat
+  // shard, materialized here and again in backward.  bias: (N) or nullptr. Returns (…, N), or
+  // (s, b, N) under sequence parallelism.
   Tensor forward(ConstView input, Parameter& weight, const Parameter* bias);
   // dY: the output's shape. Fusion adds the wgrad into weight.mainGrad here.
   LinearGrads backward(ConstView dY);
@@ -87,6 +91,7 @@ class LinearWithFrozenWeight {
   Compute& compute_;
   Collectives& tp_;
   LinearOptions options_;
+  Tensor gathered_;          // a GTP_remat weight's private materialized copy (SPEC 8 item 10)
   ConstView weight_;         // (N, K)
   Shape inputShape_;
   DType inputDtype_ = DType::kFloat32;

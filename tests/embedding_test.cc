@@ -296,10 +296,10 @@ TEST(VocabParallelEmbedding, RejectedInputsNameTheArgument) {
     const ModelParallelConfig config = configFor(DType::kFloat32);
     EXPECT_THAT(message([&] { VocabParallelEmbedding({ctx.compute, ctx.comm}, config, 50257, 4, init); }),
                 HasSubstr("VocabParallelEmbedding: vocab_size 50257 is not divisible by tp_size 4; pad it to 50260"));
-    ModelParallelConfig gtp = config;
-    gtp.gtpRematSize = 2;
-    EXPECT_THAT(message([&] { VocabParallelEmbedding({ctx.compute, ctx.comm}, gtp, 8, 4, init); }),
-                HasSubstr("VocabParallelEmbedding: GTP_remat sizes must be 1 in this version, got G = 2"));
+    LayerContext gtpWithoutReducer{ctx.compute, ctx.comm};
+    gtpWithoutReducer.gtp = &ctx.comm;
+    EXPECT_THAT(message([&] { VocabParallelEmbedding(gtpWithoutReducer, config, 8, 4, init); }),
+                HasSubstr("VocabParallelEmbedding: a GTP_remat group of size 4 needs LayerContext::gtpReducer"));
     ModelParallelConfig gpuInit = config;
     gpuInit.performInitialization = true;
     EXPECT_THAT(message([&] { VocabParallelEmbedding({ctx.compute, ctx.comm}, gpuInit, 8, 4, init); }),

@@ -321,10 +321,10 @@ TEST(Layers, RejectedConfigurationsNameTheArgument) {
     half.embeddingActivationBuffer = &activations;
     EXPECT_THAT(message([&] { ColumnParallelLinear({ctx.compute, ctx.comm}, defer, 4, 4, init, half); }),
                 HasSubstr("grad_output_buffer is missing"));
-    ModelParallelConfig gtp = config;
-    gtp.gtpRematSize = 2;
-    EXPECT_THAT(message([&] { ColumnParallelLinear({ctx.compute, ctx.comm}, gtp, 4, 4, init, {}); }),
-                HasSubstr("GTP_remat sizes must be 1"));
+    LayerContext gtpWithoutReducer{ctx.compute, ctx.comm};
+    gtpWithoutReducer.gtp = &ctx.comm;
+    EXPECT_THAT(message([&] { ColumnParallelLinear(gtpWithoutReducer, config, 4, 4, init, {}); }),
+                HasSubstr("a GTP_remat group of size 2 needs LayerContext::gtpReducer"));
     ColumnParallelLinear col({ctx.compute, ctx.comm}, config, 4, 4, init, {});
     Tensor badX = ctx.compute.zeros({1, 3}, DType::kFloat32);
     EXPECT_THAT(message([&] { col.forward(badX); }), HasSubstr("input must end in K=4, got fp32 (1, 3)"));

@@ -1,0 +1,150 @@
+#include "core/gtp.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "backends/errors.h"
+
+namespace tpsim {
+namespace {
+
+struct ShardInfo {
+  Collectives* group;
+  std::int64_t rows, padLength, dLog;
+};
+
+ShardInfo shardInfo(const Parameter& shard, const char* where) {
+  TPSIM_CHECK(isGtpShard(shard), where, ": ", shard.name, " must be a GTP_remat shard (wrapGtp)");
+  Collectives* group = *shard.attrs.group;
+  TPSIM_CHECK(group != nullptr, where, ": ", shard.name, " has no GTP_remat group");
+  const std::int64_t rows = shard.data.shape()[0], pad = shard.attrs.padLength.value_or(0);
+  return {group, rows, pad, rows * group->size() - pad};
+}
+
+Shape withDim0(Shape s, std::int64_t d0) {
+  s[0] = d0;
+  return s;
+}
+
+}  // namespace
+
+GtpShardGeometry gtpRematShardDim0(std::int64_t dLog, int groupSize, int padForAlignment) {
+  TPSIM_CHECK(groupSize >= 1, "gtpRematShardDim0: the GTP_remat size must be >= 1, got ", groupSize);
+  TPSIM_CHECK(padForAlignment >= 0, "gtpRematShardDim0: pad_for_alignment must be >= 0, got ", padForAlignment);
+  TPSIM_CHECK(dLog >= 0, "gtpRematShardDim0: dim 0 must be >= 0, got ", dLog);
+  if (padForAlignment > 0) {
+    const std::int64_t align = std::int64_t(padForAlignment) * groupSize;
+    const std::int64_t pad = (align - dLog % align) % align;
+    return {(dLog + pad) / groupSize, pad};
+  }
+  TPSIM_CHECK(dLog % groupSize == 0, "gtpRematShardDim0: with pad_for_alignment 0 the TP-local dim 0 (", dLog,
+              ") must be divisible by the GTP_remat size ", groupSize, "; set pad_for_alignment > 0 to pad it");
+  return {dLog / groupSize, 0};
+}
+
+bool isGtpShard(const Parameter& p) { return p.attrs.isGtpWeightRemat.value_or(false); }
+
+void wrapGtp(Compute& compute, Parameter& weight, Collectives& group, int padForAlignment,
+             Collectives* replicaGroup) {
+  if (group.size() == 1 || !weight.data.defined() || isGtpShard(weight)) return;
+  TPSIM_CHECK(!weight.hasGrad() && !weight.hasMainGrad(), "wrapGtp: ", weight.name,
+              " must be wrapped before its gradients are allocated");
+  const std::int64_t dLog = weight.data.shape()[0];
+  const GtpShardGeometry geo = gtpRematShardDim0(dLog, group.size(), padForAlignment);
+  Tensor shard = compute.zeros(withDim0(weight.data.shape(), geo.rows), weight.data.dtype());  // (S, ...)
+  // Rows [g·S, (g+1)·S) of the padded weight; the part past dLog is padding and stays zero.
+  const std::int64_t begin = std::min(group.rank() * geo.rows, dLog);
+  const std::int64_t end = std::min((group.rank() + 1) * geo.rows, dLog);
+  if (end > begin) compute.copy(weight.data.view().slice(0, begin, end), shard.view().slice(0, 0, end - begin));
+  weight.data = std::move(shard);
+  weight.attrs.padLength = int(geo.padLength);
+  weight.attrs.isGtpWeightRemat = true;
+  weight.attrs.group = &group;
+  if (replicaGroup) weight.attrs.gtpReplicaGroup = replicaGroup;
+}
+
+Materialized materialize(Compute& compute, const Parameter& shard) {
+  const ShardInfo info = shardInfo(shard, "materialize");
+  Materialized m;
+  m.gathered = compute.empty(withDim0(shard.data.shape(), info.rows * info.group->size()), shard.data.dtype());
+  info.group->allGather(shard.data, m.gathered)->wait();
+  m.weight = m.gathered.view().slice(0, 0, info.dLog);
+  return m;
+}
+
+struct GtpGradReducer::Pending {
+  Parameter* shard;
+  Tensor padded;    // (S·G, ...) the pre-scaled, padded wgrad: the send buffer
+  Tensor received;  // (S·G, ...) the all-to-all's chunks, fp32-accumulation variant only
+  Tensor result;    // (S, ...)
+  std::unique_ptr<Work> work;
+};
+
+GtpGradReducer::GtpGradReducer(Compute& compute, GtpReduceOptions options) : compute_(compute), options_(options) {}
+
+GtpGradReducer::~GtpGradReducer() = default;
+
+Tensor GtpGradReducer::reduceScatter(Parameter& shard, View dW) {
+  const ShardInfo info = shardInfo(shard, "GtpGradReducer::reduceScatter");
+  TPSIM_CHECK(dW.shape() == withDim0(shard.data.shape(), info.dLog), "GtpGradReducer::reduceScatter: the wgrad of ",
+              shard.name, " must be the logical TP-local shape ", withDim0(shard.data.shape(), info.dLog).str(),
+              ", got ", dW.str());
+  TPSIM_CHECK(shard.hasMainGrad(), "GtpGradReducer::reduceScatter: ", shard.name,
+              ".main_grad must be allocated before backward (GTP_remat accumulates into it)");
+  // A weight used twice in one pass: its earlier reduction lands first.
+  if (pending_ && pending_->shard == &shard) {
+    finalize(*pending_);
+    pending_.reset();
+  }
+  const int g = info.group->size();
+  if (options_.mean) compute_.scale(dW, 1.f / float(g));
+  auto p = std::make_unique<Pending>();
+  p->shard = &shard;
+  p->padded = compute_.zeros(withDim0(dW.shape(), info.rows * g), dW.dtype());
+  compute_.copy(dW, p->padded.view().slice(0, 0, info.dLog));
+  p->result = compute_.empty(shard.data.shape(), dW.dtype());
+  if (options_.fp32AccumReduceScatter && g > 2) {
+    // Rank q receives chunk q of every peer, then sums them in fp32 and rounds once (4.6).
+    p->received = compute_.empty(p->padded.shape(), dW.dtype());
+    p->work = info.group->allToAll(p->padded, p->received);
+    ++fp32Dispatches_;
+  } else {
+    p->work = info.group->reduceScatter(p->padded, p->result);
+  }
+  if (!options_.async) {
+    finalize(*p);
+    Tensor dummy = compute_.empty(shard.mainGrad.shape(), shard.data.dtype());
+    if (shard.attrs.zeroOutWgrad.value_or(false)) compute_.fill(dummy, 0.0);
+    return dummy;
+  }
+  std::unique_ptr<Pending> previous = std::move(pending_);
+  pending_ = std::move(p);
+  if (previous) finalize(*previous);
+  return Tensor();
+}
+
+void GtpGradReducer::drain() {
+  if (!pending_) return;
+  finalize(*pending_);
+  pending_.reset();
+}
+
+void GtpGradReducer::finalize(Pending& p) {
+  p.work->wait();
+  if (p.received.defined()) {
+    const Collectives& group = **p.shard->attrs.group;
+    const std::int64_t rows = p.result.shape()[0];
+    Tensor acc = compute_.zeros(p.result.shape(), DType::kFloat32);  // (S, ...)
+    for (int q = 0; q < group.size(); ++q) compute_.axpy(1.f, p.received.view().slice(0, q * rows, (q + 1) * rows), acc);
+    compute_.copy(acc, p.result);
+  }
+  Parameter& shard = *p.shard;
+  TPSIM_CHECK(shard.mainGrad.dtype() == p.result.dtype() || shard.mainGrad.dtype() == DType::kFloat32 ||
+                  shard.mainGrad.dtype() == DType::kFloat64,
+              "GtpGradReducer: main_grad of ", shard.name, " (", dtypeName(shard.mainGrad.dtype()),
+              ") cannot hold the ", dtypeName(p.result.dtype()), " reduce-scatter result");
+  compute_.axpy(1.f, p.result, shard.mainGrad);
+  if (shard.attrs.gradAddedToMainGrad.has_value()) shard.attrs.gradAddedToMainGrad = true;
+}
+
+}  // namespace tpsim

@@ -1,0 +1,79 @@
+// GTP_remat (SPEC 4): a TP-local weight sharded again along dim 0 over a GTP_remat group,
+// rematerialized (all-gathered, padding stripped) before each GEMM, its weight gradient
+// reduce-scattered back into the shard's main_grad.
+//
+// gtpRematShardDim0 is the padding rule (4.2), wrapGtp turns a layer's full TP-local weight into
+// its shard (4.3), materialize is 4.4 and GtpGradReducer is 4.5-4.6. The sim runs every gather
+// synchronously (no prefetch chain); reduce-scatters may be deferred by one weight, as Megatron's
+// async reduction does, which changes when main_grad is written, never what it holds.
+#pragma once
+
+#include <memory>
+#include <optional>
+
+#include "backends/collectives.h"
+#include "backends/compute.h"
+#include "core/parameter.h"
+
+namespace tpsim {
+
+struct GtpShardGeometry {
+  std::int64_t rows;        // S: rows per shard, padding included
+  std::int64_t padLength;   // zero rows appended to the TP-local dim 0 before slicing
+};
+
+// gtp_remat_shard_dim0 (SPEC 4.2): with a > 0 pad dLog up to a multiple of a·G; with a = 0 dLog
+// must divide by G.
+GtpShardGeometry gtpRematShardDim0(std::int64_t dLog, int groupSize, int padForAlignment);
+
+// Replaces weight.data, the full TP-local weight (dLog, ...), by this rank's shard (S, ...) of
+// the padded weight, and stamps pad_length, is_gtp_weight_remat, group and gtp_replica_group
+// (SPEC 4.3). requires_grad is kept (SPEC 8 item 24). A group of size 1 changes nothing.
+void wrapGtp(Compute& compute, Parameter& weight, Collectives& group, int padForAlignment,
+             Collectives* replicaGroup = nullptr);
+
+bool isGtpShard(const Parameter& p);
+
+// The TP-local weight (dLog, ...) behind a GTP shard: all-gather along dim 0 in GTP-rank order,
+// strip the pad rows (SPEC 4.4). `weight` views the leading rows of `gathered`.
+struct Materialized {
+  Tensor gathered;  // (S·G, ...)
+  ConstView weight; // (dLog, ...)
+};
+Materialized materialize(Compute& compute, const Parameter& shard);
+
+struct GtpReduceOptions {
+  bool mean = true;               // MEAN (pre-scale 1/G) unless calculate_per_token_loss: SUM
+  bool fp32AccumReduceScatter = false;  // all-to-all + fp32 sum; bypassed at G <= 2 (4.6)
+  bool async = false;             // defer each finalize to the next weight's reduce-scatter
+};
+
+// The weight-gradient reduce-scatter of every GTP shard of one rank (SPEC 4.5). Call drain()
+// before anything reads main_grad.
+class GtpGradReducer {
+ public:
+  GtpGradReducer(Compute& compute, GtpReduceOptions options);
+  ~GtpGradReducer();
+
+  // dW: the logical wgrad (dLog, ...) in the wire dtype; it is pre-scaled in place under MEAN.
+  // Returns the dummy gradient (param dtype, main_grad's shape, zeroed iff zero_out_wgrad) when
+  // the reduction completed synchronously, and an undefined Tensor (None) when it was deferred.
+  Tensor reduceScatter(Parameter& shard, View dW);
+  // Finalizes the reduce-scatter still in flight, if any.
+  void drain();
+
+  const GtpReduceOptions& options() const { return options_; }
+  // How many reduce-scatters used the fp32-accumulation all-to-all (0 at G <= 2).
+  int fp32AccumDispatches() const { return fp32Dispatches_; }
+
+ private:
+  struct Pending;
+  void finalize(Pending& p);
+
+  Compute& compute_;
+  GtpReduceOptions options_;
+  std::unique_ptr<Pending> pending_;
+  int fp32Dispatches_ = 0;
+};
+
+}  // namespace tpsim
