@@ -244,7 +244,7 @@ TEST(GtpLayers, TransparentAgainstGtpOff) {
   for (Kind kind : {Kind::kColumn, Kind::kRow, Kind::kEmbedding})
     for (int T : {1, 2})
       for (int G : {2, 4})
-        for (DType dt : {DType::kFloat32, DType::kBFloat16})
+        for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
           for (bool sp : {false, true}) {
             if (sp && (T == 1 || kind == Kind::kEmbedding)) continue;
             for (bool mean : {true, false}) {

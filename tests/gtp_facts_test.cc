@@ -1,0 +1,265 @@
+// SPEC 5.4 test facts of GTP_remat that need whole layers: G5, G7, G9, G10, G12, G14, G18, G19,
+// and pad rows that stay zero through several optimizer steps (invariant 10).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <mutex>
+
+#include "core/grad_stats.h"
+#include "core/gtp.h"
+#include "core/layers.h"
+#include "core/process_groups.h"
+#include "tests/sim_test_util.h"
+
+namespace tpsim {
+namespace {
+
+using testing::runRanks;
+using testing::tensorOf;
+using testing::valuesOf;
+
+std::vector<double> wave(std::int64_t n, double phase) {
+  std::vector<double> v(n);
+  for (std::int64_t i = 0; i < n; ++i) v[i] = std::sin(phase + 0.37 * double(i));
+  return v;
+}
+
+double maxRelError(const std::vector<double>& a, const std::vector<double>& b) {
+  double err = 0, scale = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    err = std::max(err, std::fabs(a[i] - b[i]));
+    scale = std::max(scale, std::fabs(b[i]));
+  }
+  return err / scale;
+}
+
+// G5: Linear(64 -> 128) over G = 4, bf16, batch 16: output = x·gather(shards)[:128]ᵀ, and dX matches.
+// G7: with an fp32 main_grad and bf16 compute the wgrad that is reduce-scattered is fp32, and with
+// dY = 1 every row of it is the fp32 column sum of the input.
+TEST(GtpFacts, G5AndG7) {
+  runRanks(4, [](RankContext& ctx) {
+    GtpGradReducer reducer(ctx.compute, {false, false, false});  // SUM: main_grad = the full wgrad rows
+    auto tp = ctx.comm.split(ctx.comm.rank(), 0, "tp");
+    Generator gen(5);
+    ModelParallelConfig config;
+    config.useCpuInitialization = true;
+    config.paramsDtype = DType::kBFloat16;
+    ColumnParallelOptions o;
+    o.bias = false;
+    ColumnParallelLinear col({ctx.compute, *tp, nullptr, &gen, &ctx.comm, nullptr, &reducer}, config, 64, 128,
+                             initMethodNormal(0.1), o);
+    ASSERT_EQ(col.weight()->data.shape(), Shape({32, 64}));
+    col.weight()->mainGrad = ctx.compute.zeros({32, 64}, DType::kFloat32);
+    const auto xv = wave(16 * 64, 0.5);
+    Tensor x = tensorOf(ctx.compute, DType::kBFloat16, xv, Shape{16, 64});
+    Tensor y = col.forward(x).output;
+    Materialized w = materialize(ctx.compute, *col.weight());
+    const auto wv = valuesOf(ctx.compute, w.weight), xr = valuesOf(ctx.compute, x), yv = valuesOf(ctx.compute, y);
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < 128; ++j) {
+        double ref = 0;
+        for (int k = 0; k < 64; ++k) ref += xr[i * 64 + k] * wv[j * 64 + k];
+        ASSERT_NEAR(yv[i * 128 + j], ref, 1e-2 * (1 + std::fabs(ref))) << "bf16 output (" << i << ", " << j << ")";
+      }
+    Tensor dy = ctx.compute.empty({16, 128}, DType::kBFloat16);
+    ctx.compute.fill(dy, 1.0);
+    Tensor dx = col.backward(dy);
+    const auto dxv = valuesOf(ctx.compute, dx);
+    for (int i = 0; i < 16; ++i)
+      for (int k = 0; k < 64; ++k) {
+        double ref = 0;
+        for (int j = 0; j < 128; ++j) ref += wv[j * 64 + k];
+        ASSERT_NEAR(dxv[i * 64 + k], ref, 2e-2 * (1 + std::fabs(ref))) << "dX (" << i << ", " << k << ")";
+      }
+    // Every peer's wgrad is dYᵀ·X: row o is Σ_b x[b, :]; SUM over 4 identical peers gives 4×.
+    std::vector<double> colSum(64, 0.0);
+    for (int i = 0; i < 16; ++i)
+      for (int k = 0; k < 64; ++k) colSum[k] += xr[i * 64 + k];
+    const auto mg = valuesOf(ctx.compute, col.weight()->mainGrad);
+    EXPECT_EQ(col.weight()->mainGrad.dtype(), DType::kFloat32);
+    for (int r = 0; r < 32; ++r)
+      for (int k = 0; k < 64; ++k)
+        ASSERT_NEAR(mg[r * 64 + k], 4 * colSum[k], 1e-5 * std::fabs(4 * colSum[k]) + 1e-4) << "row " << r;
+  });
+}
+
+// G9, G10: T = 2 x G = 2. Column N = 128, K = 64: shard 32 rows, output (16, 64) = x·W_tᵀ. Row K = 128,
+// N = 128: shard (64, 64), output equals the full reference.
+TEST(GtpFacts, G9G10TwoByTwo) {
+  ParallelSizes s;
+  s.world = 4;
+  s.tp = 2;
+  s.gtpRemat = 2;
+  const ParallelLayout layout(s);
+  std::vector<double> fullRow;
+  runRanks(4, [&](RankContext& ctx) {
+    ProcessGroups pg(ctx.comm, layout);
+    GtpGradReducer reducer(ctx.compute, {});
+    Generator g1(1), g2(2);
+    ModelParallelConfig config;
+    config.useCpuInitialization = true;
+    config.tensorModelParallelSize = 2;
+    ColumnParallelOptions co;
+    co.bias = false;
+    ColumnParallelLinear col({ctx.compute, pg.tp(), nullptr, &g1, &pg.gtpRemat(), &pg.dpCp(), &reducer}, config, 64,
+                             128, initMethodNormal(0.1), co);
+    EXPECT_EQ(col.weight()->data.shape(), Shape({32, 64}));
+    RowParallelOptions ro;
+    ro.bias = false;
+    ro.inputIsParallel = true;
+    RowParallelLinear row({ctx.compute, pg.tp(), nullptr, &g2, &pg.gtpRemat(), &pg.dpCp(), &reducer}, config, 128,
+                          128, initMethodNormal(0.1), ro);
+    EXPECT_EQ(row.weight().data.shape(), Shape({64, 64}));
+    Tensor x = tensorOf(ctx.compute, DType::kFloat32, wave(16 * 64, 1.0), Shape{16, 64});
+    Tensor y = col.forward(x).output;
+    EXPECT_EQ(y.shape(), Shape({16, 64}));
+    Materialized w = materialize(ctx.compute, *col.weight());
+    const auto wv = valuesOf(ctx.compute, w.weight), xv = valuesOf(ctx.compute, x), yv = valuesOf(ctx.compute, y);
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < 64; ++j) {
+        double ref = 0;
+        for (int k = 0; k < 64; ++k) ref += xv[i * 64 + k] * wv[j * 64 + k];
+        ASSERT_NEAR(yv[i * 64 + j], ref, 1e-4) << "column output";
+      }
+    Tensor z = row.forward(y).output;  // (16, 128): Σ_t over the two TP ranks' partial products
+    EXPECT_EQ(z.shape(), Shape({16, 128}));
+    Materialized wr = materialize(ctx.compute, row.weight());  // (128, 64): columns of this TP slice
+    const auto wrv = valuesOf(ctx.compute, wr.weight), zv = valuesOf(ctx.compute, z);
+    // Reference: all-reduce the TP-local partial y·W_rᵀ.
+    std::vector<double> partial(16 * 128, 0.0);
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < 128; ++j)
+        for (int k = 0; k < 64; ++k) partial[i * 128 + j] += yv[i * 64 + k] * wrv[j * 64 + k];
+    Tensor p = tensorOf(ctx.compute, DType::kFloat64, partial, Shape{16, 128});
+    pg.tp().allReduce(p)->wait();
+    const auto ref = valuesOf(ctx.compute, p);
+    for (std::size_t i = 0; i < ref.size(); ++i) ASSERT_NEAR(zv[i], ref[i], 1e-4) << "row output " << i;
+  });
+}
+
+// G12 + G14 + G18: one model, one global batch. G = 2 x D = 2 against D = 4 (both loss modes), the
+// fp32-accumulation reduce-scatter against the plain one at G = 4, and GTP pairs permuted by a custom
+// split against the grid's pairs: gradients agree to rounding (the spec allows 2e-2).
+struct GradRun {
+  int G, D;
+  bool mean = true;
+  bool fp32Accum = false;
+  bool permutedPairs = false;
+};
+
+std::vector<double> gradients(const GradRun& run) {
+  const std::int64_t B = 8, s = 2, K = 16, N = 40, b = B / (run.G * run.D);
+  ParallelSizes sizes;
+  sizes.world = run.G * run.D;
+  sizes.gtpRemat = run.G;
+  const ParallelLayout layout(sizes);
+  std::vector<std::vector<double>> shards(run.G);
+  std::mutex mu;
+  runRanks(sizes.world, [&](RankContext& ctx) {
+    ProcessGroups pg(ctx.comm, layout);
+    // A custom GTP group pairs ranks differently: peers are reversed within each group.
+    std::unique_ptr<Collectives> custom;
+    if (run.permutedPairs)
+      custom = ctx.comm.split(pg.gtpRemat().globalRanks()[0], -pg.gtpRemat().rank(), "gtp_custom");
+    Collectives& gtp = run.permutedPairs ? *custom : pg.gtpRemat();
+    GtpGradReducer reducer(ctx.compute, {run.mean, run.fp32Accum, true});
+    Generator gen(3);
+    ModelParallelConfig config;
+    config.useCpuInitialization = true;
+    config.paramsDtype = DType::kBFloat16;
+    ColumnParallelOptions o;
+    o.bias = false;
+    ColumnParallelLinear col({ctx.compute, pg.tp(), nullptr, &gen, &gtp, &pg.dpCp(), &reducer}, config, K, N,
+                             initMethodNormal(0.2), o);
+    Parameter& w = *col.weight();
+    w.mainGrad = ctx.compute.zeros(w.data.shape(), DType::kFloat32);
+    const int q = run.permutedPairs ? gtp.rank() + run.G * pg.dp().rank() : pg.dpGtp().rank();
+    Tensor x = tensorOf(ctx.compute, DType::kBFloat16, wave(s * b * K, 0.3 + 7.0 * q), Shape{s, b, K});
+    Tensor y = col.forward(x).output;
+    // The loss is each replica's mean over its samples; SUM mode then divides by the global count.
+    const double scale = run.mean ? 1.0 / double(b) : 1.0 / double(B);
+    std::vector<double> dy = wave(y.numel(), 2.0 + 5.0 * q);
+    for (double& v : dy) v *= scale;
+    col.backward(tensorOf(ctx.compute, DType::kBFloat16, dy, y.shape()));
+    reducer.drain();
+    if (!isGtpShard(w)) ctx.compute.axpy(1.f, w.grad, w.mainGrad);  // G = 1: the plain wgrad
+    if (run.D > 1) pg.dp().allReduce(w.mainGrad, AllReduceOptions{run.mean ? ReduceOp::kMean : ReduceOp::kSum})->wait();
+    if (pg.dp().rank() != 0) return;
+    std::lock_guard<std::mutex> lock(mu);
+    shards[gtp.rank()] = valuesOf(ctx.compute, w.mainGrad);
+  });
+  std::vector<double> all;
+  for (const auto& sh : shards) all.insert(all.end(), sh.begin(), sh.end());
+  all.resize(N * K);  // strip the padding rows
+  return all;
+}
+
+TEST(GtpFacts, G12G14G18GradientsAgree) {
+  for (bool mean : {true, false}) {
+    const auto reference = gradients({1, 4, mean});
+    EXPECT_LT(maxRelError(gradients({2, 2, mean}), reference), 2e-2) << (mean ? "MEAN" : "SUM");
+  }
+  const auto plain = gradients({4, 1});
+  EXPECT_LT(maxRelError(gradients({4, 1, true, true}), plain), 2e-2) << "fp32 accumulation";
+  EXPECT_LT(maxRelError(gradients({2, 2, true, false, true}), gradients({2, 2})), 2e-2) << "permuted pairs";
+}
+
+// G19: N = 48, K = 64, G = 2, a = 16 gives pad_length 16: with the pad correction the zero count of
+// random gradients is 0; without it, exactly 16·64 = 1024 more.
+TEST(GtpFacts, G19PadCorrectedZeroCount) {
+  runRanks(2, [](RankContext& ctx) {
+    GtpGradReducer reducer(ctx.compute, {});
+    auto tp = ctx.comm.split(ctx.comm.rank(), 0, "tp");
+    Generator gen(9);
+    ModelParallelConfig config;
+    config.useCpuInitialization = true;
+    ColumnParallelOptions o;
+    o.bias = false;
+    ColumnParallelLinear col({ctx.compute, *tp, nullptr, &gen, &ctx.comm, nullptr, &reducer}, config, 64, 48,
+                             initMethodNormal(0.2), o);
+    Parameter& w = *col.weight();
+    EXPECT_EQ(w.attrs.padLength, std::optional<int>(16));
+    w.mainGrad = ctx.compute.zeros(w.data.shape(), DType::kFloat32);
+    Tensor x = tensorOf(ctx.compute, DType::kFloat32, wave(4 * 64, 0.1), Shape{4, 64});
+    Tensor y = col.forward(x).output;
+    col.backward(tensorOf(ctx.compute, DType::kFloat32, wave(4 * 48, 0.7), Shape{4, 48}));
+    const DuplicateFilter filter{tp.get(), nullptr, &ctx.comm, nullptr};
+    std::vector<Parameter*> params = {&w};
+    const std::int64_t raw = countZeros(ctx.compute, params, filter, ctx.comm);
+    stampGtpPadZeros(params);
+    EXPECT_EQ(countZeros(ctx.compute, params, filter, ctx.comm), 0);
+    EXPECT_EQ(raw, 1024);
+  });
+}
+
+// Invariant 10: the pad rows of a shard and of its main_grad stay exact zeros through SGD steps.
+TEST(GtpFacts, PadRowsStayZeroThroughTraining) {
+  runRanks(4, [](RankContext& ctx) {
+    GtpGradReducer reducer(ctx.compute, {true, false, true});
+    auto tp = ctx.comm.split(ctx.comm.rank(), 0, "tp");
+    Generator gen(4);
+    ModelParallelConfig config;
+    config.useCpuInitialization = true;
+    ColumnParallelLinear col({ctx.compute, *tp, nullptr, &gen, &ctx.comm, nullptr, &reducer}, config, 8, 20,
+                             initMethodNormal(0.5));
+    Parameter& w = *col.weight();  // Dlog 20, a 16, G 4: S 16, pad 44 spills over ranks 1-3
+    w.mainGrad = ctx.compute.zeros(w.data.shape(), DType::kFloat32);
+    for (int step = 0; step < 5; ++step) {
+      Tensor x = tensorOf(ctx.compute, DType::kFloat32, wave(6 * 8, step + ctx.comm.rank()), Shape{6, 8});
+      Tensor y = col.forward(x).output;
+      col.backward(tensorOf(ctx.compute, DType::kFloat32, wave(6 * 20, 3.0 * step), Shape{6, 20}));
+      reducer.drain();
+      ctx.compute.axpy(-0.1f, w.mainGrad, w.data);  // SGD on the shard
+      const std::int64_t firstPad = std::clamp<std::int64_t>(20 - ctx.comm.rank() * 16, 0, 16);
+      const auto wv = valuesOf(ctx.compute, w.data), g = valuesOf(ctx.compute, w.mainGrad);
+      for (std::int64_t i = firstPad * 8; i < 16 * 8; ++i) {
+        ASSERT_EQ(wv[i], 0.0) << "step " << step << " weight element " << i;
+        ASSERT_EQ(g[i], 0.0) << "step " << step << " main_grad element " << i;
+      }
+    }
+  });
+}
+
+}  // namespace
+}  // namespace tpsim
