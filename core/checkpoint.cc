@@ -26,6 +26,30 @@ bool endsWith(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
+std::string str(const std::vector<std::int64_t>& shape) {
+  std::string out = "(";
+  for (std::size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + ")";
+}
+
+// The GTP_remat group wrapGtp stamped on a shard.
+Collectives& gtpGroup(const char* where, const Parameter& shard) {
+  TPSIM_CHECK(shard.attrs.group.has_value() && *shard.attrs.group != nullptr, where, ": GTP_remat shard '",
+              shard.name, "' must carry its group (stamped by wrapGtp), got none");
+  return **shard.attrs.group;
+}
+
+// Pad rows follow every TP slice of axis 0, not only the tail (SPEC 4.11.4).
+bool interleavesPadding(const ShardedTensor& st) {
+  return st.gtpPadding && st.gtpPadding->tpAxis == 0 && st.gtpPadding->tpSize > 1 && st.gtpPadding->padLength > 0;
+}
+
+std::string rowLayout(const ShardedTensor& st) {
+  if (!st.gtpPadding) return detail::concat("no GTP_remat padding, global ", str(st.globalShape));
+  return detail::concat("tp_axis ", st.gtpPadding->tpAxis, ", T = ", st.gtpPadding->tpSize, ", pad_length ",
+                        st.gtpPadding->padLength, ", global ", str(st.globalShape));
+}
+
 void checkData(const char* where, const Parameter& param, const std::string& key) {
   TPSIM_CHECK(param.data.defined(), where, ": parameter '", param.name, "' for key '", key,
               "' must hold data, got an undefined tensor");
@@ -87,21 +111,45 @@ ShardedTensor fromRankOffsets(const std::string& key, ConstView data, const std:
   return st;
 }
 
+int gtpReplicaRank(const Parameter& param, Collectives* group) {
+  if (group != nullptr) return group->rank();
+  TPSIM_CHECK(param.attrs.gtpReplicaGroup.has_value() && *param.attrs.gtpReplicaGroup != nullptr,
+              "gtpReplicaRank: GTP_remat shard '", param.name,
+              "' must carry a gtp_replica_group to elect its checkpoint writer, got none; build the layer with "
+              "LayerContext::gtpReplica (the gtp-excluded DP-CP group, expert DP for expert layers) or pass the "
+              "group explicitly (tpsim has no global group to fall back to)");
+  return (*param.attrs.gtpReplicaGroup)->rank();
+}
+
 ShardedTensor makeTpShardedTensorForCheckpoint(const Parameter& param, const std::string& key, int tpAxis,
                                                std::optional<ReplicaId> replicaId,
                                                const std::vector<RankOffset>& prependOffsets, Collectives& tp,
-                                               Collectives& dpCp) {
+                                               Collectives& dpCp, Collectives* gtpReplicaGroup) {
   const char* where = "makeTpShardedTensorForCheckpoint";
   checkData(where, param, key);
-  TPSIM_CHECK(!isGtpShard(param), where, ": parameter '", param.name,
-              "' must not be a GTP_remat shard (its composite offsets, SPEC 4.11, are not implemented), "
-              "got is_gtp_weight_remat = True");
   TPSIM_CHECK(tpAxis >= 0 && tpAxis < param.data.shape().rank(), where, ": tpAxis for key '", key,
               "' must be an axis of ", param.data.str(), ", got ", tpAxis);
   const int p = int(prependOffsets.size());
   std::vector<RankOffset> offsets = prependOffsets;
-  offsets.push_back({tpAxis + p, tp.rank(), tp.size()});
-  return fromRankOffsets(key, param.data, offsets, replicaId.value_or(ReplicaId{0, 0, dpCp.rank()}), p);
+  if (!isGtpShard(param)) {
+    offsets.push_back({tpAxis + p, tp.rank(), tp.size()});
+    return fromRankOffsets(key, param.data, offsets, replicaId.value_or(ReplicaId{0, 0, dpCp.rank()}), p);
+  }
+  // A shard (S, ...): rows [g·S, (g+1)·S) of TP slice t's padded weight (SPEC 4.11.1).
+  Collectives& group = gtpGroup(where, param);
+  const int g = group.rank(), G = group.size();
+  if (tpAxis == 0) {
+    offsets.push_back({p, std::int64_t(tp.rank()) * G + g, std::int64_t(tp.size()) * G});
+  } else {
+    offsets.push_back({tpAxis + p, tp.rank(), tp.size()});
+    offsets.push_back({p, g, G});
+  }
+  ShardedTensor st = fromRankOffsets(
+      key, param.data, offsets, replicaId ? *replicaId : ReplicaId{0, 0, gtpReplicaRank(param, gtpReplicaGroup)}, p);
+  const std::int64_t pad = param.attrs.padLength.value_or(0);
+  st.allowShapeMismatch = pad > 0;
+  st.gtpPadding = GtpPadding{tpAxis, tp.size(), pad};
+  return st;
 }
 
 ShardedTensor makeShardedTensorForCheckpoint(const Parameter& param, const std::string& key,
@@ -144,26 +192,41 @@ ShardedObject makeShardedObjectForCheckpoint(const std::string& key, const std::
 ShardedStateDict makeShardedTensorsForCheckpoint(const std::vector<StateDictEntry>& stateDict,
                                                  const std::string& prefix, const AxisMap& axisMap,
                                                  const std::vector<RankOffset>& shardedOffsets, Collectives& tp,
-                                                 Collectives& dpCp) {
+                                                 Collectives& dpCp, Collectives* intraDpCpGroup) {
   const char* where = "makeShardedTensorsForCheckpoint";
+  const Parameter* firstShard = nullptr;
+  for (const StateDictEntry& e : stateDict) {
+    if (endsWith(e.name, kExtraStateSuffix)) continue;
+    TPSIM_CHECK(e.param != nullptr, where, ": state-dict entry '", e.name,
+                "' must have a parameter (only *_extra_state entries may be None), got nullptr");
+    if (firstShard == nullptr && isGtpShard(*e.param)) firstShard = e.param;
+  }
+  // The replica ids of the entries that are not GTP_remat shards: the vanilla defaults (nullopt)
+  // without a shard, else SPEC 4.11.2's, with g folded in so that GTP peers never collide.
+  std::optional<ReplicaId> shardedId, replicatedId;
+  if (firstShard != nullptr) {
+    Collectives& group = gtpGroup(where, *firstShard);
+    const int g = group.rank(), G = group.size();
+    const int dpReplica = gtpReplicaRank(*firstShard, intraDpCpGroup);
+    shardedId = ReplicaId{0, g, dpReplica};
+    replicatedId = ReplicaId{0, tp.rank() * G + g, dpReplica};
+  }
   ShardedStateDict out;
   for (const StateDictEntry& e : stateDict) {
     const std::string key = prefix + e.name;
     if (endsWith(e.name, kExtraStateSuffix)) {
-      out.emplace_back(makeShardedObjectForCheckpoint(key, shardedOffsets, std::nullopt, tp, dpCp));
+      out.emplace_back(makeShardedObjectForCheckpoint(key, shardedOffsets, replicatedId, tp, dpCp));
       continue;
     }
-    TPSIM_CHECK(e.param != nullptr, where, ": state-dict entry '", e.name,
-                "' must have a parameter (only *_extra_state entries may be None), got nullptr");
-    TPSIM_CHECK(!isGtpShard(*e.param), where, ": entry '", e.name,
-                "' must not be a GTP_remat shard (the GTP-aware helper of SPEC 4.11.2 is not implemented), "
-                "got is_gtp_weight_remat = True");
     const auto axis = axisMap.find(e.name);
-    if (axis != axisMap.end())
+    if (isGtpShard(*e.param))  // its own gtp_replica_rank: the override does not apply
+      out.emplace_back(makeTpShardedTensorForCheckpoint(*e.param, key, axis != axisMap.end() ? axis->second : 0,
+                                                        std::nullopt, shardedOffsets, tp, dpCp));
+    else if (axis != axisMap.end())
       out.emplace_back(
-          makeTpShardedTensorForCheckpoint(*e.param, key, axis->second, std::nullopt, shardedOffsets, tp, dpCp));
+          makeTpShardedTensorForCheckpoint(*e.param, key, axis->second, shardedId, shardedOffsets, tp, dpCp));
     else
-      out.emplace_back(makeShardedTensorForCheckpoint(*e.param, key, std::nullopt, shardedOffsets, tp, dpCp));
+      out.emplace_back(makeShardedTensorForCheckpoint(*e.param, key, replicatedId, shardedOffsets, tp, dpCp));
   }
   return out;
 }
@@ -188,6 +251,30 @@ ShardedStateDict shardedStateDict(VocabParallelEmbedding& layer, const std::stri
       makeTpShardedTensorForCheckpoint(layer.weight(), prefix + "weight", 0, std::nullopt, shardedOffsets, tp, *dpCp);
   weight.allowShapeMismatch = true;
   return {weight};
+}
+
+void checkReshardable(const ShardedTensor& saved, const ShardedTensor& target) {
+  const char* where = "checkReshardable";
+  TPSIM_CHECK(target.key == saved.key, where, ": the target must have the saved key '", saved.key, "', got '",
+              target.key, "'");
+  TPSIM_CHECK(target.globalShape.size() == saved.globalShape.size(), where, ": key '", saved.key,
+              "': the target global shape must have the saved rank ", saved.globalShape.size(), " (saved ",
+              str(saved.globalShape), "), got ", str(target.globalShape));
+  // Pad rows after every TP slice: row positions agree only for an identical layout (SPEC 8 item 26).
+  const bool interleaved = interleavesPadding(saved) || interleavesPadding(target);
+  const bool sameLayout = saved.gtpPadding && target.gtpPadding &&
+                          target.gtpPadding->tpAxis == saved.gtpPadding->tpAxis &&
+                          target.gtpPadding->tpSize == saved.gtpPadding->tpSize &&
+                          target.gtpPadding->padLength == saved.gtpPadding->padLength &&
+                          target.globalShape == saved.globalShape && target.prependAxisNum == saved.prependAxisNum;
+  TPSIM_CHECK(!interleaved || sameLayout, where, ": key '", saved.key, "' pads each TP slice of axis 0 separately on ",
+              interleavesPadding(saved) ? "the saved" : "the target",
+              " side (tp_axis 0, T > 1, pad_length > 0), so it loads only with the same T, pad_length and global "
+              "shape; saved ", rowLayout(saved), ", got target ", rowLayout(target),
+              ", whose rows would not line up; only layouts with T = 1 or pad_for_alignment = 0 reshard freely");
+  TPSIM_CHECK(target.allowShapeMismatch || target.globalShape == saved.globalShape, where, ": key '", saved.key,
+              "': the target global shape must equal the saved ", str(saved.globalShape),
+              " unless the target allows a shape mismatch, got ", str(target.globalShape));
 }
 
 }  // namespace tpsim

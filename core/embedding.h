@@ -3,8 +3,9 @@
 //
 // Rank t owns rows [t·V/T, (t+1)·V/T) of the (V, h) table; every rank looks up all ids, emits
 // zero rows for ids it does not own, and the TP all-reduce (or the sequence-parallel
-// reduce-scatter) completes the lookup. It is not GTP-aware (G > 1 is rejected) and has no
-// sharded_state_dict. One forward must be followed by its backward before the next forward.
+// reduce-scatter) completes the lookup. Under GTP_remat the table is a shard, materialized for the
+// lookup; its gradient is reduce-scattered into main_grad (SPEC 4.9). Its sharded_state_dict is in
+// core/checkpoint.h. One forward must be followed by its backward before the next forward.
 #pragma once
 
 #include <cstdint>

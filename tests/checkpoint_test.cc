@@ -1,6 +1,8 @@
 // Tests for core/checkpoint.h on the simulator: fromRankOffsets (SPEC 2.8), the full per-rank table
 // of SPEC 3.21 (world 8, T = 2, D = 4), layer offsets prepended by sharded_offsets, checkpoint tiling
 // (SPEC 6 item 13) on several (T, C, D) grids, groups built by split, and every rejected input.
+// Under GTP_remat (SPEC 4.11): the worked example 4.11.3, the checks of 4.11.5, tiling on (T, G, D, C)
+// grids with and without padding, and the resharding check of 4.11.4.
 #include "core/checkpoint.h"
 
 #include <gmock/gmock.h>
@@ -11,8 +13,11 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
+#include "core/gtp.h"
 #include "core/init.h"
 #include "core/process_groups.h"
 #include "tests/sim_test_util.h"
@@ -335,26 +340,17 @@ std::vector<std::string> tilingViolations(const std::vector<ShardedStateDict>& r
   std::vector<std::string> out;
   for (const ShardedStateDict& sd : ranks) {
     for (const ShardedEntry& e : sd) {
-      Chunk c;
-      Ints global;
-      if (const auto* st = std::get_if<ShardedTensor>(&e)) {
-        c.offset = st->globalOffset;
-        c.extent = Ints(st->prependAxisNum, 1);
-        c.extent.insert(c.extent.end(), st->localShape.begin(), st->localShape.end());
-        c.replica = st->replicaId;
-        c.main = st->isMainReplica();
-        global = st->globalShape;
-      } else {
-        const auto& so = std::get<ShardedObject>(e);
-        c.offset = so.globalOffset;
-        c.extent = Ints(so.globalShape.size(), 1);  // an object fills one cell of its grid
-        c.replica = so.replicaId;
-        c.main = so.isMainReplica();
-        global = so.globalShape;
-      }
+      const auto* st = std::get_if<ShardedTensor>(&e);
+      const auto* so = std::get_if<ShardedObject>(&e);
+      // An object fills one cell of its grid.
+      Ints extent(st ? std::size_t(st->prependAxisNum) : so->globalShape.size(), 1);
+      if (st) extent.insert(extent.end(), st->localShape.begin(), st->localShape.end());
+      const Ints& global = st ? st->globalShape : so->globalShape;
+      Chunk c{st ? st->globalOffset : so->globalOffset, std::move(extent), st ? st->replicaId : so->replicaId,
+              st ? st->isMainReplica() : so->isMainReplica()};
       const std::string& key = shardedKey(e);
-      if (!globalShape.count(key)) globalShape[key] = global;
-      if (globalShape[key] != global) out.push_back(key + ": ranks disagree on the global shape");
+      if (globalShape.emplace(key, global).first->second != global)
+        out.push_back(key + ": ranks disagree on the global shape");
       chunks[key].push_back(std::move(c));
     }
   }
@@ -459,6 +455,500 @@ TEST(Tiling, ASingletonReplicaGroupGivesEveryReplicaTheWriterId) {
   EXPECT_THAT(violations, ::testing::Contains(HasSubstr("same chunk with the same replica id")));
 }
 
+// ---- GTP_remat (SPEC 4.11) ------------------------------------------------------------------------
+
+ParallelLayout gtpLayout(int tp, int gtp, int dp, int cp = 1) {
+  ParallelSizes s;
+  s.world = tp * gtp * cp * dp;
+  s.tp = tp;
+  s.gtpRemat = gtp;
+  s.cp = cp;
+  return ParallelLayout(s);
+}
+
+ModelParallelConfig gtpConfig(int tp, int gtp, int padForAlignment) {
+  ModelParallelConfig config = configFor(tp);
+  config.gtpRematSize = gtp;
+  config.gtpPadForAlignment = padForAlignment;
+  return config;
+}
+
+// Runs fn on every rank of `layout` with a LayerContext built as in tests/gtp_test.cc: the TP group,
+// the GTP_remat group and the gtp-excluded DP-CP group that wrapGtp stamps as gtp_replica_group.
+void runGtpRanks(const ParallelLayout& layout,
+                 const std::function<void(RankContext&, ProcessGroups&, LayerContext&)>& fn) {
+  runRanks(layout.world(), [&](RankContext& ctx) {
+    ProcessGroups pg(ctx.comm, layout);
+    GtpGradReducer reducer(ctx.compute, {});
+    LayerContext lc{ctx.compute, pg.tp(), nullptr, nullptr, &pg.gtpRemat(), &pg.dpCp(), &reducer};
+    fn(ctx, pg, lc);
+  });
+}
+
+// Every field but the data pointer's target values: what a second build must reproduce.
+void expectSameMetadata(const ShardedEntry& a, const ShardedEntry& b) {
+  ASSERT_EQ(a.index(), b.index());
+  SCOPED_TRACE(shardedKey(a));
+  EXPECT_EQ(shardedKey(a), shardedKey(b));
+  if (const auto* x = std::get_if<ShardedTensor>(&a)) {
+    const auto& y = std::get<ShardedTensor>(b);
+    EXPECT_EQ(x->data.data(), y.data.data());
+    EXPECT_EQ(x->dtype, y.dtype);
+    EXPECT_EQ(x->localShape, y.localShape);
+    EXPECT_EQ(x->globalShape, y.globalShape);
+    EXPECT_EQ(x->globalOffset, y.globalOffset);
+    EXPECT_EQ(x->axisFragmentations, y.axisFragmentations);
+    EXPECT_EQ(x->replicaId, y.replicaId);
+    EXPECT_EQ(x->prependAxisNum, y.prependAxisNum);
+    EXPECT_EQ(x->allowShapeMismatch, y.allowShapeMismatch);
+    ASSERT_EQ(x->gtpPadding.has_value(), y.gtpPadding.has_value());
+    if (x->gtpPadding) {
+      EXPECT_EQ(x->gtpPadding->tpAxis, y.gtpPadding->tpAxis);
+      EXPECT_EQ(x->gtpPadding->tpSize, y.gtpPadding->tpSize);
+      EXPECT_EQ(x->gtpPadding->padLength, y.gtpPadding->padLength);
+    }
+  } else {
+    const auto& x2 = std::get<ShardedObject>(a);
+    const auto& y2 = std::get<ShardedObject>(b);
+    EXPECT_EQ(x2.globalShape, y2.globalShape);
+    EXPECT_EQ(x2.globalOffset, y2.globalOffset);
+    EXPECT_EQ(x2.replicaId, y2.replicaId);
+  }
+}
+
+void expectGtpPadding(const ShardedTensor& st, int tpAxis, int tpSize, std::int64_t padLength) {
+  ASSERT_TRUE(st.gtpPadding.has_value()) << st.key;
+  EXPECT_EQ(st.gtpPadding->tpAxis, tpAxis) << st.key;
+  EXPECT_EQ(st.gtpPadding->tpSize, tpSize) << st.key;
+  EXPECT_EQ(st.gtpPadding->padLength, padLength) << st.key;
+}
+
+// SPEC 4.11.3: W = 8, T = 2, G = 2, D = 2 (rank = t + 2g + 4d), a = 0. Column 8 -> 16 and row 16 -> 8,
+// both with TP-local (8, 8) weights and (4, 8) shards.
+TEST(GtpShardedStateDict, Spec4113WorkedExampleWorld8) {
+  std::vector<LayerDicts> seen(8);
+  std::vector<LayerDicts> singletonDpCp(8);
+  runGtpRanks(gtpLayout(2, 2, 2), [&](RankContext& ctx, ProcessGroups& pg, LayerContext& lc) {
+    const ModelParallelConfig config = gtpConfig(2, 2, 0);
+    ColumnParallelLinear col(lc, config, 8, 16, initMethodNormal(0.02));
+    RowParallelLinear row(lc, config, 16, 8, initMethodNormal(0.02));
+    LayerDicts d{shardedStateDict(col, "col.", {}, pg.tp(), &pg.dpCpGtp()),
+                 shardedStateDict(row, "row.", {}, pg.tp(), &pg.dpCpGtp())};
+    EXPECT_EQ(tensorAt(d.col, "col.weight").data.data(), col.weight()->data.data());
+    EXPECT_EQ(tensorAt(d.row, "row.weight").data.data(), row.weight().data.data());
+    // Under GTP_remat the passed dp_cp_group reaches no replica id (SPEC 4.11.2): any group will do.
+    std::unique_ptr<Collectives> self = ctx.comm.split(ctx.comm.rank(), 0, "self");
+    singletonDpCp[ctx.comm.rank()] = {shardedStateDict(col, "col.", {}, pg.tp(), self.get()),
+                                      shardedStateDict(row, "row.", {}, pg.tp(), self.get())};
+    seen[ctx.comm.rank()] = std::move(d);
+  });
+
+  struct Expect {
+    Ints col, row;
+    ReplicaId colBias, rowBias;
+  };
+  const Expect table[4] = {{{0, 0}, {0, 0}, {0, 0, 0}, {0, 0, 0}},
+                           {{8, 0}, {0, 8}, {0, 0, 0}, {0, 2, 0}},
+                           {{4, 0}, {4, 0}, {0, 1, 0}, {0, 1, 0}},
+                           {{12, 0}, {4, 8}, {0, 1, 0}, {0, 3, 0}}};
+  std::map<std::pair<std::string, Ints>, int> writers;
+  for (int r = 0; r < 8; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    const int t = r % 2, g = (r / 2) % 2, d = r / 4;
+    Expect e = table[r % 4];  // ranks 4-7: as rank - 4, with d = 1 in the last place
+    e.colBias.back() = d;
+    e.rowBias.back() = d;
+    const LayerDicts& s = seen[r];
+    EXPECT_THAT(keysOf(s.col), ElementsAre("col.weight", "col.bias", "col._extra_state"));
+    EXPECT_THAT(keysOf(s.row), ElementsAre("row.weight", "row.bias", "row._extra_state"));
+
+    const ShardedTensor& cw = tensorAt(s.col, "col.weight");
+    EXPECT_EQ(cw.localShape, (Ints{4, 8}));
+    EXPECT_EQ(cw.globalShape, (Ints{16, 8}));
+    EXPECT_EQ(cw.globalOffset, e.col);
+    EXPECT_EQ(cw.globalOffset[0], (2 * t + g) * 4);
+    EXPECT_EQ(cw.axisFragmentations, (std::vector<int>{4, 1}));
+    const ShardedTensor& rw = tensorAt(s.row, "row.weight");
+    EXPECT_EQ(rw.localShape, (Ints{4, 8}));
+    EXPECT_EQ(rw.globalShape, (Ints{8, 16}));
+    EXPECT_EQ(rw.globalOffset, e.row);
+    EXPECT_EQ(rw.axisFragmentations, (std::vector<int>{2, 2}));
+    for (const ShardedTensor* w : {&cw, &rw}) {
+      EXPECT_EQ(w->replicaId, (ReplicaId{0, 0, d})) << w->key;
+      EXPECT_EQ(w->isMainReplica(), r < 4) << w->key;
+      EXPECT_FALSE(w->allowShapeMismatch) << w->key << ": a = 0 pads nothing";
+      if (w->isMainReplica()) ++writers[{w->key, w->globalOffset}];
+    }
+    expectGtpPadding(cw, 0, 2, 0);
+    expectGtpPadding(rw, 1, 2, 0);
+
+    const ShardedTensor& cb = tensorAt(s.col, "col.bias");
+    EXPECT_EQ(cb.globalShape, (Ints{16}));
+    EXPECT_EQ(cb.globalOffset, (Ints{8 * t}));
+    EXPECT_EQ(cb.replicaId, e.colBias);
+    EXPECT_EQ(cb.isMainReplica(), r == 0 || r == 1);
+    EXPECT_FALSE(cb.gtpPadding.has_value());
+    const ShardedTensor& rb = tensorAt(s.row, "row.bias");
+    EXPECT_EQ(rb.globalShape, (Ints{8}));
+    EXPECT_EQ(rb.globalOffset, (Ints{0}));
+    EXPECT_EQ(rb.replicaId, e.rowBias);
+    EXPECT_EQ(rb.isMainReplica(), r == 0);
+    for (const ShardedObject* o : {&objectAt(s.col, "col._extra_state"), &objectAt(s.row, "row._extra_state")}) {
+      EXPECT_EQ(o->replicaId, (ReplicaId{0, 2 * t + g, d})) << o->key;
+      EXPECT_EQ(o->isMainReplica(), r == 0) << o->key;
+    }
+    for (std::size_t i = 0; i < s.col.size(); ++i) expectSameMetadata(s.col[i], singletonDpCp[r].col[i]);
+    for (std::size_t i = 0; i < s.row.size(); ++i) expectSameMetadata(s.row[i], singletonDpCp[r].row[i]);
+  }
+  EXPECT_EQ(writers.size(), 8u) << "four chunks of each weight";
+  for (const auto& [chunk, n] : writers) EXPECT_EQ(n, 1) << chunk.first << " chunk at row " << chunk.second[0];
+
+  std::vector<ShardedStateDict> all;
+  for (const LayerDicts& s : seen) {
+    all.push_back(s.col);
+    all.back().insert(all.back().end(), s.row.begin(), s.row.end());
+  }
+  EXPECT_THAT(tilingViolations(all), IsEmpty());
+}
+
+// SPEC 4.11.5 items 1-3, 7, 9, 10 on world 4, T = 2 x G = 2 (rank = t + 2g), a = 0.
+TEST(GtpShardedStateDict, Spec4115ColumnRowEmbeddingOnTp2Gtp2) {
+  runGtpRanks(gtpLayout(2, 2, 1), [&](RankContext& ctx, ProcessGroups& pg, LayerContext& lc) {
+    const int t = pg.tp().rank(), g = pg.gtpRemat().rank();
+    const ModelParallelConfig config = gtpConfig(2, 2, 0);
+    // 1. Column, full (8, 4): shard (2, 4), axis-0 offset (2t + g)·2, global axis 0 = 8.
+    ColumnParallelLinear col(lc, config, 4, 8, initMethodNormal(0.02));
+    const ShardedTensor c =
+        makeTpShardedTensorForCheckpoint(*col.weight(), "col.weight", 0, std::nullopt, {}, pg.tp(), pg.dpCpGtp());
+    EXPECT_EQ(c.localShape, (Ints{2, 4}));
+    EXPECT_EQ(c.globalOffset, (Ints{(2 * t + g) * 2, 0}));
+    EXPECT_EQ(c.globalShape, (Ints{8, 4}));
+    EXPECT_EQ(c.replicaId, (ReplicaId{0, 0, 0}));
+    // 2. Row, full (8, 4): TP-local (8, 2), shard (4, 2), offsets (4g, 2t), global (8, 4).
+    RowParallelLinear row(lc, config, 4, 8, initMethodNormal(0.02));
+    const ShardedTensor w =
+        makeTpShardedTensorForCheckpoint(row.weight(), "row.weight", 1, std::nullopt, {}, pg.tp(), pg.dpCpGtp());
+    EXPECT_EQ(w.localShape, (Ints{4, 2}));
+    EXPECT_EQ(w.globalOffset, (Ints{4 * g, 2 * t}));
+    EXPECT_EQ(w.globalShape, (Ints{8, 4}));
+    // 3. No GTP_remat param: the vanilla TP offsets, replica over the gtp-inclusive group.
+    Parameter plain = param(ctx.compute, "plain", {4, 4});
+    const ShardedStateDict vanilla =
+        makeShardedTensorsForCheckpoint({{"weight", &plain}}, "", {{"weight", 0}}, {}, pg.tp(), pg.dpCpGtp());
+    EXPECT_EQ(tensorAt(vanilla, "weight").globalOffset, (Ints{4 * t, 0}));
+    EXPECT_EQ(tensorAt(vanilla, "weight").globalShape, (Ints{8, 4}));
+    EXPECT_EQ(tensorAt(vanilla, "weight").replicaId, (ReplicaId{0, 0, g}));
+    EXPECT_FALSE(tensorAt(vanilla, "weight").gtpPadding.has_value());
+    // 7. Building twice gives identical metadata.
+    const auto buildTwice = [&](auto& layer, const std::vector<RankOffset>& offsets) {
+      const ShardedStateDict a = shardedStateDict(layer, "m.", offsets, pg.tp(), &pg.dpCpGtp());
+      const ShardedStateDict b = shardedStateDict(layer, "m.", offsets, pg.tp(), &pg.dpCpGtp());
+      ASSERT_EQ(a.size(), b.size());
+      for (std::size_t i = 0; i < a.size(); ++i) expectSameMetadata(a[i], b[i]);
+    };
+    buildTwice(col, {{0, 1, 2}});
+    buildTwice(row, {});
+    // 9. The embedding, vocab 8: composite offset (2t + g)·2, global 8, allowShapeMismatch even unpadded.
+    VocabParallelEmbedding emb(lc, config, 8, 4, initMethodNormal(0.02));
+    const ShardedStateDict e = shardedStateDict(emb, "emb.", {}, pg.tp(), &pg.dpCpGtp());
+    EXPECT_THAT(keysOf(e), ElementsAre("emb.weight"));
+    EXPECT_EQ(tensorAt(e, "emb.weight").localShape, (Ints{2, 4}));
+    EXPECT_EQ(tensorAt(e, "emb.weight").globalOffset, (Ints{(2 * t + g) * 2, 0}));
+    EXPECT_EQ(tensorAt(e, "emb.weight").globalShape, (Ints{8, 4}));
+    EXPECT_TRUE(tensorAt(e, "emb.weight").allowShapeMismatch);
+    expectGtpPadding(tensorAt(e, "emb.weight"), 0, 2, 0);
+    // 10. The public multi-tensor helper delegates: the composite offset again.
+    const ShardedStateDict pub =
+        makeShardedTensorsForCheckpoint({{"weight", col.weight()}}, "layer.", {{"weight", 0}}, {}, pg.tp(), ctx.comm);
+    EXPECT_EQ(tensorAt(pub, "layer.weight").globalOffset, (Ints{(2 * t + g) * 2, 0}));
+    EXPECT_EQ(tensorAt(pub, "layer.weight").globalShape, (Ints{8, 4}));
+    // A GTP_remat shard missing from the axis map is described with tp_axis 0.
+    const ShardedStateDict unmapped =
+        makeShardedTensorsForCheckpoint({{"weight", col.weight()}}, "", {}, {}, pg.tp(), ctx.comm);
+    EXPECT_EQ(tensorAt(unmapped, "weight").globalOffset, (Ints{(2 * t + g) * 2, 0}));
+  });
+}
+
+// SPEC 4.11.5 items 4, 5 and 4.11.4: Dlog 1152 and 1160 over G = 4 (no TP), a = 16.
+TEST(GtpCheckpoint, Spec4115PaddedGlobalShapeIsThePaddedOne) {
+  runGtpRanks(gtpLayout(1, 4, 1), [](RankContext& ctx, ProcessGroups& pg, LayerContext&) {
+    const int r = pg.gtpRemat().rank();
+    for (const auto& [dLog, pad, rows] : {std::tuple{1152, 0, 288}, std::tuple{1160, 56, 304}}) {
+      SCOPED_TRACE("Dlog " + std::to_string(dLog));
+      Parameter w = param(ctx.compute, "w", {dLog, 2});  // TP-local (Dlog, 2)
+      wrapGtp(ctx.compute, w, pg.gtpRemat(), 16, &pg.dpCp());
+      EXPECT_EQ(w.attrs.padLength, std::optional<int>(pad)) << "stamped on every rank";
+      const ShardedTensor st = makeTpShardedTensorForCheckpoint(w, "w", 0, std::nullopt, {}, pg.tp(), pg.dpCpGtp());
+      EXPECT_EQ(st.localShape, (Ints{rows, 2}));
+      EXPECT_EQ(st.globalShape, (Ints{4 * rows, 2}));
+      EXPECT_EQ(st.globalOffset, (Ints{rows * r, 0}));
+      EXPECT_LE(st.globalOffset[0] + st.localShape[0], st.globalShape[0]);
+      EXPECT_EQ(st.allowShapeMismatch, pad > 0);
+      expectGtpPadding(st, 0, 1, pad);
+      EXPECT_TRUE(st.isMainReplica());  // D = 1: every shard has one holder
+    }
+  });
+}
+
+// SPEC 4.11.5 item 11: world 4, T = 1 x G = 2 x D = 2 (rank = g + 2d): GTP peers [0,1] [2,3] hold
+// different shards, replicas [0,2] [1,3] the same one. The stamped group elects the writer.
+TEST(GtpCheckpoint, Spec4115StampedReplicaGroupElectsTheWriter) {
+  struct Seen {
+    int g = 0, d = 0;
+    ReplicaId weight, bias, biasOverride, weightWithOverride;
+  };
+  std::vector<Seen> seen(4);
+  runGtpRanks(gtpLayout(1, 2, 2), [&](RankContext& ctx, ProcessGroups& pg, LayerContext&) {
+    const int g = pg.gtpRemat().rank(), d = pg.dpCp().rank();
+    Parameter stamped = param(ctx.compute, "stamped", {8, 4});
+    wrapGtp(ctx.compute, stamped, pg.gtpRemat(), 0, &pg.dpCp());
+    Parameter unstamped = param(ctx.compute, "unstamped", {8, 4});
+    wrapGtp(ctx.compute, unstamped, pg.gtpRemat(), 0);
+    Parameter bias = param(ctx.compute, "bias", {4});
+    Collectives& world = ctx.comm;  // a wrong dp_cp_group: it must reach no replica id
+
+    const ShardedTensor single = makeTpShardedTensorForCheckpoint(stamped, "w", 0, std::nullopt, {}, pg.tp(), world);
+    EXPECT_EQ(single.globalShape, (Ints{8, 4}));
+    EXPECT_EQ(single.globalOffset, (Ints{4 * g, 0}));
+    EXPECT_EQ(single.replicaId, (ReplicaId{0, 0, d}));
+    EXPECT_EQ(gtpReplicaRank(stamped), d);
+    const ShardedStateDict sd = makeShardedTensorsForCheckpoint({{"weight", &stamped}, {"bias", &bias}}, "",
+                                                                {{"weight", 0}}, {}, pg.tp(), world);
+    EXPECT_EQ(tensorAt(sd, "weight").globalOffset, single.globalOffset);
+    // With the override equal to the GTP pair, replicated entries take g, the weight keeps its own.
+    const ShardedStateDict over = makeShardedTensorsForCheckpoint({{"weight", &stamped}, {"bias", &bias}}, "",
+                                                                  {{"weight", 0}}, {}, pg.tp(), world, &pg.gtpRemat());
+    seen[ctx.comm.rank()] = {g, d, tensorAt(sd, "weight").replicaId, tensorAt(sd, "bias").replicaId,
+                             tensorAt(over, "bias").replicaId, tensorAt(over, "weight").replicaId};
+
+    // An explicit group wins over the stamped one and stands in for a missing one.
+    EXPECT_EQ(makeTpShardedTensorForCheckpoint(stamped, "w", 0, std::nullopt, {}, pg.tp(), world, &pg.gtpRemat())
+                  .replicaId,
+              (ReplicaId{0, 0, g}));
+    EXPECT_EQ(makeTpShardedTensorForCheckpoint(unstamped, "w", 0, std::nullopt, {}, pg.tp(), world, &pg.dpCp())
+                  .replicaId,
+              (ReplicaId{0, 0, d}));
+    // So does an explicit replica id: no election happens.
+    EXPECT_EQ(makeTpShardedTensorForCheckpoint(unstamped, "w", 0, ReplicaId{0, 5}, {}, pg.tp(), world).replicaId,
+              (ReplicaId{0, 5}));
+    // Unstamped, no group: an error naming gtp_replica_group, from every path that elects.
+    const char* missing = "GTP_remat shard 'unstamped' must carry a gtp_replica_group to elect its checkpoint writer";
+    EXPECT_THAT(message([&] { makeTpShardedTensorForCheckpoint(unstamped, "w", 0, std::nullopt, {}, pg.tp(), world); }),
+                HasSubstr(missing));
+    EXPECT_THAT(message([&] {
+                  makeShardedTensorsForCheckpoint({{"weight", &unstamped}}, "", {{"weight", 0}}, {}, pg.tp(), world);
+                }),
+                HasSubstr(missing));
+    // The override covers the replicated entries only; the unstamped weight still has no writer group.
+    EXPECT_THAT(message([&] {
+                  makeShardedTensorsForCheckpoint({{"weight", &unstamped}}, "", {{"weight", 0}}, {}, pg.tp(), world,
+                                                  &pg.dpCp());
+                }),
+                HasSubstr("gtp_replica_group"));
+  });
+  for (int r = 0; r < 4; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    const Seen& s = seen[r];
+    EXPECT_EQ(s.weight, (ReplicaId{0, 0, s.d}));
+    EXPECT_EQ(s.weightWithOverride, s.weight) << "GTP weights ignore intra_dp_cp_group";
+    EXPECT_EQ(s.bias, (ReplicaId{0, s.g, s.d}));
+    EXPECT_EQ(s.biasOverride, (ReplicaId{0, s.g, s.g}));
+  }
+  for (int shard = 0; shard < 2; ++shard) {  // exactly one writer per shard
+    int writers = 0;
+    for (const Seen& s : seen) writers += s.g == shard && isMainReplica(s.weight);
+    EXPECT_EQ(writers, 1) << "shard " << shard;
+  }
+  int biasWriters = 0;
+  for (const Seen& s : seen) biasWriters += isMainReplica(s.bias);
+  EXPECT_EQ(biasWriters, 1);
+}
+
+// SPEC 4.11.5 item 13: a state dict with only a replicated param takes its replica id from the
+// passed dp_cp_group, which must then be the gtp-inclusive one (world 4, T = 1 x G = 2 x D = 2).
+TEST(GtpCheckpoint, Spec4115ReplicatedOnlyStateDictNeedsTheGtpInclusiveGroup) {
+  std::vector<ShardedStateDict> excluded(4), inclusive(4);
+  runGtpRanks(gtpLayout(1, 2, 2), [&](RankContext& ctx, ProcessGroups& pg, LayerContext&) {
+    Parameter w = param(ctx.compute, "w", {8, 4});
+    excluded[ctx.comm.rank()] = makeShardedTensorsForCheckpoint({{"w", &w}}, "", {}, {}, pg.tp(), pg.dpCp());
+    inclusive[ctx.comm.rank()] = makeShardedTensorsForCheckpoint({{"w", &w}}, "", {}, {}, pg.tp(), pg.dpCpGtp());
+  });
+  EXPECT_THAT(tilingViolations(excluded), ::testing::Contains(HasSubstr("is written 2 times")));
+  EXPECT_THAT(tilingViolations(inclusive), IsEmpty());
+  std::set<ReplicaId> ids;
+  int writers = 0;
+  for (const ShardedStateDict& sd : inclusive) {
+    ids.insert(tensorAt(sd, "w").replicaId);
+    writers += tensorAt(sd, "w").isMainReplica();
+  }
+  EXPECT_EQ(ids.size(), 4u);
+  EXPECT_EQ(writers, 1);
+}
+
+// SPEC 4.11.5 item 14: the embedding with T = 1, G = 2, D = 2, vocab 8: offsets {0, 4}, one writer each.
+TEST(GtpCheckpoint, Spec4115EmbeddingWriterElection) {
+  std::vector<ShardedStateDict> seen(4);
+  runGtpRanks(gtpLayout(1, 2, 2), [&](RankContext& ctx, ProcessGroups& pg, LayerContext& lc) {
+    VocabParallelEmbedding emb(lc, gtpConfig(1, 2, 0), 8, 3, initMethodNormal(0.02));
+    seen[ctx.comm.rank()] = shardedStateDict(emb, "emb.", {}, pg.tp(), &pg.dpCpGtp());
+  });
+  std::map<std::int64_t, int> writers;
+  for (const ShardedStateDict& sd : seen) {
+    const ShardedTensor& w = tensorAt(sd, "emb.weight");
+    EXPECT_EQ(w.globalShape, (Ints{8, 3}));
+    writers[w.globalOffset[0]] += w.isMainReplica();
+  }
+  EXPECT_EQ(writers, (std::map<std::int64_t, int>{{0, 1}, {4, 1}}));
+  EXPECT_THAT(tilingViolations(seen), IsEmpty());
+}
+
+// SPEC 6 item 13 under GTP_remat: column, row and embedding of every rank, layer offsets prepended.
+struct GtpGrid {
+  int tp, gtp, dp, cp, pad;  // pad: ModelParallelConfig::gtpPadForAlignment
+};
+
+class GtpTilingGrid : public ::testing::TestWithParam<GtpGrid> {};
+
+TEST_P(GtpTilingGrid, MainReplicasTileEveryKeyExactlyOnce) {
+  constexpr int kLayers = 2;
+  const GtpGrid grid = GetParam();
+  const int T = grid.tp, G = grid.gtp;
+  const ParallelLayout layout = gtpLayout(T, G, grid.dp, grid.cp);
+  std::vector<ShardedStateDict> seen(layout.world());
+  runGtpRanks(layout, [&](RankContext& ctx, ProcessGroups& pg, LayerContext& lc) {
+    const ModelParallelConfig config = gtpConfig(T, G, grid.pad);
+    ShardedStateDict all;
+    auto add = [&](ShardedStateDict sd) {
+      for (ShardedEntry& e : sd) all.push_back(std::move(e));
+    };
+    for (int i = 0; i < kLayers; ++i) {
+      // TP-local dim 0: 2G rows for the column, 3G for the row (divisible by G for a = 0).
+      ColumnParallelLinear col(lc, config, 3, 2 * T * G, initMethodNormal(0.02));
+      RowParallelLinear row(lc, config, 2 * T, 3 * G, initMethodNormal(0.02));
+      add(shardedStateDict(col, "layers.col.", {{0, i, kLayers}}, pg.tp(), &pg.dpCpGtp()));
+      add(shardedStateDict(row, "layers.row.", {{0, i, kLayers}}, pg.tp(), &pg.dpCpGtp()));
+    }
+    VocabParallelEmbedding emb(lc, config, 4 * T * G, 3, initMethodNormal(0.02));
+    add(shardedStateDict(emb, "emb.", {}, pg.tp(), &pg.dpCpGtp()));
+    if (G > 1) {
+      const std::int64_t pad = grid.pad > 0 ? *emb.weight().attrs.padLength : 0;
+      EXPECT_EQ(pad > 0, grid.pad > 0);
+      EXPECT_EQ(tensorAt(all, "emb.weight").globalShape[0], T * (4 * G + pad)) << "the padded extent";
+    }
+    seen[ctx.comm.rank()] = std::move(all);
+  });
+  EXPECT_THAT(tilingViolations(seen), IsEmpty());
+  for (const ShardedStateDict& sd : seen) EXPECT_EQ(sd.size(), 13u);  // 2 layers × 2 modules × 3 entries + 1
+}
+
+INSTANTIATE_TEST_SUITE_P(Grids, GtpTilingGrid,
+                         ::testing::Values(GtpGrid{1, 2, 1, 1, 0}, GtpGrid{1, 2, 2, 1, 0}, GtpGrid{2, 2, 2, 1, 0},
+                                           GtpGrid{3, 2, 1, 1, 0}, GtpGrid{1, 2, 2, 2, 0}, GtpGrid{2, 2, 1, 1, 16},
+                                           GtpGrid{1, 4, 2, 1, 16}, GtpGrid{2, 2, 2, 1, 16}, GtpGrid{2, 3, 1, 1, 16},
+                                           GtpGrid{1, 1, 2, 1, 16}),
+                         [](const auto& info) {
+                           const GtpGrid& g = info.param;
+                           return "T" + std::to_string(g.tp) + "G" + std::to_string(g.gtp) + "D" +
+                                  std::to_string(g.dp) + "C" + std::to_string(g.cp) + "A" + std::to_string(g.pad);
+                         });
+
+// ---- Resharding (SPEC 4.11.4, 8 item 26) -------------------------------------------------------
+
+// Every rank's metadata for the weight of ColumnParallelLinear(K = 4 -> N) (or RowParallelLinear(4 -> N))
+// on T x G ranks with pad_for_alignment a; G = 1 is a layer without GTP_remat. Rank order t + T·g.
+std::vector<ShardedTensor> weightsOf(bool column, int T, int G, int a, std::int64_t n) {
+  std::vector<ShardedTensor> out(T * G);
+  runGtpRanks(gtpLayout(T, G, 1), [&](RankContext& ctx, ProcessGroups& pg, LayerContext& lc) {
+    const ModelParallelConfig config = gtpConfig(T, G, a);
+    ShardedStateDict sd;
+    if (column) {
+      ColumnParallelLinear layer(lc, config, 4, n, initMethodNormal(0.02));
+      sd = shardedStateDict(layer, "w.", {}, pg.tp(), &pg.dpCpGtp());
+    } else {
+      RowParallelLinear layer(lc, config, 4, n, initMethodNormal(0.02));
+      sd = shardedStateDict(layer, "w.", {}, pg.tp(), &pg.dpCpGtp());
+    }
+    ShardedTensor w = tensorAt(sd, "w.weight");
+    w.data = ConstView();  // the layer is gone; only the metadata is compared
+    out[ctx.comm.rank()] = std::move(w);
+  });
+  return out;
+}
+ShardedTensor columnWeight(int T, int G, int a, std::int64_t n) { return weightsOf(true, T, G, a, n)[0]; }
+
+TEST(GtpCheckpointResharding, PerSlicePaddingIsInterleavedInTheSavedTensor) {
+  // SPEC 4.11.4: N = 16, T = 2, G = 2, a = 16: per-TP Dlog 8, pad 24, S 16, extent 64; real rows
+  // [0, 8) from TP slice 0 and [32, 40) from slice 1.
+  const std::vector<ShardedTensor> ranks = weightsOf(true, 2, 2, 16, 16);
+  for (int r = 0; r < 4; ++r) {
+    const int t = r % 2, g = r / 2;
+    EXPECT_EQ(ranks[r].localShape, (Ints{16, 4}));
+    EXPECT_EQ(ranks[r].globalShape, (Ints{64, 4}));
+    EXPECT_EQ(ranks[r].globalOffset, (Ints{(2 * t + g) * 16, 0}));
+    EXPECT_TRUE(ranks[r].allowShapeMismatch);
+    expectGtpPadding(ranks[r], 0, 2, 24);
+  }
+}
+
+TEST(GtpCheckpointResharding, InterleavedPaddingLoadsOnlyIntoTheSameLayout) {
+  const ShardedTensor saved = columnWeight(2, 2, 16, 16);  // global (64, 4), pad 24 per TP slice
+  auto load = [&](const ShardedTensor& target) { return message([&] { checkReshardable(saved, target); }); };
+  EXPECT_EQ(load(saved), "no error");
+  EXPECT_EQ(load(columnWeight(2, 4, 8, 16)), "no error") << "G = 4, a = 8 lays the rows out the same way";
+  EXPECT_THAT(load(columnWeight(1, 2, 16, 16)),
+              HasSubstr("checkReshardable: key 'w.weight' pads each TP slice of axis 0 separately on the saved side "
+                        "(tp_axis 0, T > 1, pad_length > 0), so it loads only with the same T, pad_length and global "
+                        "shape; saved tp_axis 0, T = 2, pad_length 24, global (64, 4), got target tp_axis 0, T = 1, "
+                        "pad_length 16, global (32, 4), whose rows would not line up"));
+  EXPECT_THAT(load(columnWeight(2, 2, 0, 16)), HasSubstr("got target tp_axis 0, T = 2, pad_length 0, global (16, 4)"));
+  EXPECT_THAT(load(columnWeight(4, 2, 16, 16)),
+              HasSubstr("got target tp_axis 0, T = 4, pad_length 28, global (128, 4)"));
+  ShardedTensor plain = columnWeight(2, 1, 16, 16);  // no GTP_remat: T = 2, global (16, 4)
+  plain.allowShapeMismatch = true;
+  EXPECT_THAT(load(plain), HasSubstr("got target no GTP_remat padding, global (16, 4)"));
+  // The other direction misaligns too: an unpadded T = 2 checkpoint into the padded T = 2 layout.
+  EXPECT_THAT(message([&] { checkReshardable(columnWeight(2, 2, 0, 16), saved); }),
+              HasSubstr("pads each TP slice of axis 0 separately on the target side"));
+}
+
+TEST(GtpCheckpointResharding, TailPaddingReshardsFreely) {
+  // Padded T = 1 (SPEC 4.11.4's tested case): Dlog 1160 over G = 4 is saved as 1216 rows.
+  const ShardedTensor saved = columnWeight(1, 4, 16, 1160);
+  ASSERT_EQ(saved.globalShape, (Ints{1216, 4}));
+  EXPECT_NO_THROW(checkReshardable(saved, columnWeight(1, 2, 16, 1160)));  // 1184 rows
+  EXPECT_NO_THROW(checkReshardable(saved, columnWeight(1, 8, 16, 1160)));  // 1280 rows
+  EXPECT_NO_THROW(checkReshardable(columnWeight(1, 2, 16, 1160), saved));
+  // An unpadded target of any T, once it allows the mismatch (a G = 1 layer does not by itself).
+  ShardedTensor plain = columnWeight(2, 1, 16, 1160);
+  EXPECT_THAT(message([&] { checkReshardable(saved, plain); }),
+              HasSubstr("the target global shape must equal the saved (1216, 4) unless the target allows a shape "
+                        "mismatch, got (1160, 4)"));
+  plain.allowShapeMismatch = true;
+  EXPECT_NO_THROW(checkReshardable(saved, plain));
+  EXPECT_NO_THROW(checkReshardable(columnWeight(2, 2, 0, 16), columnWeight(1, 2, 0, 16)));  // unpadded, any T
+  // A row weight pads only its tail whatever T is: T = 2, a = 16 loads into T = 1 with more padding.
+  const ShardedTensor row = weightsOf(false, 2, 2, 16, 16)[0];
+  const ShardedTensor rowTarget = weightsOf(false, 1, 4, 16, 16)[0];
+  ASSERT_EQ(row.globalShape, (Ints{32, 4}));
+  ASSERT_EQ(rowTarget.globalShape, (Ints{64, 4}));
+  EXPECT_NO_THROW(checkReshardable(row, rowTarget));
+}
+
+TEST(GtpCheckpointResharding, RejectsAnotherKeyOrRank) {
+  const ShardedTensor saved = columnWeight(2, 2, 0, 16);
+  ShardedTensor renamed = saved;
+  renamed.key = "x.weight";
+  EXPECT_THAT(message([&] { checkReshardable(saved, renamed); }),
+              HasSubstr("checkReshardable: the target must have the saved key 'w.weight', got 'x.weight'"));
+  ShardedTensor rank3 = saved;
+  rank3.globalShape.push_back(1);
+  rank3.allowShapeMismatch = true;
+  EXPECT_THAT(message([&] { checkReshardable(saved, rank3); }),
+              HasSubstr("the target global shape must have the saved rank 2 (saved (16, 4)), got (16, 4, 1)"));
+  EXPECT_THAT(message([&] { checkReshardable(saved, columnWeight(1, 2, 0, 24)); }),
+              HasSubstr("must equal the saved (16, 4) unless the target allows a shape mismatch, got (24, 4)"));
+}
+
 // ---- Rejected inputs ------------------------------------------------------------------------
 
 TEST(Checkpoint, RejectedInputsNameTheArgument) {
@@ -471,9 +961,15 @@ TEST(Checkpoint, RejectedInputsNameTheArgument) {
                 HasSubstr("makeShardedTensorForCheckpoint: parameter 'shard' must not be a GTP_remat shard, got "
                           "is_gtp_weight_remat = True"));
     EXPECT_THAT(message([&] { makeTpShardedTensorForCheckpoint(gtp, "k", 0, std::nullopt, {}, tp, dp); }),
-                HasSubstr("makeTpShardedTensorForCheckpoint: parameter 'shard' must not be a GTP_remat shard"));
+                HasSubstr("makeTpShardedTensorForCheckpoint: GTP_remat shard 'shard' must carry its group (stamped by "
+                          "wrapGtp), got none"));
     EXPECT_THAT(message([&] { makeShardedTensorsForCheckpoint({{"weight", &gtp}}, "", {{"weight", 0}}, {}, tp, dp); }),
-                HasSubstr("makeShardedTensorsForCheckpoint: entry 'weight' must not be a GTP_remat shard"));
+                HasSubstr("makeShardedTensorsForCheckpoint: GTP_remat shard 'shard' must carry its group"));
+    gtp.attrs.group = &ctx.comm;  // a group but no gtp_replica_group: nobody can elect the writer
+    EXPECT_THAT(message([&] { makeTpShardedTensorForCheckpoint(gtp, "k", 0, std::nullopt, {}, tp, dp); }),
+                HasSubstr("gtpReplicaRank: GTP_remat shard 'shard' must carry a gtp_replica_group to elect its "
+                          "checkpoint writer, got none"));
+    gtp.attrs.group.reset();
     gtp.attrs.isGtpWeightRemat = false;  // present but false: an ordinary parameter
     EXPECT_EQ(message([&] { makeShardedTensorForCheckpoint(gtp, "k", std::nullopt, {}, tp, dp); }), "no error");
 
