@@ -34,6 +34,28 @@ DType parseDType(const std::string& name) {
   TPSIM_CHECK(false, "dtype must be one of fp32, bf16, fp16, fp64, int64, got '", name, "'");
 }
 
+double loadAsDouble(DType dtype, const void* p) {
+  switch (dtype) {
+    case DType::kFloat32: { float f; std::memcpy(&f, p, 4); return f; }
+    case DType::kFloat64: { double d; std::memcpy(&d, p, 8); return d; }
+    case DType::kInt64: { std::int64_t x; std::memcpy(&x, p, 8); return double(x); }
+    case DType::kBFloat16: { std::uint16_t x; std::memcpy(&x, p, 2); return bf16ToFloat(x); }
+    case DType::kFloat16: { std::uint16_t x; std::memcpy(&x, p, 2); return halfToFloat(x); }
+  }
+  TPSIM_INTERNAL_ASSERT(false, "unknown dtype ", int(dtype));
+}
+
+void storeFromDouble(DType dtype, double v, void* p) {
+  switch (dtype) {
+    case DType::kFloat32: { const float f = float(v); std::memcpy(p, &f, 4); return; }
+    case DType::kFloat64: std::memcpy(p, &v, 8); return;
+    case DType::kInt64: { const std::int64_t x = std::int64_t(v); std::memcpy(p, &x, 8); return; }
+    case DType::kBFloat16: { const std::uint16_t x = floatToBf16(float(v)); std::memcpy(p, &x, 2); return; }
+    case DType::kFloat16: { const std::uint16_t x = floatToHalf(float(v)); std::memcpy(p, &x, 2); return; }
+  }
+  TPSIM_INTERNAL_ASSERT(false, "unknown dtype ", int(dtype));
+}
+
 float halfToFloat(std::uint16_t h) {
   const std::uint32_t sign = std::uint32_t(h & 0x8000u) << 16;
   const std::uint32_t exp = (h >> 10) & 0x1fu;

@@ -38,6 +38,11 @@ inline std::uint16_t floatToBf16(float f) {
 float halfToFloat(std::uint16_t bits);
 std::uint16_t floatToHalf(float f);
 
+// One element at `p` of `dtype`, widened to double (exact for every dtype but int64 beyond 2^53).
+double loadAsDouble(DType dtype, const void* p);
+// Stores v into one element at `p` of `dtype`, rounded once (to nearest even; int64 truncates).
+void storeFromDouble(DType dtype, double v, void* p);
+
 // Rounds a float to the nearest value representable in `dtype` (identity for fp32 and wider).
 inline float roundTo(DType dtype, float f) {
   if (dtype == DType::kBFloat16) return bf16ToFloat(floatToBf16(f));

@@ -19,18 +19,10 @@ namespace tpsim {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::errorOf;
 using testing::runRanks;
 using testing::tensorOf;
 using testing::valuesOf;
-
-std::string errorOf(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  return "no error";
-}
 
 TEST(GtpGeometry, SpecPaddingTable) {  // SPEC 4.2
   struct Row {

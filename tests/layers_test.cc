@@ -15,6 +15,7 @@ namespace tpsim {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::errorOf;
 using testing::runRanks;
 using testing::tensorOf;
 using testing::valuesOf;
@@ -280,38 +281,30 @@ TEST(Layers, AttributesWithoutInitializationAndForExperts) {  // I2, I3
 
 TEST(Layers, RejectedConfigurationsNameTheArgument) {
   runRanks(2, [](RankContext& ctx) {
-    auto message = [](const std::function<void()>& f) {
-      try {
-        f();
-      } catch (const InvalidArgument& e) {
-        return std::string(e.what());
-      }
-      return std::string("no error");
-    };
     ModelParallelConfig config;
     config.performInitialization = false;
     config.tensorModelParallelSize = 2;
     const InitMethod init = initMethodNormal(0.02);
-    EXPECT_THAT(message([&] { ColumnParallelLinear({ctx.compute, ctx.comm}, config, 4, 5, init, {}); }),
+    EXPECT_THAT(errorOf([&] { ColumnParallelLinear({ctx.compute, ctx.comm}, config, 4, 5, init, {}); }),
                 HasSubstr("output_size by the TP size"));
-    EXPECT_THAT(message([&] { RowParallelLinear({ctx.compute, ctx.comm}, config, 5, 4, init, {}); }),
+    EXPECT_THAT(errorOf([&] { RowParallelLinear({ctx.compute, ctx.comm}, config, 5, 4, init, {}); }),
                 HasSubstr("input_size by the TP size"));
     ModelParallelConfig sp = config;
     sp.sequenceParallel = true;
-    EXPECT_THAT(message([&] { RowParallelLinear({ctx.compute, ctx.comm}, sp, 4, 4, init, {}); }),
+    EXPECT_THAT(errorOf([&] { RowParallelLinear({ctx.compute, ctx.comm}, sp, 4, 4, init, {}); }),
                 HasSubstr("sequence_parallel needs input_is_parallel = True"));
     ModelParallelConfig spT1;
     spT1.sequenceParallel = true;
-    EXPECT_THAT(message([&] { RowParallelLinear({ctx.compute, ctx.comm}, spT1, 4, 4, init, {}); }),
+    EXPECT_THAT(errorOf([&] { RowParallelLinear({ctx.compute, ctx.comm}, spT1, 4, 4, init, {}); }),
                 HasSubstr("sequence_parallel needs tensor_model_parallel_size > 1"));
     ColumnParallelOptions skip;
     skip.skipWeightParamAllocation = true;
     ColumnParallelLinear noWeight({ctx.compute, ctx.comm}, config, 4, 4, init, skip);
     Tensor x = ctx.compute.zeros({1, 4}, DType::kFloat32);
-    EXPECT_THAT(message([&] { noWeight.forward(x); }), HasSubstr("weight was not supplied"));
+    EXPECT_THAT(errorOf([&] { noWeight.forward(x); }), HasSubstr("weight was not supplied"));
     Parameter wrong;
     wrong.data = ctx.compute.zeros({4, 4}, DType::kFloat32);
-    EXPECT_THAT(message([&] { noWeight.forward(x, &wrong); }), HasSubstr("supplied weight must be (2, 4)"));
+    EXPECT_THAT(errorOf([&] { noWeight.forward(x, &wrong); }), HasSubstr("supplied weight must be (2, 4)"));
     ModelParallelConfig defer = config;
     defer.deferEmbeddingWgradCompute = true;
     defer.gradientAccumulationFusion = true;
@@ -319,15 +312,15 @@ TEST(Layers, RejectedConfigurationsNameTheArgument) {
     std::vector<Tensor> activations;
     ColumnParallelOptions half;
     half.embeddingActivationBuffer = &activations;
-    EXPECT_THAT(message([&] { ColumnParallelLinear({ctx.compute, ctx.comm}, defer, 4, 4, init, half); }),
+    EXPECT_THAT(errorOf([&] { ColumnParallelLinear({ctx.compute, ctx.comm}, defer, 4, 4, init, half); }),
                 HasSubstr("grad_output_buffer is missing"));
     LayerContext gtpWithoutReducer{ctx.compute, ctx.comm};
     gtpWithoutReducer.gtp = &ctx.comm;
-    EXPECT_THAT(message([&] { ColumnParallelLinear(gtpWithoutReducer, config, 4, 4, init, {}); }),
+    EXPECT_THAT(errorOf([&] { ColumnParallelLinear(gtpWithoutReducer, config, 4, 4, init, {}); }),
                 HasSubstr("a GTP_remat group of size 2 needs LayerContext::gtpReducer"));
     ColumnParallelLinear col({ctx.compute, ctx.comm}, config, 4, 4, init, {});
     Tensor badX = ctx.compute.zeros({1, 3}, DType::kFloat32);
-    EXPECT_THAT(message([&] { col.forward(badX); }), HasSubstr("input must end in K=4, got fp32 (1, 3)"));
+    EXPECT_THAT(errorOf([&] { col.forward(badX); }), HasSubstr("input must end in K=4, got fp32 (1, 3)"));
   });
 }
 

@@ -15,6 +15,7 @@ namespace tpsim {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::errorOf;
 using testing::runRanks;
 using testing::tensorOf;
 using testing::valuesOf;
@@ -313,24 +314,16 @@ TEST(LinearWithFrozenWeight, TestFactsL1L2L3) {
 
 TEST(Linear, RejectedCombinationsNameTheProblem) {
   runRanks(2, [](RankContext& ctx) {
-    auto message = [](const std::function<void()>& f) {
-      try {
-        f();
-      } catch (const InvalidArgument& e) {
-        return std::string(e.what());
-      }
-      return std::string("no error");
-    };
     LinearOptions both;
     both.sequenceParallel = both.allreduceDgrad = true;
-    EXPECT_THAT(message([&] { LinearWithGradAccumulation(ctx.compute, ctx.comm, both); }),
+    EXPECT_THAT(errorOf([&] { LinearWithGradAccumulation(ctx.compute, ctx.comm, both); }),
                 HasSubstr("sequence_parallel and allreduce_dgrad are mutually exclusive"));
-    EXPECT_THAT(message([&] { LinearWithFrozenWeight(ctx.compute, ctx.comm, both); }),
+    EXPECT_THAT(errorOf([&] { LinearWithFrozenWeight(ctx.compute, ctx.comm, both); }),
                 HasSubstr("would reduce dX twice"));
     std::vector<Tensor> buffer;
     LinearOptions deferNoFusion;
     deferNoFusion.gradOutputBuffer = &buffer;
-    EXPECT_THAT(message([&] { LinearWithGradAccumulation(ctx.compute, ctx.comm, deferNoFusion); }),
+    EXPECT_THAT(errorOf([&] { LinearWithGradAccumulation(ctx.compute, ctx.comm, deferNoFusion); }),
                 HasSubstr("wgrad deferral (grad_output_buffer) needs gradient accumulation fusion"));
     Parameter w;
     w.name = "fc1.weight";
@@ -338,21 +331,21 @@ TEST(Linear, RejectedCombinationsNameTheProblem) {
     LinearOptions fusion;
     fusion.gradientAccumulationFusion = true;
     Tensor x = ctx.compute.zeros({2, 3}, DType::kFloat32);
-    EXPECT_THAT(message([&] { LinearWithGradAccumulation(ctx.compute, ctx.comm, fusion).forward(x, w, nullptr); }),
+    EXPECT_THAT(errorOf([&] { LinearWithGradAccumulation(ctx.compute, ctx.comm, fusion).forward(x, w, nullptr); }),
                 HasSubstr("needs fc1.weight.main_grad allocated before forward"));
     w.mainGrad = ctx.compute.zeros({4, 3}, DType::kFloat64);
-    EXPECT_THAT(message([&] {
+    EXPECT_THAT(errorOf([&] {
                   LinearWithGradAccumulation l(ctx.compute, ctx.comm, fusion);
                   l.forward(x, w, nullptr);
                   l.backward(ctx.compute.zeros({2, 4}, DType::kFloat32));
                 }),
                 HasSubstr("unsupported gradient type for gradient accumulation fusion"));
     Tensor badX = ctx.compute.zeros({2, 5}, DType::kFloat32);
-    EXPECT_THAT(message([&] { linearForward(ctx.compute, badX, w.data, ConstView()); }),
+    EXPECT_THAT(errorOf([&] { linearForward(ctx.compute, badX, w.data, ConstView()); }),
                 HasSubstr("linearForward: weight must be (N, K=5), got fp32 (4, 3)"));
     LinearWithGradAccumulation plain(ctx.compute, ctx.comm, {});
     plain.forward(x, w, nullptr);
-    EXPECT_THAT(message([&] { plain.backward(ctx.compute.zeros({2, 5}, DType::kFloat32)); }),
+    EXPECT_THAT(errorOf([&] { plain.backward(ctx.compute.zeros({2, 5}, DType::kFloat32)); }),
                 HasSubstr("grad_output must be (2, 4) like the forward output, got fp32 (2, 5)"));
   });
 }

@@ -1,7 +1,6 @@
 #include "tools/host_tensor.h"
 
 #include <cmath>
-#include <cstring>
 
 #include "backends/errors.h"
 
@@ -99,17 +98,8 @@ Tensor toBackend(Compute& compute, const HostTensor& t) {
   Shape shape(t.shape.data(), int(t.shape.size()));
   Tensor out = compute.empty(shape, t.dtype);
   std::vector<char> bytes(t.values.size() * dtypeSize(t.dtype));
-  for (std::size_t i = 0; i < t.values.size(); ++i) {
-    char* p = bytes.data() + i * dtypeSize(t.dtype);
-    const double v = t.values[i];
-    switch (t.dtype) {
-      case DType::kFloat32: { float f = float(v); std::memcpy(p, &f, 4); break; }
-      case DType::kFloat64: std::memcpy(p, &v, 8); break;
-      case DType::kInt64: { std::int64_t x = std::int64_t(v); std::memcpy(p, &x, 8); break; }
-      case DType::kBFloat16: { std::uint16_t x = floatToBf16(float(v)); std::memcpy(p, &x, 2); break; }
-      case DType::kFloat16: { std::uint16_t x = floatToHalf(float(v)); std::memcpy(p, &x, 2); break; }
-    }
-  }
+  for (std::size_t i = 0; i < t.values.size(); ++i)
+    storeFromDouble(t.dtype, t.values[i], bytes.data() + i * dtypeSize(t.dtype));
   compute.upload(bytes.data(), out);
   return out;
 }
@@ -127,16 +117,8 @@ HostTensor fromBackend(Compute& compute, ConstView v) {
   for (int i = 0; i < v.rank(); ++i) out.shape.push_back(v.dim(i));
   out.dtype = v.dtype();
   out.values.resize(std::size_t(v.numel()));
-  for (std::size_t i = 0; i < out.values.size(); ++i) {
-    const char* p = bytes.data() + i * dtypeSize(v.dtype());
-    switch (v.dtype()) {
-      case DType::kFloat32: { float f; std::memcpy(&f, p, 4); out.values[i] = f; break; }
-      case DType::kFloat64: std::memcpy(&out.values[i], p, 8); break;
-      case DType::kInt64: { std::int64_t x; std::memcpy(&x, p, 8); out.values[i] = double(x); break; }
-      case DType::kBFloat16: { std::uint16_t x; std::memcpy(&x, p, 2); out.values[i] = bf16ToFloat(x); break; }
-      case DType::kFloat16: { std::uint16_t x; std::memcpy(&x, p, 2); out.values[i] = halfToFloat(x); break; }
-    }
-  }
+  for (std::size_t i = 0; i < out.values.size(); ++i)
+    out.values[i] = loadAsDouble(v.dtype(), bytes.data() + i * dtypeSize(v.dtype()));
   return out;
 }
 

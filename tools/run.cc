@@ -32,16 +32,7 @@ HostTensor fromNpy(const NpyArray& a, DType want, const std::string& file) {
               ", got ", dtypeName(a.dtype));
   const std::size_t n = a.data.size() / dtypeSize(a.dtype);
   std::vector<double> values(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    const char* p = a.data.data() + i * dtypeSize(a.dtype);
-    switch (a.dtype) {
-      case DType::kFloat32: { float f; std::memcpy(&f, p, 4); values[i] = f; break; }
-      case DType::kFloat64: std::memcpy(&values[i], p, 8); break;
-      case DType::kFloat16: { std::uint16_t h; std::memcpy(&h, p, 2); values[i] = halfToFloat(h); break; }
-      case DType::kBFloat16: { std::uint16_t h; std::memcpy(&h, p, 2); values[i] = bf16ToFloat(h); break; }
-      case DType::kInt64: { std::int64_t x; std::memcpy(&x, p, 8); values[i] = double(x); break; }
-    }
-  }
+  for (std::size_t i = 0; i < n; ++i) values[i] = loadAsDouble(a.dtype, a.data.data() + i * dtypeSize(a.dtype));
   return makeHost(a.shape, want, std::move(values));  // 16-bit --dtype: rounded once, here
 }
 
