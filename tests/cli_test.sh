@@ -32,6 +32,11 @@ for layer in column row embedding mlp; do
 done
 check run-options 0 "sharded results agree" -- "$tpsim" run --layer column --tp 2 --bias --gather-output \
   --dtype bf16 --output-dtype fp32 --grad-accumulation-fusion
+check run-gtp 0 "sharded results agree" -- "$tpsim" run --layer row --tp 2 --gtp-remat 2 --bias --gtp-reduce sum \
+  --batch 4
+check run-gtp-fp32 0 "sharded results agree" -- "$tpsim" run --layer column --tp 1 --gtp-remat 4 --batch 4 \
+  --fp32-accum-reduce-scatter --dtype bf16
+check gtp-batch 2 "must be divisible by --gtp-remat" -- "$tpsim" run --layer column --gtp-remat 3
 check run-rs-embeddings 0 "sharded results agree" -- "$tpsim" run --layer embedding --tp 2 --reduce-scatter-embeddings
 
 # Save generated inputs and results, replay from the files: identical results, byte for byte.

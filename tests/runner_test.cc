@@ -102,6 +102,32 @@ TEST(Runner, SequenceParallelRowBiasGradientIsFinalizedOverTp) {
   }
 }
 
+// GTP_remat through the whole tool: every layer kind, MEAN and SUM, padding that spills over
+// several peers (a = 16 on tiny dims), no padding (a = 0), and the fp32-accumulation variant.
+TEST(Runner, GtpRematAgreesWithTheDenseComputation) {
+  for (LayerKind kind : {LayerKind::kColumn, LayerKind::kRow, LayerKind::kEmbedding, LayerKind::kMlp})
+    for (int g : {2, 4})
+      for (bool mean : {true, false}) {
+        RunConfig c;
+        c.layer = kind;
+        c.tp = 2;
+        c.gtpRemat = g;
+        c.gtpReduceMean = mean;
+        c.batch = 4;
+        c.bias = kind != LayerKind::kEmbedding;
+        c.fp32AccumReduceScatter = g == 4;
+        expectAgreement(c);
+        c.dtype = DType::kBFloat16;
+        c.sequenceParallel = kind == LayerKind::kColumn || kind == LayerKind::kMlp;
+        expectAgreement(c);
+      }
+  RunConfig c;
+  c.gtpRemat = 2;
+  c.padForAlignment = 0;
+  c.tp = 2;
+  expectAgreement(c);  // 16/2 = 8 rows per TP rank, divisible by G
+}
+
 TEST(Runner, BadConfigurationsAndInputsAreNamed) {
   auto message = [](const std::function<void()>& f) {
     try {
@@ -132,12 +158,56 @@ TEST(Runner, BadConfigurationsAndInputsAreNamed) {
   in["grad_output"].shape = {8, 2, 15};
   EXPECT_THAT(message([&] { runSharded(c, in); }),
               HasSubstr("grad_output.npy must have shape (8, 2, 16), got (8, 2, 15)"));
+  c.gtpRemat = 3;
+  EXPECT_THAT(message([&] { runSharded(c, generateInputs(c)); }),
+              HasSubstr("the batch b (input.npy dim 1) = 2 must be divisible by --gtp-remat = 3"));
+  c.gtpRemat = 1;
   in.erase("grad_output");
   EXPECT_THAT(message([&] { runSharded(c, in); }), HasSubstr("grad_output.npy is missing"));
   c.layer = LayerKind::kEmbedding;
   in = generateInputs(c);
   in["input"].values[3] = 999;
   EXPECT_THAT(message([&] { runSharded(c, in); }), HasSubstr("input.npy holds id 999 at flat position 3"));
+}
+
+TEST(Runner, CommandLineNamesEveryNonDefaultFlag) {
+  RunConfig c;
+  c.layer = LayerKind::kRow;
+  c.tp = 4;
+  c.sequenceParallel = c.inputIsParallel = c.bias = c.skipBiasAdd = true;
+  c.stride = 2;
+  c.dtype = DType::kBFloat16;
+  c.gradAccumulationFusion = true;
+  c.mainGradDtype = DType::kBFloat16;
+  c.seed = 77;
+  c.seq = 12;
+  c.inFeatures = 24;
+  c.outFeatures = 5;
+  EXPECT_EQ(commandLine(c), "tpsim run --layer row --tp 4 --sequence-parallel --bias --input-is-parallel "
+                            "--skip-bias-add --stride 2 --dtype bf16 --grad-accumulation-fusion --main-grad-dtype bf16 "
+                            "--seed 77 --seq 12 --batch 2 --in-features 24 --out-features 5");
+  // --load replaces the shape flags, which it would ignore.
+  EXPECT_EQ(commandLine(c, "/tmp/tpsim-props/case"),
+            "tpsim run --layer row --tp 4 --sequence-parallel --bias --input-is-parallel --skip-bias-add --stride 2 "
+            "--dtype bf16 --grad-accumulation-fusion --main-grad-dtype bf16 --seed 77 --load /tmp/tpsim-props/case");
+  c = RunConfig();
+  c.layer = LayerKind::kColumn;
+  c.gatherOutput = true;
+  c.outputDtype = DType::kFloat32;
+  EXPECT_EQ(commandLine(c, "/tmp/a dir/it's"),
+            "tpsim run --layer column --tp 2 --gather-output --dtype fp32 --output-dtype fp32 --seed 1234 "
+            "--load '/tmp/a dir/it'\\''s'");
+  c = RunConfig();
+  c.layer = LayerKind::kEmbedding;
+  c.reduceScatterEmbeddings = true;
+  c.vocab = 64;
+  EXPECT_EQ(commandLine(c), "tpsim run --layer embedding --tp 2 --reduce-scatter-embeddings --dtype fp32 --seed 1234 "
+                            "--seq 8 --batch 2 --out-features 16 --vocab 64");
+  c.layer = LayerKind::kMlp;
+  c.reduceScatterEmbeddings = false;
+  c.threads = 1;
+  EXPECT_EQ(commandLine(c), "tpsim run --layer mlp --tp 2 --dtype fp32 --threads 1 --seed 1234 --seq 8 --batch 2 "
+                            "--in-features 16 --ffn-hidden 64");
 }
 
 }  // namespace

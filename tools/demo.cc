@@ -1,5 +1,6 @@
 // tpsim demo: the main job. An MLP block (ColumnParallelLinear fc1, exact GeLU, RowParallelLinear
-// fc2, both with biases) at TP = 4 with sequence parallelism on the simulator: the configuration,
+// fc2, both with biases) at TP = 4 with sequence parallelism and GTP_remat = 2 on the simulator
+// (8 ranks; --gtp-remat 1 turns GTP_remat off): the configuration,
 // each rank's shards, the collectives each rank issued, and every output and gradient checked
 // against the unsharded computation. Exit 0 only if all agree.
 #include <boost/program_options.hpp>
@@ -22,6 +23,7 @@ int demoMain(const std::vector<std::string>& args) {
   c.bias = true;
   c.inFeatures = 16;
   c.ffnHidden = 64;
+  c.gtpRemat = 2;
   std::string dtype = "fp32";
   bool noSequenceParallel = false;
   po::options_description opts("tpsim demo [options]");
@@ -29,6 +31,8 @@ int demoMain(const std::vector<std::string>& args) {
       ("help,h", "show this help")
       ("tp,p", po::value(&c.tp)->default_value(c.tp), "tensor-parallel size T")
       ("no-sequence-parallel", po::bool_switch(&noSequenceParallel), "all-reduce instead of sequence parallelism")
+      ("gtp-remat,G", po::value(&c.gtpRemat)->default_value(c.gtpRemat),
+       "GTP_remat size G: fc1 and fc2 weights sharded again over G peers (world T x G)")
       ("dtype,d", po::value(&dtype)->default_value(dtype), "fp32 | bf16 | fp16")
       ("seq,s", po::value(&c.seq)->default_value(c.seq), "sequence length s")
       ("batch,b", po::value(&c.batch)->default_value(c.batch), "micro-batch b")
@@ -49,26 +53,29 @@ int demoMain(const std::vector<std::string>& args) {
   c.sequenceParallel = !noSequenceParallel && c.tp > 1;
   c.validate();
 
-  std::printf("# tpsim demo: MLP block y = GeLU(x·W1ᵀ + b1)·W2ᵀ + b2 on %d simulated ranks\n", c.tp);
+  std::printf("# tpsim demo: MLP block y = GeLU(x·W1ᵀ + b1)·W2ᵀ + b2 on %d simulated ranks\n", c.tp * c.gtpRemat);
   std::printf("# fc1 = ColumnParallelLinear(h=%lld -> F=%lld), fc2 = RowParallelLinear(F -> h, input_is_parallel)\n",
               (long long)c.inFeatures, (long long)c.ffnHidden);
   std::printf("# %s\n", c.str().c_str());
-  std::printf("# x (s=%lld, b=%lld, h=%lld)%s\n\n", (long long)c.seq, (long long)c.batch, (long long)c.inFeatures,
-              c.sequenceParallel ? ": each rank holds s/T rows of the sequence" : "");
+  std::printf("# x (s=%lld, b=%lld, h=%lld)%s%s\n\n", (long long)c.seq, (long long)c.batch, (long long)c.inFeatures,
+              c.sequenceParallel ? ": each rank holds s/T rows of the sequence" : "",
+              c.gtpRemat > 1 ? " and GTP_remat peer g the batch block g" : "");
   const TensorMap inputs = generateInputs(c);
   const RunResult r = runSharded(c, inputs);
 
   std::printf("# shards\n");
-  for (int t = 0; t < c.tp; ++t) {
-    std::printf("rank %d:", t);
-    for (const auto& s : r.shards[t]) std::printf("\n  %s", s.c_str());
+  for (int rank = 0; rank < c.tp * c.gtpRemat; ++rank) {
+    std::printf("rank %d (t=%d, g=%d):", rank, rank % c.tp, rank / c.tp);
+    for (const auto& s : r.shards[rank]) std::printf("\n  %s", s.c_str());
     std::printf("\n");
   }
 
-  std::printf("\n# collectives each rank issued, in order (op group bytes-sent)\n");
-  for (int t = 0; t < c.tp; ++t) {
-    std::printf("rank %d:", t);
-    for (const auto& e : r.trace[t]) std::printf("  %s %s %lldB", e.op.c_str(), e.group.c_str(), (long long)e.bytes);
+  std::printf("\n# collectives each rank issued, in order (op group bytes-sent; the splits that build the groups"
+              " are left out)\n");
+  for (int rank = 0; rank < c.tp * c.gtpRemat; ++rank) {
+    std::printf("rank %d:", rank);
+    for (const auto& e : r.trace[rank])
+      if (e.op != "split") std::printf("  %s %s %lldB", e.op.c_str(), e.group.c_str(), (long long)e.bytes);
     std::printf("\n");
   }
 

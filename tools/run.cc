@@ -82,13 +82,21 @@ DType parseFloatDtype(const std::string& flag, const std::string& s) {
 
 int runMain(const std::vector<std::string>& args) {
   RunConfig c;
-  std::string layer, dtype = "fp32", outputDtype, mainGradDtype = "fp32", backend = "sim", loadDir, saveDir;
+  std::string layer, dtype = "fp32", outputDtype, mainGradDtype = "fp32", backend = "sim", loadDir, saveDir,
+      gtpReduce = "mean";
   po::options_description par("Parallelism");
   par.add_options()
       ("help,h", "show this help")
       ("layer,l", po::value(&layer), "column | row | embedding | mlp (required)")
       ("tp,p", po::value(&c.tp)->default_value(c.tp), "tensor-parallel size T (ranks)")
-      ("sequence-parallel,S", po::bool_switch(&c.sequenceParallel), "shard activations along the sequence");
+      ("sequence-parallel,S", po::bool_switch(&c.sequenceParallel), "shard activations along the sequence")
+      ("gtp-remat,G", po::value(&c.gtpRemat)->default_value(c.gtpRemat),
+       "GTP_remat size G: weights sharded again over G peers that split the batch (world T x G)")
+      ("pad-for-alignment", po::value(&c.padForAlignment)->default_value(c.padForAlignment),
+       "GTP_remat: pad dim 0 to a multiple of A x G (0 = no padding; dim 0 must divide by G)")
+      ("gtp-reduce", po::value(&gtpReduce)->default_value(gtpReduce), "GTP_remat wgrad reduction: mean | sum")
+      ("fp32-accum-reduce-scatter", po::bool_switch(&c.fp32AccumReduceScatter),
+       "GTP_remat: all-to-all + fp32 sum instead of the reduce-scatter (bypassed at G <= 2)");
   po::options_description lay("Layer options (Megatron's constructor arguments)");
   lay.add_options()
       ("bias", po::bool_switch(&c.bias), "column/row: with a bias")
@@ -133,6 +141,9 @@ int runMain(const std::vector<std::string>& args) {
   if (mainGradDtype != "fp32" && mainGradDtype != "bf16")
     throw UsageError{"--main-grad-dtype: expected fp32 or bf16, got '" + mainGradDtype + "'"};
   c.mainGradDtype = parseDType(mainGradDtype);
+  if (gtpReduce != "mean" && gtpReduce != "sum")
+    throw UsageError{"--gtp-reduce: expected mean or sum, got '" + gtpReduce + "'"};
+  c.gtpReduceMean = gtpReduce == "mean";
   if (backend != "sim") throw UsageError{"--backend: expected sim (this build has no gpu backend), got '" + backend + "'"};
   c.validate();
 
@@ -144,7 +155,7 @@ int runMain(const std::vector<std::string>& args) {
   const RunResult result = runSharded(c, inputs);
   std::size_t collectives = 0;
   for (const auto& events : result.trace) collectives += events.size();
-  std::printf("# %d ranks issued %zu collectives\n\n", c.tp, collectives);
+  std::printf("# %d ranks issued %zu collectives\n\n", c.tp * c.gtpRemat, collectives);
 
   std::printf("%-18s %-16s %12s %12s %9s  %s\n", "tensor", "shape", "max|err|", "bound", "#outside", "result");
   bool ok = true;

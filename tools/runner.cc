@@ -7,7 +7,9 @@
 
 #include "backends/errors.h"
 #include "core/embedding.h"
+#include "core/gtp.h"
 #include "core/layers.h"
+#include "core/process_groups.h"
 
 namespace tpsim::tools {
 namespace {
@@ -88,6 +90,10 @@ ModelParallelConfig layerConfig(const RunConfig& c) {
   mp.performInitialization = false;  // the tool copies its tensors in
   mp.paramsDtype = c.dtype;
   mp.gradientAccumulationFusion = c.gradAccumulationFusion;
+  mp.gtpRematSize = c.gtpRemat;
+  mp.gtpPadForAlignment = c.padForAlignment;
+  mp.calculatePerTokenLoss = !c.gtpReduceMean;
+  mp.gtpReduceScatterWithFp32Accumulation = c.fp32AccumReduceScatter;
   return mp;
 }
 
@@ -112,6 +118,12 @@ Tensor sumRowsOf(Compute& compute, ConstView y, DType dtype) {
 
 void RunConfig::validate() const {
   TPSIM_CHECK(tp >= 1 && tp <= 64, "--tp: expected 1..64, got ", tp);
+  TPSIM_CHECK(gtpRemat >= 1 && tp * gtpRemat <= 64, "--gtp-remat: expected G >= 1 with --tp x --gtp-remat <= 64, got ",
+              gtpRemat, " with --tp ", tp);
+  TPSIM_CHECK(padForAlignment >= 0, "--pad-for-alignment: expected >= 0, got ", padForAlignment);
+  TPSIM_CHECK(gtpRemat == 1 || mainGradDtype == DType::kFloat32 || mainGradDtype == dtype,
+              "--main-grad-dtype bf16: GTP_remat reduce-scatters into main_grad in the wgrad's dtype; needs --dtype "
+              "bf16, got --dtype ", dtypeName(dtype));
   TPSIM_CHECK(!sequenceParallel || tp > 1, "--sequence-parallel: needs --tp > 1, got --tp ", tp);
   TPSIM_CHECK(stride >= 1, "--stride: expected >= 1, got ", stride);
   TPSIM_CHECK(stride == 1 || layer == LayerKind::kColumn || layer == LayerKind::kRow,
@@ -156,6 +168,9 @@ std::string RunConfig::str() const {
   if (skipBiasAdd) s += " skip-bias-add";
   if (stride > 1) s += detail::concat(" stride=", stride);
   if (gradAccumulationFusion) s += detail::concat(" grad-accumulation-fusion main-grad-dtype=", dtypeName(mainGradDtype));
+  if (gtpRemat > 1)
+    s += detail::concat(" gtp-remat=", gtpRemat, " pad-for-alignment=", padForAlignment, " gtp-reduce=",
+                        gtpReduceMean ? "mean" : "sum", fp32AccumReduceScatter ? " fp32-accum-reduce-scatter" : "");
   return s + detail::concat(" seed=", seed);
 }
 
@@ -223,6 +238,7 @@ void checkInputs(const RunConfig& c, const TensorMap& in) {
                   std::int64_t(input.values[i]), " at flat position ", i, ", outside [0, V=", w.shape[0], ")");
     const std::int64_t b = input.shape[0], s = input.shape[1], h = w.shape[1];
     if (c.reduceScatterEmbeddings) divisible("the sequence length s (input.npy dim 1)", s, T, "--tp");
+    divisible("the batch b (input.npy dim 0)", b, c.gtpRemat, "--gtp-remat");
     expectShape("grad_output", c.reduceScatterEmbeddings ? std::vector<std::int64_t>{s, b, h}
                                                          : std::vector<std::int64_t>{b, s, h});
     return;
@@ -231,6 +247,7 @@ void checkInputs(const RunConfig& c, const TensorMap& in) {
               "tensor, got ", dtypeName(input.dtype), " ", input.shapeStr());
   const std::int64_t s = input.shape[0], b = input.shape[1], k = input.shape[2];
   if (c.sequenceParallel) divisible("the sequence length s (input.npy dim 0)", s, T, "--tp");
+  divisible("the batch b (input.npy dim 1)", b, c.gtpRemat, "--gtp-remat");
   if (c.layer == LayerKind::kMlp) {
     const HostTensor& w1 = need(in, "fc1.weight");
     TPSIM_CHECK(w1.shape.size() == 2, "tpsim run: fc1.weight.npy must be (F, h), got ", w1.shapeStr());
@@ -256,25 +273,55 @@ void checkInputs(const RunConfig& c, const TensorMap& in) {
 RunResult runSharded(const RunConfig& c, const TensorMap& in) {
   c.validate();
   checkInputs(c, in);
-  const int T = c.tp;
+  const int T = c.tp, G = c.gtpRemat;
+  ParallelSizes sizes;
+  sizes.world = T * G;
+  sizes.tp = T;
+  sizes.gtpRemat = G;
+  const ParallelLayout layout(sizes);
   PerRank per;
-  per.results.resize(T);
-  per.shards.resize(T);
+  per.results.resize(sizes.world);
+  per.shards.resize(sizes.world);
   sim::WorldOptions wo;
-  wo.size = T;
+  wo.size = sizes.world;
   wo.threads = c.threads;
   wo.trace = true;
   sim::World world(wo);
   const InitMethod unused = initMethodNormal(0.02);  // weights are copied in
+  const bool embeddingBatchFirst = c.layer == LayerKind::kEmbedding && !c.reduceScatterEmbeddings;
   world.run([&](RankContext& ctx) {
     Compute& compute = ctx.compute;
-    const int t = ctx.comm.rank();
-    auto tp = ctx.comm.split(0, t, "tp");  // the whole world is one TP group
-    const LayerContext lc{compute, *tp};
+    const int r = ctx.comm.rank();
+    ProcessGroups pg(ctx.comm, layout);
+    const int t = pg.tp().rank(), g = pg.gtpRemat().rank();
+    GtpGradReducer reducer(compute, {c.gtpReduceMean, c.fp32AccumReduceScatter, true});
+    const LayerContext lc{compute, pg.tp(), nullptr, nullptr, &pg.gtpRemat(), &pg.dpCp(), &reducer};
     const ModelParallelConfig mp = layerConfig(c);
-    const HostTensor& input = in.at("input");
-    const HostTensor& dyFull = in.at("grad_output");
-    auto put = [&](const std::string& name, ConstView v) { per.put(t, name, fromBackend(compute, v)); };
+    // GTP_remat peers are data parallel: peer g takes batch block g (b is dim 1 of (s, b, ·)).
+    auto batch = [&](const HostTensor& h, int dim) { return G > 1 ? chunk(h, dim, g, G) : h; };
+    const HostTensor input = batch(in.at("input"), c.layer == LayerKind::kEmbedding ? 0 : 1);
+    const HostTensor dyFull = batch(in.at("grad_output"), embeddingBatchFirst ? 0 : 1);
+    auto put = [&](const std::string& name, ConstView v) { per.put(r, name, fromBackend(compute, v)); };
+    // A weight's TP-local rows, or under GTP_remat this peer's rows of them padded (SPEC 4.2).
+    auto setWeight = [&](Parameter& p, const HostTensor& tpLocal, const std::string& text) {
+      if (!isGtpShard(p)) {
+        setShard(compute, p, tpLocal, c);
+        per.shard(r, text);
+        return;
+      }
+      const std::int64_t rows = p.data.shape()[0], dLog = tpLocal.shape[0];
+      const std::int64_t begin = std::min(g * rows, dLog), end = std::min((g + 1) * rows, dLog);
+      HostTensor shard = slice(tpLocal, 0, begin, end);
+      HostTensor pad{shard.shape, shard.dtype, {}};
+      pad.shape[0] = rows - (end - begin);
+      pad.values.assign(std::size_t(pad.numel()), 0.0);
+      shard = concat({shard, pad}, 0);
+      compute.copy(toBackend(compute, shard), p.data);
+      p.mainGrad = compute.zeros(p.data.shape(), c.mainGradDtype);
+      per.shard(r, detail::concat(text, "; GTP_remat rank ", g, " of ", G, " keeps rows [", g * rows, ", ",
+                                  (g + 1) * rows, ") of it padded by ", *p.attrs.padLength, " to ", rows * G,
+                                  ": ", shard.shapeStr()));
+    };
     switch (c.layer) {
       case LayerKind::kColumn: {
         ColumnParallelOptions o;
@@ -287,13 +334,12 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         const HostTensor& w = in.at("weight");
         ColumnParallelLinear layer(lc, mp, w.shape[1], w.shape[0], unused, o);
         const auto rows = ownedRanges(w.shape[0], T, c.stride, t);
-        const HostTensor wShard = take(w, 0, rows);
-        setShard(compute, *layer.weight(), wShard, c);
-        per.shard(t, describe("weight", wShard, w, 0, rows));
+        const HostTensor wLocal = take(w, 0, rows);
+        setWeight(*layer.weight(), wLocal, describe("weight", wLocal, w, 0, rows));
         if (c.bias) {
           const HostTensor bShard = take(in.at("bias"), 0, rows);
           setShard(compute, *layer.bias(), bShard, c);
-          per.shard(t, describe("bias", bShard, in.at("bias"), 0, rows));
+          per.shard(r, describe("bias", bShard, in.at("bias"), 0, rows));
         }
         const HostTensor x = c.sequenceParallel ? chunk(input, 0, t, T) : input;
         Tensor xt = toBackend(compute, x);
@@ -306,10 +352,11 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
           dBias = sumRowsOf(compute, dyt, c.dtype);
         }
         Tensor dx = layer.backward(dyt, dBias.defined() ? ConstView(dBias) : ConstView());
+        reducer.drain();
         put("output", out.output);
         put("input.grad", dx);
-        per.put(t, "weight.grad", gradOf(compute, *layer.weight()));
-        if (c.bias) per.put(t, "bias.grad", gradOf(compute, *layer.bias()));
+        per.put(r, "weight.grad", gradOf(compute, *layer.weight()));
+        if (c.bias) per.put(r, "bias.grad", gradOf(compute, *layer.bias()));
         break;
       }
       case LayerKind::kRow: {
@@ -322,12 +369,11 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         const HostTensor& w = in.at("weight");
         RowParallelLinear layer(lc, mp, w.shape[1], w.shape[0], unused, o);
         const auto cols = ownedRanges(w.shape[1], T, c.stride, t);
-        const HostTensor wShard = take(w, 1, cols);
-        setShard(compute, layer.weight(), wShard, c);
-        per.shard(t, describe("weight", wShard, w, 1, cols));
+        const HostTensor wLocal = take(w, 1, cols);
+        setWeight(layer.weight(), wLocal, describe("weight", wLocal, w, 1, cols));
         if (c.bias) {
           setShard(compute, *layer.bias(), in.at("bias"), c);
-          per.shard(t, "bias " + in.at("bias").shapeStr() + " replicated");
+          per.shard(r, "bias " + in.at("bias").shapeStr() + " replicated");
         }
         const HostTensor x = c.inputIsParallel ? take(input, -1, cols) : input;
         Tensor xt = toBackend(compute, x);
@@ -339,10 +385,11 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
           dBias = sumRowsOf(compute, dyt, c.dtype);
         }
         Tensor dx = layer.backward(dyt, dBias.defined() ? ConstView(dBias) : ConstView());
+        reducer.drain();
         put("output", out.output);
         put("input.grad", dx);
-        per.put(t, "weight.grad", gradOf(compute, layer.weight()));
-        if (c.bias) per.put(t, "bias.grad", gradOf(compute, *layer.bias()));
+        per.put(r, "weight.grad", gradOf(compute, layer.weight()));
+        if (c.bias) per.put(r, "bias.grad", gradOf(compute, *layer.bias()));
         break;
       }
       case LayerKind::kEmbedding: {
@@ -353,14 +400,14 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         emp.sequenceParallel = false;  // the embedding's sequence parallelism is reduce_scatter_embeddings
         VocabParallelEmbedding layer(lc, emp, w.shape[0], w.shape[1], unused, o);
         const auto rows = ownedRanges(w.shape[0], T, 1, t);
-        const HostTensor wShard = take(w, 0, rows);
-        setShard(compute, layer.weight(), wShard, c);
-        per.shard(t, describe("weight", wShard, w, 0, rows));
+        const HostTensor wLocal = take(w, 0, rows);
+        setWeight(layer.weight(), wLocal, describe("weight", wLocal, w, 0, rows));
         Tensor ids = toBackend(compute, input);
         Tensor y = layer.forward(ids);
         layer.backward(toBackend(compute, c.reduceScatterEmbeddings ? chunk(dyFull, 0, t, T) : dyFull));
+        reducer.drain();
         put("output", y);
-        per.put(t, "weight.grad", gradOf(compute, layer.weight()));
+        per.put(r, "weight.grad", gradOf(compute, layer.weight()));
         break;
       }
       case LayerKind::kMlp: {
@@ -374,14 +421,12 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         RowParallelLinear fc2(lc, mp, w2.shape[1], w2.shape[0], unused, o2);
         const auto rows = ownedRanges(w1.shape[0], T, 1, t);
         const HostTensor w1s = take(w1, 0, rows), b1s = take(in.at("fc1.bias"), 0, rows), w2s = take(w2, 1, rows);
-        setShard(compute, *fc1.weight(), w1s, c);
+        setWeight(*fc1.weight(), w1s, describe("fc1.weight", w1s, w1, 0, rows));
         setShard(compute, *fc1.bias(), b1s, c);
-        setShard(compute, fc2.weight(), w2s, c);
+        setWeight(fc2.weight(), w2s, describe("fc2.weight", w2s, w2, 1, rows));
         setShard(compute, *fc2.bias(), in.at("fc2.bias"), c);
-        per.shard(t, describe("fc1.weight", w1s, w1, 0, rows));
-        per.shard(t, describe("fc1.bias", b1s, in.at("fc1.bias"), 0, rows));
-        per.shard(t, describe("fc2.weight", w2s, w2, 1, rows));
-        per.shard(t, "fc2.bias " + in.at("fc2.bias").shapeStr() + " replicated");
+        per.shard(r, describe("fc1.bias", b1s, in.at("fc1.bias"), 0, rows));
+        per.shard(r, "fc2.bias " + in.at("fc2.bias").shapeStr() + " replicated");
         Tensor xt = toBackend(compute, c.sequenceParallel ? chunk(input, 0, t, T) : input);
         Tensor h = fc1.forward(xt).output;  // (s, b, F/T)
         Tensor a = compute.empty(h.shape(), h.dtype());
@@ -391,54 +436,92 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         Tensor dH = compute.empty(h.shape(), h.dtype());
         compute.geluBackward(h, dA, dH);
         Tensor dx = fc1.backward(dH);
+        reducer.drain();
         put("output", y);
         put("input.grad", dx);
-        per.put(t, "fc1.weight.grad", gradOf(compute, *fc1.weight()));
-        per.put(t, "fc1.bias.grad", gradOf(compute, *fc1.bias()));
-        per.put(t, "fc2.weight.grad", gradOf(compute, fc2.weight()));
-        per.put(t, "fc2.bias.grad", gradOf(compute, *fc2.bias()));
+        per.put(r, "fc1.weight.grad", gradOf(compute, *fc1.weight()));
+        per.put(r, "fc1.bias.grad", gradOf(compute, *fc1.bias()));
+        per.put(r, "fc2.weight.grad", gradOf(compute, fc2.weight()));
+        per.put(r, "fc2.bias.grad", gradOf(compute, *fc2.bias()));
         break;
       }
     }
   });
 
-  // Back to the unsharded layout.
+  // Back to the unsharded layout: first across the GTP_remat peers of each TP rank t (global
+  // rank t + T·g), then across TP as without GTP_remat.
   RunResult r;
   r.shards = per.shards;
   r.trace = world.trace();
-  auto rank0 = [&](const std::string& name) { return per.results[0].at(name); };
-  auto sequence = [&](const std::string& name) { return concat(per.all(name), 0); };
+  auto peers = [&](const std::string& name, int t) {
+    std::vector<HostTensor> out;
+    for (int g = 0; g < G; ++g) out.push_back(per.results[t + T * g].at(name));
+    return out;
+  };
+  // Activations: the peers' batch blocks side by side.
+  auto batchT = [&](const std::string& name, int dim) {
+    std::vector<HostTensor> out;
+    for (int t = 0; t < T; ++t) out.push_back(concat(peers(name, t), dim));
+    return out;
+  };
+  // GTP_remat weights: the peers' shards stacked, padding stripped back to dLog rows.
+  auto shardsT = [&](const std::string& name, std::int64_t dLog) {
+    std::vector<HostTensor> out;
+    for (int t = 0; t < T; ++t) out.push_back(G > 1 ? slice(concat(peers(name, t), 0), 0, 0, dLog) : peers(name, t)[0]);
+    return out;
+  };
+  // Replicated parameters: finalize reduces them over the peers, MEAN or SUM like the shards.
+  auto replicatedT = [&](const std::string& name) {
+    std::vector<HostTensor> out;
+    for (int t = 0; t < T; ++t) {
+      HostTensor total = sum(peers(name, t));
+      if (c.gtpReduceMean)
+        for (double& v : total.values) v /= double(G);
+      out.push_back(std::move(total));
+    }
+    return out;
+  };
   const bool sp = c.sequenceParallel;
+  const int batchDim = embeddingBatchFirst ? 0 : 1;
+  auto activation = [&](const std::string& name, bool splitOverTp) {
+    auto perT = batchT(name, batchDim);
+    return splitOverTp ? concat(perT, 0) : perT[0];
+  };
   switch (c.layer) {
     case LayerKind::kColumn: {
       const std::int64_t n = in.at("weight").shape[0];
-      r.results["output"] = c.gatherOutput ? rank0("output") : place(per.all("output"), -1, n, c.stride);
-      r.results["input.grad"] = sp ? sequence("input.grad") : rank0("input.grad");
-      r.results["weight.grad"] = place(per.all("weight.grad"), 0, n, c.stride);
-      if (c.bias) r.results["bias.grad"] = place(per.all("bias.grad"), 0, n, c.stride);
+      r.results["output"] = c.gatherOutput ? batchT("output", batchDim)[0] : place(batchT("output", batchDim), -1, n, c.stride);
+      r.results["input.grad"] = activation("input.grad", sp);
+      r.results["weight.grad"] = place(shardsT("weight.grad", n / T), 0, n, c.stride);
+      if (c.bias) r.results["bias.grad"] = place(replicatedT("bias.grad"), 0, n, c.stride);
       break;
     }
     case LayerKind::kRow: {
-      const std::int64_t k = in.at("weight").shape[1];
-      r.results["output"] = sp ? sequence("output") : rank0("output");
-      r.results["input.grad"] = c.inputIsParallel ? place(per.all("input.grad"), -1, k, c.stride) : rank0("input.grad");
-      r.results["weight.grad"] = place(per.all("weight.grad"), 1, k, c.stride);
+      const std::int64_t k = in.at("weight").shape[1], n = in.at("weight").shape[0];
+      r.results["output"] = activation("output", sp);
+      r.results["input.grad"] = c.inputIsParallel ? place(batchT("input.grad", 1), -1, k, c.stride)
+                                                  : batchT("input.grad", 1)[0];
+      r.results["weight.grad"] = place(shardsT("weight.grad", n), 1, k, c.stride);
       // Finalize: a sequence-parallel bias's gradient is all-reduced over TP.
-      if (c.bias) r.results["bias.grad"] = sp ? sum(per.all("bias.grad")) : rank0("bias.grad");
+      if (c.bias) r.results["bias.grad"] = sp ? sum(replicatedT("bias.grad")) : replicatedT("bias.grad")[0];
       break;
     }
-    case LayerKind::kEmbedding:
-      r.results["output"] = c.reduceScatterEmbeddings ? sequence("output") : rank0("output");
-      r.results["weight.grad"] = sequence("weight.grad");
+    case LayerKind::kEmbedding: {
+      const std::int64_t v = in.at("weight").shape[0];
+      r.results["output"] = activation("output", c.reduceScatterEmbeddings);
+      r.results["weight.grad"] = concat(shardsT("weight.grad", v / T), 0);
       break;
-    case LayerKind::kMlp:
-      r.results["output"] = sp ? sequence("output") : rank0("output");
-      r.results["input.grad"] = sp ? sequence("input.grad") : rank0("input.grad");
-      r.results["fc1.weight.grad"] = sequence("fc1.weight.grad");
-      r.results["fc1.bias.grad"] = sequence("fc1.bias.grad");
-      r.results["fc2.weight.grad"] = concat(per.all("fc2.weight.grad"), 1);
-      r.results["fc2.bias.grad"] = sp ? sum(per.all("fc2.bias.grad")) : rank0("fc2.bias.grad");
+    }
+    case LayerKind::kMlp: {
+      const std::int64_t f = in.at("fc1.weight").shape[0], h = in.at("fc2.weight").shape[0];
+      r.results["output"] = activation("output", sp);
+      r.results["input.grad"] = activation("input.grad", sp);
+      r.results["fc1.weight.grad"] = concat(shardsT("fc1.weight.grad", f / T), 0);
+      r.results["fc1.bias.grad"] = concat(replicatedT("fc1.bias.grad"), 0);
+      r.results["fc2.weight.grad"] = concat(shardsT("fc2.weight.grad", h), 1);
+      r.results["fc2.bias.grad"] = sp ? sum(replicatedT("fc2.bias.grad")) : replicatedT("fc2.bias.grad")[0];
       break;
+    }
   }
   return r;
 }
@@ -451,7 +534,14 @@ std::vector<Verdict> verify(const RunConfig& c, const TensorMap& inputs, const T
   o.computeDtype = c.dtype;
   o.outputDtype = c.outputDtype.value_or(c.dtype);
   std::vector<Verdict> out;
-  for (auto& [name, ref] : denseReference(o, inputs)) {
+  auto reference = denseReference(o, inputs);
+  if (c.gtpRemat > 1 && c.gtpReduceMean)  // MEAN over the peers: parameter gradients are 1/G of the full batch's
+    for (auto& [name, ref] : reference)
+      if (name.size() >= 5 && name.compare(name.size() - 5, 5, ".grad") == 0 && name != "input.grad") {
+        for (double& v : ref.value.values) v /= double(c.gtpRemat);
+        for (double& b : ref.bound) b /= double(c.gtpRemat);
+      }
+  for (auto& [name, ref] : reference) {
     auto it = results.find(name);
     TPSIM_INTERNAL_ASSERT(it != results.end(), "no sharded result named ", name);
     const HostTensor& got = it->second;
@@ -467,6 +557,44 @@ std::vector<Verdict> verify(const RunConfig& c, const TensorMap& inputs, const T
     out.push_back(v);
   }
   return out;
+}
+
+std::string commandLine(const RunConfig& c, const std::string& loadDir) {
+  std::string s = detail::concat("tpsim run --layer ", layerName(c.layer), " --tp ", c.tp);
+  if (c.sequenceParallel) s += " --sequence-parallel";
+  if (c.bias) s += " --bias";
+  if (c.gatherOutput) s += " --gather-output";
+  if (c.inputIsParallel) s += " --input-is-parallel";
+  if (c.reduceScatterEmbeddings) s += " --reduce-scatter-embeddings";
+  if (c.skipBiasAdd) s += " --skip-bias-add";
+  if (c.stride != 1) s += detail::concat(" --stride ", c.stride);
+  s += detail::concat(" --dtype ", dtypeName(c.dtype));
+  if (c.outputDtype) s += detail::concat(" --output-dtype ", dtypeName(*c.outputDtype));
+  if (c.gradAccumulationFusion)
+    s += detail::concat(" --grad-accumulation-fusion --main-grad-dtype ", dtypeName(c.mainGradDtype));
+  if (c.gtpRemat > 1) {
+    s += detail::concat(" --gtp-remat ", c.gtpRemat, " --pad-for-alignment ", c.padForAlignment, " --gtp-reduce ",
+                        c.gtpReduceMean ? "mean" : "sum");
+    if (c.fp32AccumReduceScatter) s += " --fp32-accum-reduce-scatter";
+  }
+  if (c.threads != 0) s += detail::concat(" --threads ", c.threads);
+  s += detail::concat(" --seed ", c.seed);
+  if (!loadDir.empty()) {
+    // Single quotes keep a path with spaces or shell characters one word; ' itself becomes '\''.
+    const bool plain = loadDir.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+                                                 "/._-+:=@%,") == std::string::npos;
+    std::string quoted = "'";
+    for (char ch : loadDir) quoted += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+    return s + " --load " + (plain ? loadDir : quoted + "'");
+  }
+  s += detail::concat(" --seq ", c.seq, " --batch ", c.batch);
+  switch (c.layer) {
+    case LayerKind::kColumn:
+    case LayerKind::kRow: return s + detail::concat(" --in-features ", c.inFeatures, " --out-features ", c.outFeatures);
+    case LayerKind::kEmbedding: return s + detail::concat(" --out-features ", c.outFeatures, " --vocab ", c.vocab);
+    case LayerKind::kMlp: return s + detail::concat(" --in-features ", c.inFeatures, " --ffn-hidden ", c.ffnHidden);
+  }
+  return s;
 }
 
 }  // namespace tpsim::tools

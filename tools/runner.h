@@ -4,8 +4,11 @@
 // Inputs and results are unsharded HostTensors named after Megatron's tensors (reference.h).
 // Sharding: column weights by output rows, row weights by input columns, embeddings by vocab
 // rows, stride-interleaved when stride > 1 (SPEC 3.11), activations along the sequence under
-// sequence parallelism. Gradients are what an optimizer would read after Megatron's gradient
-// finalization: main_grad under fusion, sequence-parallel biases all-reduced over TP.
+// sequence parallelism; under GTP_remat each weight's TP-local rows are padded and split over the
+// G peers, which take one batch block each. Gradients are what an optimizer would read after
+// Megatron's gradient finalization: main_grad under fusion or GTP_remat (stripped of padding),
+// sequence-parallel biases all-reduced over TP, replicated parameters reduced over the GTP_remat
+// peers (MEAN: the full-batch gradient / G, SUM: the full-batch gradient).
 #pragma once
 
 #include <cstdint>
@@ -32,6 +35,11 @@ struct RunConfig {
   std::optional<DType> outputDtype;
   bool gradAccumulationFusion = false;
   DType mainGradDtype = DType::kFloat32;
+  // GTP_remat (SPEC 4): weights sharded again over G peers, which split the batch b between them.
+  int gtpRemat = 1;
+  int padForAlignment = 16;
+  bool gtpReduceMean = true;  // Megatron's default; false: SUM (calculate_per_token_loss)
+  bool fp32AccumReduceScatter = false;
   std::uint64_t seed = 1234;
   int threads = 0;
   // Shapes of generated data (ignored for tensors loaded from files).
@@ -64,5 +72,10 @@ struct Verdict {
   std::int64_t outside = 0;  // elements beyond their bound
 };
 std::vector<Verdict> verify(const RunConfig& config, const TensorMap& inputs, const TensorMap& results);
+
+// The `tpsim run` command line that runs `config`: "tpsim run --layer row --tp 4 ... --seed 7".
+// With loadDir, it ends in "--load <loadDir>" (quoted for a POSIX shell when needed) and leaves out
+// the shape flags, which --load ignores; without it, it lists the shape flags of config's layer.
+std::string commandLine(const RunConfig& config, const std::string& loadDir = "");
 
 }  // namespace tpsim::tools
