@@ -153,9 +153,10 @@ int runMain(const std::vector<std::string>& args) {
   for (const auto& [name, t] : inputs) std::printf(" %s %s", name.c_str(), t.shapeStr().c_str());
   std::printf("\n");
   const RunResult result = runSharded(c, inputs);
-  std::size_t collectives = 0;
-  for (const auto& events : result.trace) collectives += events.size();
-  std::printf("# %d ranks issued %zu collectives\n\n", c.tp * c.gtpRemat, collectives);
+  std::size_t collectives = 0, splits = 0;
+  for (const auto& events : result.trace)
+    for (const auto& e : events) ++(e.op == "split" ? splits : collectives);
+  std::printf("# %d ranks issued %zu collectives (and %zu group splits)\n\n", c.tp * c.gtpRemat, collectives, splits);
 
   std::printf("%-18s %-16s %12s %12s %9s  %s\n", "tensor", "shape", "max|err|", "bound", "#outside", "result");
   bool ok = true;
