@@ -201,6 +201,12 @@ RowParallelLinear::RowParallelLinear(LayerContext ctx, const ModelParallelConfig
   checkGtp(ctx_, where);
   TPSIM_CHECK(!config_.sequenceParallel || options_.inputIsParallel,
               "RowParallelLinear: sequence_parallel needs input_is_parallel = True");
+  // The layer's own scatter hands rank t the contiguous columns [t·K/T, (t+1)·K/T), while a
+  // stride-S weight holds interleaved chunks of them: Megatron would multiply mismatched columns.
+  TPSIM_CHECK(options_.stride == 1 || options_.inputIsParallel || ctx_.tp.size() == 1,
+              "RowParallelLinear: stride ", options_.stride,
+              " needs input_is_parallel = True (the contiguous input scatter does not match the interleaved "
+              "weight columns); split the input yourself or use stride 1");
   TPSIM_CHECK(kGradAccumFusionAvailable || !config_.gradientAccumulationFusion,
               "RowParallelLinear: gradient accumulation fusion is unavailable; turn it off");
   const int T = ctx_.tp.size();

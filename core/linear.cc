@@ -68,18 +68,20 @@ Tensor linearForward(Compute& compute, ConstView x, ConstView weight, ConstView 
   ConstView x2 = contiguous(compute, x, xStorage).flattenTo2d();  // (M, K)
   Tensor y = compute.empty(withLastDim(x.shape(), weight.dim(0)), outDtype);
   View y2 = y.view().flattenTo2d();  // (M, N)
-  if (!hasBias) {
+  // The GEMM writes y directly when y has the input's dtype or is the fp32 widening of 16-bit
+  // inputs. A bias on a 16-bit y, or a y narrower than (or another 16-bit type than) the input,
+  // goes through a wide accumulator: one rounding into y, as cuBLAS's epilogue does.
+  const bool direct = outDtype == x.dtype() || (is16Bit(x.dtype()) && outDtype == DType::kFloat32);
+  if (direct && !(hasBias && is16Bit(outDtype))) {
     compute.gemm(x2, weight.t(), y2);
-  } else if (is16Bit(outDtype)) {
-    // Bias in the fp32 epilogue, one rounding into the 16-bit output (as cuBLAS addmm does).
-    Tensor acc = compute.empty(y2.shape(), DType::kFloat32);  // (M, N)
-    compute.gemm(x2, weight.t(), acc);
-    compute.addBias(bias, acc);
-    compute.copy(acc, y2);
-  } else {
-    compute.gemm(x2, weight.t(), y2);
-    compute.addBias(bias, y2);
+    if (hasBias) compute.addBias(bias, y2);
+    return y;
   }
+  const DType wide = x.dtype() == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+  Tensor acc = compute.empty(y2.shape(), wide);  // (M, N)
+  compute.gemm(x2, weight.t(), acc);
+  if (hasBias) compute.addBias(bias, acc);
+  compute.copy(acc, y2);
   return y;
 }
 

@@ -297,6 +297,10 @@ TEST(Layers, RejectedConfigurationsNameTheArgument) {
     spT1.sequenceParallel = true;
     EXPECT_THAT(errorOf([&] { RowParallelLinear({ctx.compute, ctx.comm}, spT1, 4, 4, init, {}); }),
                 HasSubstr("sequence_parallel needs tensor_model_parallel_size > 1"));
+    RowParallelOptions strided;
+    strided.stride = 2;
+    EXPECT_THAT(errorOf([&] { RowParallelLinear({ctx.compute, ctx.comm}, config, 8, 4, init, strided); }),
+                HasSubstr("stride 2 needs input_is_parallel = True"));
     ColumnParallelOptions skip;
     skip.skipWeightParamAllocation = true;
     ColumnParallelLinear noWeight({ctx.compute, ctx.comm}, config, 4, 4, init, skip);

@@ -104,6 +104,26 @@ TEST(LinearForward, Bf16OperandsWithFp32OutputAreBitExactOnIntegers) {  // L5, L
   });
 }
 
+TEST(LinearForward, NarrowerOutputDtypeWithoutBiasRoundsOnce) {
+  runRanks(1, [](RankContext& ctx) {
+    // fp32 operands, fp16 or bf16 output: the GEMM accumulates in fp32 and rounds once.
+    Tensor x = tensorOf(ctx.compute, DType::kFloat32, {0.1, 0.2, 0.3, 0.4}, Shape{1, 4});
+    Tensor w = tensorOf(ctx.compute, DType::kFloat32, {1, 1, 1, 1, 1, -1, 1, -1}, Shape{2, 4});
+    for (DType out : {DType::kFloat16, DType::kBFloat16}) {
+      Tensor y = linearForward(ctx.compute, x, w, ConstView(), out);
+      EXPECT_EQ(y.dtype(), out);
+      const auto v = valuesOf(ctx.compute, y);
+      const float sum = 0.1f + 0.2f + 0.3f + 0.4f, alt = 0.1f - 0.2f + 0.3f - 0.4f;
+      EXPECT_EQ(v[0], double(roundTo(out, sum)));
+      EXPECT_EQ(v[1], double(roundTo(out, alt)));
+    }
+    Tensor h = tensorOf(ctx.compute, DType::kFloat16, {1, 2, 3, 4}, Shape{1, 4});
+    Tensor wh = tensorOf(ctx.compute, DType::kFloat16, {1, 1, 1, 1}, Shape{1, 4});
+    EXPECT_EQ(valuesOf(ctx.compute, linearForward(ctx.compute, h, wh, ConstView(), DType::kBFloat16)),
+              std::vector<double>{10.0});
+  });
+}
+
 TEST(LinearWithGradAccumulation, SpecWorkedExample) {  // 3.14 worked example, T = 2
   runRanks(2, [](RankContext& ctx) {
     const int t = ctx.comm.rank();

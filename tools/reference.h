@@ -3,8 +3,10 @@
 // One dense forward and backward per layer kind, on the same (already dtype-rounded) inputs the
 // sharded run received, plus an error bound per element: |sharded - dense| <= bound. The bound
 // is first-order: (reduction length · u_acc + rounding stages · u_dtype) · magnitude, where the
-// magnitude is the same computation on absolute values (|X|·|W|ᵀ + |b|, ...). It is a tool's
-// tolerance, derived from the data, not a proof.
+// magnitude is the same computation on absolute values (|X|·|W|ᵀ + |b|, ...), plus an allowance for
+// gradual underflow ((T + 3)·δ·(1 + 1.13·S), δ half the smallest subnormal, S the largest ℓ1 norm
+// of an input; it matters for fp16 only). It is a tool's tolerance, derived from the data, not a
+// proof.
 #pragma once
 
 #include <map>

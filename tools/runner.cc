@@ -25,6 +25,16 @@ std::vector<Range> ownedRanges(std::int64_t total, int T, int stride, int t) {
   return out;
 }
 
+HostTensor take(const HostTensor& full, int dim, const std::vector<Range>& ranges);
+
+// `full` rearranged so that TP rank t's rows (ownedRanges) come as its t-th contiguous block: the
+// layout of a gathered output under stride > 1.
+HostTensor rankOrder(const HostTensor& full, int dim, std::int64_t total, int T, int stride) {
+  std::vector<HostTensor> parts;
+  for (int t = 0; t < T; ++t) parts.push_back(take(full, dim, ownedRanges(total, T, stride, t)));
+  return concat(parts, dim);
+}
+
 HostTensor take(const HostTensor& full, int dim, const std::vector<Range>& ranges) {
   std::vector<HostTensor> parts;
   for (auto [b, e] : ranges) parts.push_back(slice(full, dim, b, e));
@@ -136,6 +146,9 @@ void RunConfig::validate() const {
               "--reduce-scatter-embeddings: applies to --layer embedding");
   TPSIM_CHECK(!(sequenceParallel && layer == LayerKind::kRow && !inputIsParallel),
               "--sequence-parallel: RowParallelLinear needs --input-is-parallel with it");
+  TPSIM_CHECK(!(stride > 1 && layer == LayerKind::kRow && !inputIsParallel && tp > 1),
+              "--stride: RowParallelLinear with stride > 1 needs --input-is-parallel (its input scatter is "
+              "contiguous, its weight columns interleaved)");
   TPSIM_CHECK(!(sequenceParallel && layer == LayerKind::kEmbedding),
               "--sequence-parallel: the embedding's sequence parallelism is --reduce-scatter-embeddings");
   TPSIM_CHECK(!(sequenceParallel && gatherOutput), "--gather-output: not with --sequence-parallel (the column "
@@ -344,7 +357,9 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         const HostTensor x = c.sequenceParallel ? chunk(input, 0, t, T) : input;
         Tensor xt = toBackend(compute, x);
         LayerOutput out = layer.forward(xt);
-        const HostTensor dy = c.gatherOutput ? dyFull : take(dyFull, -1, rows);
+        // A gathered output is in rank order, each rank's interleaved chunks in turn: give the
+        // layer dY in that order (it splits dY contiguously).
+        const HostTensor dy = c.gatherOutput ? rankOrder(dyFull, -1, w.shape[0], T, c.stride) : take(dyFull, -1, rows);
         Tensor dyt = toBackend(compute, dy);
         Tensor dBias;
         if (out.outputBias) {  // the caller's use of the returned bias: y = output + b
@@ -490,7 +505,14 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
   switch (c.layer) {
     case LayerKind::kColumn: {
       const std::int64_t n = in.at("weight").shape[0];
-      r.results["output"] = c.gatherOutput ? batchT("output", batchDim)[0] : place(batchT("output", batchDim), -1, n, c.stride);
+      // Gathered or not, each rank's block of the last dim holds its interleaved rows.
+      std::vector<HostTensor> outputs = batchT("output", batchDim);
+      if (c.gatherOutput) {
+        HostTensor gathered = outputs[0];
+        outputs.clear();
+        for (int t = 0; t < T; ++t) outputs.push_back(chunk(gathered, -1, t, T));
+      }
+      r.results["output"] = place(outputs, -1, n, c.stride);
       r.results["input.grad"] = activation("input.grad", sp);
       r.results["weight.grad"] = place(shardsT("weight.grad", n / T), 0, n, c.stride);
       if (c.bias) r.results["bias.grad"] = place(replicatedT("bias.grad"), 0, n, c.stride);

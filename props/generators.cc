@@ -1,0 +1,488 @@
+#include "props/generators.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <random>
+#include <sstream>
+
+namespace tpsim::props {
+namespace {
+
+using tools::HostTensor;
+using tools::makeHost;
+
+// Extents where a layer does not need divisibility: 1, primes, a power of two.
+const std::vector<std::int64_t> kAnyExtent = {1, 2, 3, 5, 7, 8, 11, 16};
+// Multipliers of a divisible extent (extent = T·stride·q).
+const std::vector<std::int64_t> kMultiplier = {1, 2, 3, 5};
+
+rc::Gen<std::int64_t> anyExtent() { return pick(kAnyExtent); }
+rc::Gen<std::int64_t> multiple(std::int64_t of) {
+  return rc::gen::map(pick(kMultiplier), [of](std::int64_t q) { return of * q; });
+}
+// A value of `of`·q + r with 0 < r < of: not divisible by `of` (which must be >= 2).
+rc::Gen<std::int64_t> nonMultiple(std::int64_t of) {
+  return rc::gen::exec([of] { return of * *pick<std::int64_t>({0, 1, 2}) +
+                                     *uniform<std::int64_t>(1, of); });
+}
+
+std::vector<std::int64_t> divisorsOf(int n) {
+  std::vector<std::int64_t> d;
+  for (int i = 1; i <= n; ++i)
+    if (n % i == 0) d.push_back(i);
+  return d;
+}
+
+HostTensor integers(std::vector<std::int64_t> shape, DType dtype, int amplitude) {
+  std::int64_t n = 1;
+  for (std::int64_t d : shape) n *= d;
+  // 0, 1, -1, 2, -2, ...: shrinks towards 0, so a counterexample keeps only the values that matter.
+  const auto zigzag = rc::gen::map(uniform<int>(0, 2 * amplitude + 1), [](int i) { return i % 2 ? (i + 1) / 2 : -i / 2; });
+  const auto v = *rc::gen::container<std::vector<int>>(std::size_t(n), zigzag);
+  return makeHost(std::move(shape), dtype, std::vector<double>(v.begin(), v.end()));
+}
+
+const std::vector<LayerKind> kAllKinds = {LayerKind::kColumn, LayerKind::kRow, LayerKind::kEmbedding, LayerKind::kMlp};
+
+}  // namespace
+
+rc::Gen<int> pickIndex(int n) {
+  std::vector<int> all(std::size_t(n), 0);
+  for (int i = 0; i < n; ++i) all[std::size_t(i)] = i;
+  return pick(all);
+}
+
+std::vector<double> seededIntegers(std::uint64_t seed, std::int64_t count, int amplitude) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> value(-amplitude, amplitude);
+  std::vector<double> v(static_cast<std::size_t>(count));
+  for (double& x : v) x = value(rng);
+  return v;
+}
+
+const char* numericsName(Numerics numerics) { return numerics == Numerics::kExact ? "exact" : "real"; }
+
+rc::Gen<int> genTp() {
+  return pick<int>({1, 2, 2, 3, 4, 4, 1, 2, 3, 4, 5, 6, 7, 8, 8, 16});
+}
+rc::Gen<int> genTpAbove1() {
+  return pick<int>({2, 2, 3, 4, 4, 2, 3, 4, 5, 6, 7, 8, 8, 16});
+}
+rc::Gen<DType> genFloatDtype() { return pick<DType>({DType::kFloat32, DType::kBFloat16, DType::kFloat16}); }
+
+rc::Gen<RunConfig> genRunConfig(const std::vector<LayerKind>& kinds, rc::Gen<int> tpGen) {
+  return rc::gen::exec([kinds, tpGen] {
+    RunConfig c;
+    c.layer = *pick(kinds);
+    c.tp = *tpGen;
+    c.dtype = *genFloatDtype();
+    c.seed = *genSeed();
+    const int T = c.tp;
+    const bool linear = c.layer == LayerKind::kColumn || c.layer == LayerKind::kRow;
+    c.sequenceParallel = T > 1 && c.layer != LayerKind::kEmbedding && *flag();
+    if (linear) {
+      c.bias = *flag();
+      c.stride = *pick<int>({1, 2, 3});
+    }
+    if (c.layer == LayerKind::kColumn) {
+      c.gatherOutput = !c.sequenceParallel && *flag();
+      c.skipBiasAdd = c.bias && !c.gatherOutput && *flag();
+      c.outputDtype = *pick<std::optional<DType>>({std::nullopt, DType::kFloat32, DType::kBFloat16, DType::kFloat16});
+    }
+    if (c.layer == LayerKind::kRow) {
+      c.inputIsParallel = c.sequenceParallel || *flag();
+      c.skipBiasAdd = c.bias && *flag();
+    }
+    // A row layer scatters its input contiguously, so stride > 1 needs input_is_parallel.
+    if (c.layer == LayerKind::kRow && c.stride > 1) c.inputIsParallel = true;
+    if (c.layer != LayerKind::kEmbedding) {
+      c.gradAccumulationFusion = *flag();
+      if (c.gradAccumulationFusion && c.dtype == DType::kBFloat16)
+        c.mainGradDtype = *pick<DType>({DType::kFloat32, DType::kBFloat16});
+    } else {
+      c.reduceScatterEmbeddings = *flag();
+    }
+    const bool seqSplit = c.sequenceParallel || c.reduceScatterEmbeddings;
+    c.seq = seqSplit ? T * *pick<std::int64_t>({1, 2, 3})
+                     : *pick<std::int64_t>({1, 2, 3, 5, 7, 8});
+    c.batch = *pick<std::int64_t>({1, 2, 3});
+    const std::int64_t split = std::int64_t(T) * c.stride;
+    switch (c.layer) {
+      case LayerKind::kColumn:
+        c.inFeatures = *anyExtent();
+        c.outFeatures = *multiple(split);
+        break;
+      case LayerKind::kRow:
+        c.inFeatures = *multiple(split);
+        c.outFeatures = *anyExtent();
+        break;
+      case LayerKind::kEmbedding:
+        c.vocab = T * *pick<std::int64_t>({1, 2, 3, 5, 7});
+        c.outFeatures = *pick<std::int64_t>({1, 2, 3, 5, 8});
+        break;
+      case LayerKind::kMlp:
+        c.inFeatures = *pick<std::int64_t>({1, 2, 3, 5, 8, 16});
+        c.ffnHidden = *multiple(T);
+        break;
+    }
+    return c;
+  });
+}
+
+std::int64_t exactLimit(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16: return 256;
+    case DType::kFloat16: return 2048;
+    default: return std::int64_t(1) << 24;  // fp32 data, fp32 accumulators
+  }
+}
+
+std::int64_t exactLimit(const RunConfig& c) {
+  std::int64_t limit = exactLimit(c.dtype);
+  if (c.outputDtype) limit = std::min(limit, exactLimit(*c.outputDtype));
+  if (c.gradAccumulationFusion) limit = std::min(limit, exactLimit(c.mainGradDtype));
+  return limit;
+}
+
+int exactAmplitude(const RunConfig& c) {
+  const std::int64_t m = c.seq * c.batch;
+  std::int64_t terms = 0;  // the longest sum any result element is
+  switch (c.layer) {
+    case LayerKind::kColumn:
+    case LayerKind::kRow: terms = std::max({c.inFeatures + 1, c.outFeatures, m}); break;
+    case LayerKind::kEmbedding: terms = m; break;  // a repeated id sums up to b·s gradient rows
+    case LayerKind::kMlp: terms = std::max({c.inFeatures + 1, c.ffnHidden + 1, m}); break;
+  }
+  const std::int64_t limit = exactLimit(c);
+  int a = int(std::floor(std::sqrt(double(limit) / double(terms))));
+  while (std::int64_t(a) * a * terms > limit) --a;  // guard the floating-point sqrt
+  return std::clamp(a, 1, 64);  // 64 is plenty of bits to exercise in fp32; 1 still fits 16-bit
+}
+
+rc::Gen<TensorMap> genExactInputs(const RunConfig& c) {
+  return rc::gen::exec([c] {
+    const int a = exactAmplitude(c);
+    const std::int64_t s = c.seq, b = c.batch, k = c.inFeatures, n = c.outFeatures;
+    TensorMap m;
+    switch (c.layer) {
+      case LayerKind::kColumn:
+      case LayerKind::kRow:
+        m["input"] = integers({s, b, k}, c.dtype, a);
+        m["weight"] = integers({n, k}, c.dtype, a);
+        if (c.bias) m["bias"] = integers({n}, c.dtype, a);
+        m["grad_output"] = integers({s, b, n}, c.dtype, a);
+        break;
+      case LayerKind::kEmbedding: {
+        const auto ids = *rc::gen::container<std::vector<std::int64_t>>(std::size_t(b * s),
+                                                                       uniform<std::int64_t>(0, c.vocab));
+        m["input"] = makeHost({b, s}, DType::kInt64, std::vector<double>(ids.begin(), ids.end()));
+        m["weight"] = integers({c.vocab, n}, c.dtype, a);
+        m["grad_output"] = c.reduceScatterEmbeddings ? integers({s, b, n}, c.dtype, a) : integers({b, s, n}, c.dtype, a);
+        break;
+      }
+      case LayerKind::kMlp:  // no exact mode (GeLU), but integer inputs still make a readable case
+        m["input"] = integers({s, b, k}, c.dtype, a);
+        m["fc1.weight"] = integers({c.ffnHidden, k}, c.dtype, a);
+        m["fc1.bias"] = integers({c.ffnHidden}, c.dtype, a);
+        m["fc2.weight"] = integers({k, c.ffnHidden}, c.dtype, a);
+        m["fc2.bias"] = integers({k}, c.dtype, a);
+        m["grad_output"] = integers({s, b, k}, c.dtype, a);
+        break;
+    }
+    return m;
+  });
+}
+
+TensorMap realInputs(const RunConfig& c) { return tools::generateInputs(c); }
+
+std::string shapesOf(const RunConfig& c) {
+  std::ostringstream os;
+  os << "s=" << c.seq << " b=" << c.batch;
+  switch (c.layer) {
+    case LayerKind::kColumn:
+    case LayerKind::kRow: os << " K=" << c.inFeatures << " N=" << c.outFeatures; break;
+    case LayerKind::kEmbedding: os << " V=" << c.vocab << " h=" << c.outFeatures; break;
+    case LayerKind::kMlp: os << " h=" << c.inFeatures << " F=" << c.ffnHidden; break;
+  }
+  return os.str();
+}
+
+// ---- Topologies -----------------------------------------------------------------------------
+
+rc::Gen<Topology> genTopology(int maxWorld) {
+  return rc::gen::exec([maxWorld] {
+    Topology t;
+    t.tp = *pick<int>({1, 2, 4, 3, 8, 5, 6, 7});
+    t.cp = *pick<int>({1, 2});
+    t.pp = *pick<int>({1, 2});
+    if (t.tp * t.cp * t.pp > maxWorld) t.cp = t.pp = 1;
+    if (t.tp > maxWorld) t.tp = 1;
+    std::vector<int> dps;
+    for (int d = 1; d <= std::min(8, maxWorld / (t.tp * t.cp * t.pp)); ++d) dps.push_back(d);
+    t.dp = *pick(dps);
+    // The expert grid (ET, E, ED, P) must tile the same world: ET·E divides W/P.
+    const int perStage = t.world() / t.pp;
+    t.expertTp = int(*pick(divisorsOf(perStage)));
+    t.ep = int(*pick(divisorsOf(perStage / t.expertTp)));
+    std::vector<std::string> axes = {"tp", "cp", "ep", "dp"};
+    const int rotation = *pickIndex(4);
+    const bool swapFirstTwo = *flag();
+    std::rotate(axes.begin(), axes.begin() + rotation, axes.end());
+    if (swapFirstTwo) std::swap(axes[0], axes[1]);
+    t.order = axes[0] + "-" + axes[1] + "-" + axes[2] + "-" + axes[3] + "-pp";
+    return t;
+  });
+}
+
+ParallelSizes sizesOf(const Topology& t) {
+  ParallelSizes s;
+  s.world = t.world();
+  s.tp = t.tp;
+  s.cp = t.cp;
+  s.pp = t.pp;
+  s.ep = t.ep;
+  s.expertTp = t.expertTp;
+  s.order = t.order;
+  return s;
+}
+
+// ---- Invalid configurations -----------------------------------------------------------------
+
+rc::Gen<InvalidRunConfig> genInvalidRunConfig() {
+  using K = LayerKind;
+  return rc::gen::exec([]() -> InvalidRunConfig {
+    const std::vector<K> linear = {K::kColumn, K::kRow}, notColumn = {K::kRow, K::kEmbedding, K::kMlp},
+                         spKinds = {K::kColumn, K::kRow, K::kMlp};
+    switch (*pickIndex(18)) {
+      case 0: {
+        RunConfig c = *genRunConfig(kAllKinds);
+        c.tp = *pick<int>({0, -1, 65, 128});
+        return {c, "--tp: expected 1..64, got " + std::to_string(c.tp)};
+      }
+      case 1: {
+        RunConfig c = *genRunConfig(spKinds, genTpAbove1());
+        c.tp = 1;
+        c.sequenceParallel = true;
+        c.gatherOutput = false;
+        if (c.layer == K::kRow) c.inputIsParallel = true;
+        return {c, "--sequence-parallel: needs --tp > 1, got --tp 1"};
+      }
+      case 2: {
+        RunConfig c = *genRunConfig({K::kEmbedding, K::kMlp});
+        c.stride = *pick<int>({2, 3});
+        return {c, std::string("--stride: applies to --layer column or row, got --layer ") + layerName(c.layer)};
+      }
+      case 3: {
+        RunConfig c = *genRunConfig(kAllKinds);
+        c.stride = *pick<int>({0, -1});
+        return {c, "--stride: expected >= 1, got " + std::to_string(c.stride)};
+      }
+      case 4: {
+        RunConfig c = *genRunConfig(notColumn);
+        c.outputDtype = *genFloatDtype();
+        return {c, std::string("--output-dtype: only ColumnParallelLinear has output_dtype, got --layer ") +
+                       layerName(c.layer)};
+      }
+      case 5: {
+        RunConfig c = *genRunConfig(notColumn);
+        c.gatherOutput = true;
+        return {c, "--gather-output: applies to --layer column"};
+      }
+      case 6: {
+        RunConfig c = *genRunConfig({K::kColumn, K::kEmbedding, K::kMlp});
+        c.inputIsParallel = true;
+        return {c, "--input-is-parallel: applies to --layer row"};
+      }
+      case 7: {
+        RunConfig c = *genRunConfig(spKinds);
+        c.reduceScatterEmbeddings = true;
+        return {c, "--reduce-scatter-embeddings: applies to --layer embedding"};
+      }
+      case 8: {
+        RunConfig c = *genRunConfig({K::kRow}, genTpAbove1());
+        c.sequenceParallel = true;
+        c.inputIsParallel = false;
+        return {c, "--sequence-parallel: RowParallelLinear needs --input-is-parallel with it"};
+      }
+      case 9: {
+        RunConfig c = *genRunConfig({K::kEmbedding}, genTpAbove1());
+        c.sequenceParallel = true;
+        return {c, "--sequence-parallel: the embedding's sequence parallelism is --reduce-scatter-embeddings"};
+      }
+      case 10: {
+        RunConfig c = *genRunConfig({K::kColumn}, genTpAbove1());
+        c.sequenceParallel = c.gatherOutput = true;
+        c.skipBiasAdd = false;
+        return {c, "--gather-output: not with --sequence-parallel"};
+      }
+      case 11: {
+        RunConfig c = *genRunConfig(kAllKinds);
+        if (c.layer == K::kColumn || c.layer == K::kRow) c.bias = false;
+        c.skipBiasAdd = true;
+        return {c, "--skip-bias-add: needs --bias and --layer column or row"};
+      }
+      case 12: {
+        RunConfig c = *genRunConfig({K::kColumn});
+        c.sequenceParallel = false;
+        c.bias = c.gatherOutput = c.skipBiasAdd = true;
+        return {c, "--skip-bias-add: not with --gather-output"};
+      }
+      case 13: {
+        RunConfig c = *genRunConfig({K::kEmbedding});
+        c.gradAccumulationFusion = true;
+        return {c, "--grad-accumulation-fusion: the embedding has no fused wgrad path"};
+      }
+      case 14: {
+        RunConfig c = *genRunConfig(kAllKinds);
+        c.dtype = *pick<DType>({DType::kInt64, DType::kFloat64});
+        return {c, std::string("--dtype: expected fp32, bf16 or fp16, got ") + dtypeName(c.dtype)};
+      }
+      case 15: {
+        RunConfig c = *genRunConfig(kAllKinds);
+        c.mainGradDtype = *pick<DType>({DType::kFloat16, DType::kFloat64, DType::kInt64});
+        return {c, std::string("--main-grad-dtype: expected fp32 or bf16, got ") + dtypeName(c.mainGradDtype)};
+      }
+      case 16: {
+        RunConfig c = *genRunConfig(spKinds);
+        c.dtype = *pick<DType>({DType::kFloat32, DType::kFloat16});
+        c.gradAccumulationFusion = true;
+        c.mainGradDtype = DType::kBFloat16;
+        return {c, std::string("--main-grad-dtype bf16: needs --dtype bf16 (the 16-bit fused kernel), got --dtype ") +
+                       dtypeName(c.dtype)};
+      }
+      default: {
+        RunConfig c = *genRunConfig(kAllKinds);
+        const std::int64_t bad = *pick<std::int64_t>({0, -1, -7});
+        const int which = *pickIndex(6);
+        std::int64_t* fields[] = {&c.seq, &c.batch, &c.inFeatures, &c.outFeatures, &c.ffnHidden, &c.vocab};
+        const char* flags[] = {"seq", "batch", "in-features", "out-features", "ffn-hidden", "vocab"};
+        *fields[which] = bad;
+        return {c, std::string("--") + flags[which] + ": expected >= 1, got " + std::to_string(bad)};
+      }
+    }
+  });
+}
+
+rc::Gen<InvalidRunInputs> genInvalidRunInputs() {
+  using K = LayerKind;
+  return rc::gen::exec([]() -> InvalidRunInputs {
+    auto str = [](std::int64_t v) { return std::to_string(v); };
+    switch (*pickIndex(10)) {
+      case 0: {  // column: N not divisible by T·stride
+        RunConfig c = *genRunConfig({K::kColumn}, genTpAbove1());
+        c.outFeatures = *nonMultiple(std::int64_t(c.tp) * c.stride);
+        return {c, realInputs(c), "tpsim run: N (weight.npy dim 0) = " + str(c.outFeatures) +
+                                       " must be divisible by --tp x --stride = " + str(c.tp * c.stride)};
+      }
+      case 1: {  // row: K not divisible by T·stride
+        RunConfig c = *genRunConfig({K::kRow}, genTpAbove1());
+        c.inFeatures = *nonMultiple(std::int64_t(c.tp) * c.stride);
+        // input_is_parallel would cut K itself; the runner checks K first either way.
+        return {c, realInputs(c), "tpsim run: K (weight.npy dim 1) = " + str(c.inFeatures) +
+                                       " must be divisible by --tp x --stride = " + str(c.tp * c.stride)};
+      }
+      case 2: {  // sequence parallelism: s not divisible by T
+        RunConfig c = *genRunConfig({K::kColumn, K::kRow, K::kMlp}, genTpAbove1());
+        c.sequenceParallel = true;
+        c.gatherOutput = false;
+        if (c.layer == K::kRow) c.inputIsParallel = true;
+        c.seq = *nonMultiple(c.tp);
+        return {c, realInputs(c), "tpsim run: the sequence length s (input.npy dim 0) = " + str(c.seq) +
+                                       " must be divisible by --tp = " + str(c.tp)};
+      }
+      case 3: {  // embedding: V not divisible by T
+        RunConfig c = *genRunConfig({K::kEmbedding}, genTpAbove1());
+        c.vocab = *nonMultiple(c.tp);
+        return {c, realInputs(c), "tpsim run: the vocabulary size V (weight.npy dim 0) = " + str(c.vocab) +
+                                       " must be divisible by --tp = " + str(c.tp)};
+      }
+      case 4: {  // embedding with reduce_scatter_embeddings: s not divisible by T
+        RunConfig c = *genRunConfig({K::kEmbedding}, genTpAbove1());
+        c.reduceScatterEmbeddings = true;
+        c.seq = *nonMultiple(c.tp);
+        return {c, realInputs(c), "tpsim run: the sequence length s (input.npy dim 1) = " + str(c.seq) +
+                                       " must be divisible by --tp = " + str(c.tp)};
+      }
+      case 5: {  // mlp: F not divisible by T
+        RunConfig c = *genRunConfig({K::kMlp}, genTpAbove1());
+        c.ffnHidden = *nonMultiple(c.tp);
+        return {c, realInputs(c), "tpsim run: the ffn hidden size F (fc1.weight.npy dim 0) = " + str(c.ffnHidden) +
+                                       " must be divisible by --tp = " + str(c.tp)};
+      }
+      case 6: {  // embedding: an id outside [0, V)
+        RunConfig c = *genRunConfig({K::kEmbedding});
+        TensorMap in = realInputs(c);
+        const std::size_t at = *uniform<std::size_t>(0, in["input"].values.size());
+        const std::int64_t id = *pick<std::int64_t>({-1, c.vocab, c.vocab + 5, -100});
+        in["input"].values[at] = double(id);
+        return {c, in, "tpsim run: input.npy holds id " + str(id) + " at flat position " + str(std::int64_t(at)) +
+                           ", outside [0, V=" + str(c.vocab) + ")"};
+      }
+      case 7: {  // grad_output of the wrong shape
+        RunConfig c = *genRunConfig({K::kColumn, K::kRow, K::kMlp, K::kEmbedding});
+        TensorMap in = realInputs(c);
+        HostTensor& dy = in["grad_output"];
+        const tools::HostTensor want = dy;
+        dy.shape.back() += *pick<std::int64_t>({1, 2});
+        return {c, in, "tpsim run: grad_output.npy must have shape " + want.shapeStr() + ", got " + dy.shapeStr()};
+      }
+      case 8: {  // a missing tensor
+        RunConfig c = *genRunConfig(kAllKinds);
+        TensorMap in = realInputs(c);
+        std::vector<std::string> names;
+        for (const auto& [name, t] : in) names.push_back(name);
+        const std::string gone = *pick(names);
+        in.erase(gone);
+        return {c, in, "tpsim run: " + gone + ".npy is missing"};
+      }
+      default: {  // a bias of the wrong length
+        RunConfig c = *genRunConfig({K::kColumn, K::kRow});
+        c.bias = true;
+        TensorMap in = realInputs(c);
+        in["bias"] = makeHost({c.outFeatures + 1}, c.dtype, std::vector<double>(std::size_t(c.outFeatures + 1), 0.5));
+        return {c, in, "tpsim run: bias.npy must have shape (" + str(c.outFeatures) + ",), got (" +
+                           str(c.outFeatures + 1) + ",)"};
+      }
+    }
+  });
+}
+
+// ---- Printing -------------------------------------------------------------------------------
+
+void showValue(const Topology& t, std::ostream& os) {
+  os << "Topology{T=" << t.tp << " C=" << t.cp << " P=" << t.pp << " D=" << t.dp << " ET=" << t.expertTp
+     << " E=" << t.ep << " world=" << t.world() << " order=" << t.order << "}";
+}
+
+void showValue(const InvalidRunConfig& invalid, std::ostream& os) {
+  os << invalid.config.str() << " " << shapesOf(invalid.config) << "\n  expected error containing: "
+     << invalid.expected;
+}
+
+void showValue(const InvalidRunInputs& invalid, std::ostream& os) {
+  os << invalid.config.str() << "\n  inputs:";
+  for (const auto& [name, t] : invalid.inputs) os << " " << name << " " << t.shapeStr();
+  os << "\n  expected error containing: " << invalid.expected;
+}
+
+}  // namespace tpsim::props
+
+namespace tpsim::tools {
+
+void showValue(const RunConfig& c, std::ostream& os) { os << c.str() << " " << props::shapesOf(c); }
+
+void showValue(const TensorMap& tensors, std::ostream& os) {
+  constexpr std::size_t kShown = 48;  // values per tensor; the .npy files of a failure hold them all
+  for (const auto& [name, t] : tensors) {
+    os << "\n  " << name << " " << t.shapeStr() << " " << dtypeName(t.dtype) << ": [";
+    for (std::size_t i = 0; i < t.values.size() && i < kShown; ++i) os << (i ? " " : "") << t.values[i];
+    os << (t.values.size() > kShown ? " ...]" : "]");
+  }
+}
+
+}  // namespace tpsim::tools
+
+namespace tpsim {
+void showValue(DType dtype, std::ostream& os) { os << dtypeName(dtype); }
+}  // namespace tpsim
