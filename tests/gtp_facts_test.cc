@@ -261,5 +261,103 @@ TEST(GtpFacts, PadRowsStayZeroThroughTraining) {
   });
 }
 
+// G20: the drain finalizes a deferred reduce-scatter exactly once; draining again changes nothing,
+// and a weight that was only gathered has nothing to finalize.
+TEST(GtpFacts, G20DrainFinalizesOnce) {
+  runRanks(2, [](RankContext& ctx) {
+    GtpGradReducer reducer(ctx.compute, {false, false, true});
+    std::vector<Parameter> w(2);
+    for (auto& p : w) {
+      p.name = "w";
+      p.data = ctx.compute.zeros({2, 1}, DType::kFloat32);
+      wrapGtp(ctx.compute, p, ctx.comm, 0);
+      p.mainGrad = ctx.compute.zeros({1, 1}, DType::kFloat32);
+      p.attrs.gradAddedToMainGrad = false;
+    }
+    Tensor dw = tensorOf(ctx.compute, DType::kFloat32, {1, 1}, Shape{2, 1});
+    EXPECT_FALSE(reducer.reduceScatter(w[0], dw).defined());  // deferred: None to autograd
+    EXPECT_EQ(valuesOf(ctx.compute, w[0].mainGrad), std::vector<double>{0.0}) << "not finalized yet";
+    reducer.drain();
+    EXPECT_EQ(valuesOf(ctx.compute, w[0].mainGrad), std::vector<double>{2.0});
+    EXPECT_EQ(w[0].attrs.gradAddedToMainGrad, std::optional<bool>(true));
+    reducer.drain();
+    EXPECT_EQ(valuesOf(ctx.compute, w[0].mainGrad), std::vector<double>{2.0}) << "finalized once";
+    materialize(ctx.compute, w[1]);  // only gathered
+    reducer.drain();
+    EXPECT_EQ(valuesOf(ctx.compute, w[1].mainGrad), std::vector<double>{0.0});
+    EXPECT_EQ(w[1].attrs.gradAddedToMainGrad, std::optional<bool>(false));
+  });
+}
+
+// G21, in the MEAN scale the spec trusts: ten SGD steps of an MLP at T = 2 x G = 2 follow the same
+// loss trajectory as T = 2 x D = 2 (replicas averaged by DDP) on the same data, with the shards
+// updated by LR·main_grad and the replicated biases by LR·(their GTP-averaged gradient).
+std::vector<double> trajectory(int G, int D) {
+  const std::int64_t s = 2, b = 2, h = 8, f = 24, steps = 10;
+  ParallelSizes sizes;
+  sizes.world = 2 * G * D;
+  sizes.tp = 2;
+  sizes.gtpRemat = G;
+  const ParallelLayout layout(sizes);
+  std::vector<double> losses(steps, 0.0);
+  std::mutex mu;
+  runRanks(sizes.world, [&](RankContext& ctx) {
+    ProcessGroups pg(ctx.comm, layout);
+    GtpGradReducer reducer(ctx.compute, {true, false, true});
+    Generator g1(21), g2(22);
+    ModelParallelConfig config;
+    config.tensorModelParallelSize = 2;
+    config.useCpuInitialization = true;
+    LayerContext c1{ctx.compute, pg.tp(), nullptr, &g1, &pg.gtpRemat(), &pg.dpCp(), &reducer};
+    LayerContext c2{ctx.compute, pg.tp(), nullptr, &g2, &pg.gtpRemat(), &pg.dpCp(), &reducer};
+    ColumnParallelLinear fc1(c1, config, h, f, initMethodNormal(0.3));
+    RowParallelOptions ro;
+    ro.inputIsParallel = true;
+    RowParallelLinear fc2(c2, config, f, h, initMethodNormal(0.3), ro);
+    std::vector<Parameter*> params = {fc1.weight(), fc1.bias(), &fc2.weight(), fc2.bias()};
+    const int q = pg.dpGtp().rank();  // this replica's batch block of the global batch 2·G·D... per step
+    for (std::int64_t step = 0; step < steps; ++step) {
+      for (Parameter* p : params) {
+        p->mainGrad = ctx.compute.zeros(p->data.shape(), DType::kFloat32);
+        p->grad = Tensor();
+      }
+      Tensor x = tensorOf(ctx.compute, DType::kFloat32, wave(s * b * h, 0.2 + q + 10.0 * step), Shape{s, b, h});
+      Tensor target = tensorOf(ctx.compute, DType::kFloat32, wave(s * b * h, 1.3 + q + 7.0 * step), Shape{s, b, h});
+      Tensor hid = fc1.forward(x).output;
+      Tensor y = fc2.forward(hid).output;
+      // loss = mean over local elements of (y - target)² / 2: dY = (y - target) / count.
+      const auto yv = valuesOf(ctx.compute, y), tv = valuesOf(ctx.compute, target);
+      std::vector<double> dy(yv.size());
+      double local = 0;
+      for (std::size_t i = 0; i < yv.size(); ++i) {
+        local += 0.5 * (yv[i] - tv[i]) * (yv[i] - tv[i]) / double(yv.size());
+        dy[i] = (yv[i] - tv[i]) / double(yv.size());
+      }
+      fc1.backward(fc2.backward(tensorOf(ctx.compute, DType::kFloat32, dy, y.shape())));
+      reducer.drain();
+      for (Parameter* p : params)
+        if (!isGtpShard(*p)) ctx.compute.axpy(1.f, p->grad, p->mainGrad);
+      for (Parameter* p : params)
+        if (D > 1) pg.dp().allReduce(p->mainGrad, AllReduceOptions{ReduceOp::kMean})->wait();
+      std::vector<Parameter*> replicated;
+      for (Parameter* p : params)
+        if (!isGtpShard(*p)) replicated.push_back(p);
+      finalizeReplicatedGrads(replicated, &pg.gtpRemat(), nullptr, true);
+      for (Parameter* p : params) ctx.compute.axpy(-0.5f, p->mainGrad, p->data);
+      if (pg.tp().rank() == 0) {
+        std::lock_guard<std::mutex> lock(mu);
+        losses[step] += local / double(G * D);
+      }
+    }
+  });
+  return losses;
+}
+
+TEST(GtpFacts, G21LossTrajectoryMatchesDataParallel) {
+  const auto gtp = trajectory(2, 1), dp = trajectory(1, 2);
+  EXPECT_GT(gtp.front(), gtp.back()) << "the loss falls";
+  for (std::size_t i = 0; i < gtp.size(); ++i) EXPECT_NEAR(gtp[i], dp[i], 1e-5 * dp[i]) << "step " << i;
+}
+
 }  // namespace
 }  // namespace tpsim
