@@ -26,7 +26,26 @@ Shape withDim0(Shape s, std::int64_t d0) {
   return s;
 }
 
+// out = the fp32 sum of the n blocks of `received` (n·m, ...), rounded once into out (m, ...).
+void sumBlocksInFp32(Compute& compute, ConstView received, int n, View out) {
+  const std::int64_t rows = out.shape()[0];
+  Tensor acc = compute.zeros(out.shape(), DType::kFloat32);  // (m, ...)
+  for (int q = 0; q < n; ++q) compute.axpy(1.f, received.slice(0, q * rows, (q + 1) * rows), acc);
+  compute.copy(acc, out);
+}
+
 }  // namespace
+
+bool reduceScatterWithFp32Accumulation(Compute& compute, Collectives& group, ConstView in, View out) {
+  if (group.size() <= 2) {
+    group.reduceScatter(in, out)->wait();
+    return false;
+  }
+  Tensor received = compute.empty(in.shape(), in.dtype());  // (n·m, ...): block q from peer q
+  group.allToAll(in, received)->wait();
+  sumBlocksInFp32(compute, received, group.size(), out);
+  return true;
+}
 
 GtpShardGeometry gtpRematShardDim0(std::int64_t dLog, int groupSize, int padForAlignment) {
   TPSIM_CHECK(groupSize >= 1, "gtpRematShardDim0: the GTP_remat size must be >= 1, got ", groupSize);
@@ -131,13 +150,7 @@ void GtpGradReducer::drain() {
 
 void GtpGradReducer::finalize(Pending& p) {
   p.work->wait();
-  if (p.received.defined()) {
-    const Collectives& group = **p.shard->attrs.group;
-    const std::int64_t rows = p.result.shape()[0];
-    Tensor acc = compute_.zeros(p.result.shape(), DType::kFloat32);  // (S, ...)
-    for (int q = 0; q < group.size(); ++q) compute_.axpy(1.f, p.received.view().slice(0, q * rows, (q + 1) * rows), acc);
-    compute_.copy(acc, p.result);
-  }
+  if (p.received.defined()) sumBlocksInFp32(compute_, p.received, (*p.shard->attrs.group)->size(), p.result);
   Parameter& shard = *p.shard;
   TPSIM_CHECK(shard.mainGrad.dtype() == p.result.dtype() || shard.mainGrad.dtype() == DType::kFloat32 ||
                   shard.mainGrad.dtype() == DType::kFloat64,

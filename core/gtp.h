@@ -42,6 +42,12 @@ struct Materialized {
 };
 Materialized materialize(Compute& compute, const Parameter& shard);
 
+// reduce_scatter_with_fp32_accumulation (SPEC 4.6), on any group: rank r gets block r of Σ_q in_q,
+// exchanged by an all-to-all in the wire dtype, summed in fp32 and rounded once. At group size <= 2
+// it is the plain reduce-scatter (one addition rounds the same either way). in: (n·m, ...)
+// out: (m, ...). Returns whether the fp32 path ran.
+bool reduceScatterWithFp32Accumulation(Compute& compute, Collectives& group, ConstView in, View out);
+
 struct GtpReduceOptions {
   bool mean = true;               // MEAN (pre-scale 1/G) unless calculate_per_token_loss: SUM
   bool fp32AccumReduceScatter = false;  // all-to-all + fp32 sum; bypassed at G <= 2 (4.6)
