@@ -6,6 +6,7 @@
 #include <cmath>
 #include <mutex>
 
+#include "core/attributes.h"
 #include "core/grad_stats.h"
 #include "core/gtp.h"
 #include "core/layers.h"
@@ -290,6 +291,59 @@ TEST(GtpFacts, G16Fp32AccumulationOnTheDataParallelAxis) {
   runRanks(2, [](RankContext& ctx) {  // bypassed at two ranks
     Tensor in = ctx.compute.zeros({4}, DType::kBFloat16), out = ctx.compute.empty({2}, DType::kBFloat16);
     EXPECT_FALSE(reduceScatterWithFp32Accumulation(ctx.compute, ctx.comm, in, out));
+  });
+}
+
+// EGTP_remat (SPEC 4.8): an expert ColumnParallelLinear shards over the expert grid's GTP group;
+// its parameters carry allreduce = False, so the duplicate filter reads the EGTP rank.
+TEST(GtpFacts, ExpertLayersShardOverEgtp) {
+  ParallelSizes sizes;
+  sizes.world = 4;
+  sizes.tp = 2;
+  sizes.ep = 2;
+  sizes.expertTp = 1;
+  sizes.expertGtpRemat = 2;
+  const ParallelLayout layout(sizes);
+  runRanks(4, [&](RankContext& ctx) {
+    ProcessGroups pg(ctx.comm, layout);
+    GtpGradReducer reducer(ctx.compute, {true, false, false});
+    Generator gen(8);
+    ModelParallelConfig config;
+    config.tensorModelParallelSize = 2;
+    config.expertTensorParallelSize = 1;
+    config.expertModelParallelSize = 2;
+    config.expertGtpRematSize = 2;
+    config.useCpuInitialization = true;
+    ColumnParallelOptions o;
+    o.isExpert = true;
+    ColumnParallelLinear expert({ctx.compute, pg.expertTp(), nullptr, &gen, &pg.expertGtpRemat(), &pg.expertDp(),
+                                 &reducer},
+                                config, 8, 6, initMethodNormal(0.5), o);
+    Parameter& w = *expert.weight();
+    ASSERT_TRUE(isGtpShard(w));
+    EXPECT_EQ(*w.attrs.group, &pg.expertGtpRemat());
+    EXPECT_EQ(w.attrs.allreduce, std::optional<bool>(false));
+    EXPECT_EQ(expert.bias()->attrs.allreduce, std::optional<bool>(false));
+    // The bias is replicated: counted on EGTP rank 0 only, whatever the dense GTP rank says.
+    EXPECT_EQ(paramIsNotGtpDuplicate(*expert.bias(), &pg.gtpRemat(), &pg.expertGtpRemat()),
+              pg.expertGtpRemat().rank() == 0);
+    EXPECT_TRUE(paramIsNotGtpDuplicate(w, &pg.gtpRemat(), &pg.expertGtpRemat()));
+    w.mainGrad = ctx.compute.zeros(w.data.shape(), DType::kFloat32);
+    Tensor x = tensorOf(ctx.compute, DType::kFloat32, wave(3 * 8, 0.4), Shape{3, 8});
+    Tensor y = expert.forward(x).output;
+    Materialized full = materialize(ctx.compute, w);
+    const auto wv = valuesOf(ctx.compute, full.weight), xv = valuesOf(ctx.compute, x), yv = valuesOf(ctx.compute, y);
+    for (int i = 0; i < 3; ++i)
+      for (int j = 0; j < 6; ++j) {
+        double ref = 0;
+        for (int k = 0; k < 8; ++k) ref += xv[i * 8 + k] * wv[j * 8 + k];
+        ASSERT_NEAR(yv[i * 6 + j], ref, 1e-5);
+      }
+    expert.backward(tensorOf(ctx.compute, DType::kFloat32, wave(3 * 6, 1.1), Shape{3, 6}));
+    double sq = 0;
+    for (double v : valuesOf(ctx.compute, w.mainGrad)) sq += v * v;
+    // Dlog 6 pads to 32 over EG = 2: shard 1 is all padding, shard 0 receives every real row.
+    EXPECT_EQ(sq > 0.0, pg.expertGtpRemat().rank() == 0) << "the EGTP reduce-scatter lands in main_grad";
   });
 }
 
