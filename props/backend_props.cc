@@ -51,15 +51,6 @@ std::string compareResults(const TensorMap& a, const std::string& aName, const T
   return "";
 }
 
-tools::ReferenceOptions referenceOptions(const RunConfig& c) {
-  tools::ReferenceOptions o;
-  o.kind = c.layer;
-  o.reduceScatterEmbeddings = c.reduceScatterEmbeddings;
-  o.tp = c.tp;
-  o.computeDtype = c.dtype;
-  o.outputDtype = c.outputDtype.value_or(c.dtype);
-  return o;
-}
 
 }  // namespace
 
@@ -117,7 +108,7 @@ TEST(CrossBackend, RealLayerCaseAgreesWithinTheBoundOnSimAndGpu) {
     const RunConfig c = *genRunConfig(kAllKinds);
     const TensorMap inputs = realInputs(c);
     const TensorMap a = sim.runLayer(c, inputs).results, b = other.runLayer(c, inputs).results;
-    const auto ref = tools::denseReference(referenceOptions(c), inputs);
+    const auto ref = tools::referenceFor(c, inputs);
     for (const tools::Verdict& v : tools::verify(c, inputs, b))
       if (v.outside != 0) failLayerCase(c, Numerics::kReal, other.name, inputs, v.name + " outside its bound");
     const std::string d = compareResults(a, "sim", b, other.name, [&](const std::string& name, std::size_t i) {

@@ -6,6 +6,8 @@
 #include <random>
 #include <sstream>
 
+#include "core/gtp.h"
+
 namespace tpsim::props {
 namespace {
 
@@ -71,8 +73,9 @@ rc::Gen<int> genTpAbove1() {
 }
 rc::Gen<DType> genFloatDtype() { return pick<DType>({DType::kFloat32, DType::kBFloat16, DType::kFloat16}); }
 
-rc::Gen<RunConfig> genRunConfig(const std::vector<LayerKind>& kinds, rc::Gen<int> tpGen) {
-  return rc::gen::exec([kinds, tpGen] {
+rc::Gen<RunConfig> genRunConfig(const std::vector<LayerKind>& kinds, rc::Gen<int> tpGen, GtpMode gtp,
+                                Numerics numerics) {
+  return rc::gen::exec([kinds, tpGen, gtp, numerics] {
     RunConfig c;
     c.layer = *pick(kinds);
     c.tp = *tpGen;
@@ -126,8 +129,74 @@ rc::Gen<RunConfig> genRunConfig(const std::vector<LayerKind>& kinds, rc::Gen<int
         c.ffnHidden = *multiple(T);
         break;
     }
+    if (gtp == GtpMode::kOff || (gtp == GtpMode::kSometimes && !*pick<bool>({false, false, true}))) return c;
+    return *genWithGtp(c, {2, 2, 4, 3, 8, 5, 6, 7}, numerics);
+  });
+}
+
+rc::Gen<RunConfig> genWithGtp(RunConfig base, std::vector<int> gtpSizes, Numerics numerics) {
+  return rc::gen::exec([base, gtpSizes, numerics] {
+    RunConfig c = base;
+    const int T = c.tp;
+    // MEAN (Megatron's default) or SUM; exact data need MEAN's 1/G to be a power of two.
+    c.gtpReduceMean = !*flag();
+    std::vector<int> sizes = gtpSizes;
+    if (numerics == Numerics::kExact && c.gtpReduceMean) {
+      sizes.erase(std::remove_if(sizes.begin(), sizes.end(), [](int g) { return (g & (g - 1)) != 0; }), sizes.end());
+      if (sizes.empty()) sizes = {1};
+    }
+    int G = *pick(sizes);
+    while (T * G > 32) G = (G & (G - 1)) == 0 || G % 2 == 0 ? G / 2 : G - 1;  // cost: at most 32 ranks
+    c.gtpRemat = G;
+    c.fp32AccumReduceScatter = *flag();
+    c.batch = G * *pick<std::int64_t>({1, 2});
+    if (G > 1 && *flag()) {  // make every GTP weight's TP-local dim 0 a multiple of G, so that a = 0 is valid
+      switch (c.layer) {
+        case LayerKind::kColumn:
+        case LayerKind::kRow: c.outFeatures *= G; break;
+        case LayerKind::kEmbedding: c.vocab *= G; break;
+        case LayerKind::kMlp:
+          c.ffnHidden *= G;
+          c.inFeatures *= G;
+          break;
+      }
+    }
+    bool divisible = true;
+    for (std::int64_t d : gtpDims(c)) divisible = divisible && d % G == 0;
+    c.padForAlignment = divisible ? *pick<int>({16, 0, 1, 0, 32}) : *pick<int>({16, 1, 32});
     return c;
   });
+}
+
+std::vector<std::int64_t> gtpDims(const RunConfig& c) {
+  switch (c.layer) {
+    case LayerKind::kColumn: return {c.outFeatures / c.tp};
+    case LayerKind::kRow: return {c.outFeatures};
+    case LayerKind::kEmbedding: return {c.vocab / c.tp};
+    case LayerKind::kMlp: return {c.ffnHidden / c.tp, c.inFeatures};
+  }
+  return {};
+}
+
+std::string gtpSummary(const RunConfig& c) {
+  if (c.gtpRemat <= 1) return "";
+  std::ostringstream os;
+  os << "GTP_remat G=" << c.gtpRemat << " a=" << c.padForAlignment << (c.gtpReduceMean ? " MEAN" : " SUM")
+     << (c.fp32AccumReduceScatter ? " fp32-accum" : "") << ":";
+  const std::vector<std::string> names =
+      c.layer == LayerKind::kMlp ? std::vector<std::string>{"fc1.weight", "fc2.weight"} : std::vector<std::string>{"weight"};
+  const std::vector<std::int64_t> dims = gtpDims(c);
+  for (std::size_t i = 0; i < dims.size(); ++i) {
+    os << " " << names[i] << " Dlog=" << dims[i];
+    if (c.padForAlignment == 0 && dims[i] % c.gtpRemat != 0) {
+      os << " (not divisible by G)";
+      continue;
+    }
+    const GtpShardGeometry geo = gtpRematShardDim0(dims[i], c.gtpRemat, c.padForAlignment);
+    os << " -> S=" << geo.rows << " rows per peer, pad " << geo.padLength << ";";
+  }
+  os << " each peer takes b/G = " << c.batch / c.gtpRemat << " of the b = " << c.batch << " samples";
+  return os.str();
 }
 
 std::int64_t exactLimit(DType dtype) {
@@ -160,9 +229,10 @@ int exactAmplitude(const RunConfig& c) {
   return std::clamp(a, 1, 64);  // 64 is plenty of bits to exercise in fp32; 1 still fits 16-bit
 }
 
-rc::Gen<TensorMap> genExactInputs(const RunConfig& c) {
-  return rc::gen::exec([c] {
-    const int a = exactAmplitude(c);
+rc::Gen<TensorMap> genExactInputs(const RunConfig& c) { return genExactInputs(c, exactAmplitude(c)); }
+
+rc::Gen<TensorMap> genExactInputs(const RunConfig& c, int a) {
+  return rc::gen::exec([c, a] {
     const std::int64_t s = c.seq, b = c.batch, k = c.inFeatures, n = c.outFeatures;
     TensorMap m;
     switch (c.layer) {
@@ -210,21 +280,24 @@ std::string shapesOf(const RunConfig& c) {
 
 // ---- Topologies -----------------------------------------------------------------------------
 
-rc::Gen<Topology> genTopology(int maxWorld) {
-  return rc::gen::exec([maxWorld] {
+rc::Gen<Topology> genTopology(int maxWorld, bool withGtp) {
+  return rc::gen::exec([maxWorld, withGtp] {
     Topology t;
     t.tp = *pick<int>({1, 2, 4, 3, 8, 5, 6, 7});
     t.cp = *pick<int>({1, 2});
     t.pp = *pick<int>({1, 2});
-    if (t.tp * t.cp * t.pp > maxWorld) t.cp = t.pp = 1;
+    if (withGtp) t.gtp = *pick<int>({1, 2, 2, 4, 3});
+    if (t.tp * t.gtp * t.cp * t.pp > maxWorld) t.cp = t.pp = 1;
+    if (t.tp * t.gtp > maxWorld) t.gtp = 1;
     if (t.tp > maxWorld) t.tp = 1;
     std::vector<int> dps;
-    for (int d = 1; d <= std::min(8, maxWorld / (t.tp * t.cp * t.pp)); ++d) dps.push_back(d);
+    for (int d = 1; d <= std::min(8, maxWorld / (t.tp * t.gtp * t.cp * t.pp)); ++d) dps.push_back(d);
     t.dp = *pick(dps);
-    // The expert grid (ET, E, ED, P) must tile the same world: ET·E divides W/P.
+    // The expert grid (ET, E, EG, ED, P) must tile the same world: ET·E·EG divides W/P.
     const int perStage = t.world() / t.pp;
     t.expertTp = int(*pick(divisorsOf(perStage)));
     t.ep = int(*pick(divisorsOf(perStage / t.expertTp)));
+    if (withGtp) t.expertGtp = int(*pick(divisorsOf(perStage / (t.expertTp * t.ep))));
     std::vector<std::string> axes = {"tp", "cp", "ep", "dp"};
     const int rotation = *pickIndex(4);
     const bool swapFirstTwo = *flag();
@@ -243,6 +316,8 @@ ParallelSizes sizesOf(const Topology& t) {
   s.pp = t.pp;
   s.ep = t.ep;
   s.expertTp = t.expertTp;
+  s.gtpRemat = t.gtp;
+  s.expertGtpRemat = t.expertGtp;
   s.order = t.order;
   return s;
 }
@@ -451,8 +526,9 @@ rc::Gen<InvalidRunInputs> genInvalidRunInputs() {
 // ---- Printing -------------------------------------------------------------------------------
 
 void showValue(const Topology& t, std::ostream& os) {
-  os << "Topology{T=" << t.tp << " C=" << t.cp << " P=" << t.pp << " D=" << t.dp << " ET=" << t.expertTp
-     << " E=" << t.ep << " world=" << t.world() << " order=" << t.order << "}";
+  os << "Topology{T=" << t.tp << " G=" << t.gtp << " C=" << t.cp << " P=" << t.pp << " D=" << t.dp
+     << " ET=" << t.expertTp << " E=" << t.ep << " EG=" << t.expertGtp << " world=" << t.world()
+     << " order=" << t.order << "}";
 }
 
 void showValue(const InvalidRunConfig& invalid, std::ostream& os) {

@@ -2,8 +2,8 @@
 // offers, with awkward shapes), the data they run on in exact and real mode, process-group
 // topologies of up to 64 ranks, and invalid configurations paired with the text their error must
 // contain. Every generator shrinks towards the smallest, most ordinary case (T = 1 or 2, fp32, no
-// options, extent 1). Generators only describe cases: running them is the properties' job.
-// GTP_remat sizes are always 1 here (layers reject G > 1 in this version).
+// options, extent 1, GTP_remat off). Generators only describe cases: running them is the properties'
+// job. GTP_remat (G > 1) is drawn only where a caller asks for it (GtpMode, genTopology's withGtp).
 #pragma once
 
 #include <rapidcheck.h>
@@ -69,12 +69,33 @@ rc::Gen<int> genTp();
 rc::Gen<int> genTpAbove1();
 rc::Gen<DType> genFloatDtype();  // fp32, bf16, fp16
 
+// Whether genRunConfig draws GTP_remat: kOff keeps G = 1; kSometimes turns it on in about one case
+// in three; kAlways in every case (G >= 2).
+enum class GtpMode { kOff, kSometimes, kAlways };
+
 // A valid configuration of one of `kinds`: T, dtype, every option valid for the kind (sequence
 // parallelism, bias, gather_output, input_is_parallel, skip_bias_add, stride, output_dtype,
 // gradient-accumulation fusion and main_grad dtype, reduce_scatter_embeddings) and shapes that
 // divide where the layer needs it (N by T·stride for column, K for row, s by T under SP, V and F
 // by T) and are anything else elsewhere: 1, primes, powers of two. config.seed seeds real data.
-rc::Gen<RunConfig> genRunConfig(const std::vector<LayerKind>& kinds, rc::Gen<int> tp = genTp());
+// With GTP_remat (gtp): G in 2..8 (T·G <= 32), pad_for_alignment a in {16, 1, 32} and 0 when every
+// GTP weight's TP-local dim 0 divides by G (half the cases scale those extents by G so that it
+// does), MEAN or SUM, the fp32-accumulation reduce-scatter on or off, and the batch b = G·b0 split
+// over the peers. numerics kExact keeps the GTP cases exact: MEAN (the 1/G pre-scale) only with G a
+// power of two.
+rc::Gen<RunConfig> genRunConfig(const std::vector<LayerKind>& kinds, rc::Gen<int> tp = genTp(),
+                                GtpMode gtp = GtpMode::kOff, Numerics numerics = Numerics::kReal);
+
+// `base` with GTP_remat drawn as genRunConfig draws it, G from `gtpSizes` (1 allowed: then only the
+// flags and b = b0 change), capped so that T·G <= 32.
+rc::Gen<RunConfig> genWithGtp(RunConfig base, std::vector<int> gtpSizes, Numerics numerics = Numerics::kReal);
+
+// The TP-local dim 0 (Dlog, SPEC 4.2) of each weight `config` shards over GTP_remat: column N/T,
+// row N, embedding V/T, mlp F/T (fc1) and h (fc2).
+std::vector<std::int64_t> gtpDims(const RunConfig& config);
+// "GTP_remat G=4 a=16 MEAN: weight Dlog=6 -> S=16 rows per peer, pad 58; each peer takes b/G = 2 of
+// the b = 8 samples", or "" when G = 1: what a failing GTP case prints besides its configuration.
+std::string gtpSummary(const RunConfig& config);
 
 // The largest |integer| an exact case's tensors may hold: every GEMM output element is a sum of at
 // most L = max(K, N, s·b) + 1 products (bias included) and every reduction sums at most that many
@@ -89,6 +110,9 @@ std::int64_t exactLimit(const RunConfig& config);
 // Small-integer inputs for `config` (not mlp: GeLU has no exact mode), named and shaped as
 // tools::generateInputs names them; ids of the embedding cover the whole vocabulary range.
 rc::Gen<TensorMap> genExactInputs(const RunConfig& config);
+// The same with a given amplitude (|value| <= amplitude): for data that will be repeated, e.g. on
+// every GTP_remat peer, and must stay exact in the larger run.
+rc::Gen<TensorMap> genExactInputs(const RunConfig& config, int amplitude);
 // Real-valued inputs: tools::generateInputs(config), i.e. seeded by config.seed.
 TensorMap realInputs(const RunConfig& config);
 
@@ -97,16 +121,17 @@ std::string shapesOf(const RunConfig& config);
 
 // ---- Topologies -----------------------------------------------------------------------------
 
-// A dense grid (T, C, P, D) and the expert grid over the same world (ET, E; ED follows), with
-// world = T·C·P·D <= maxWorld, in a random user order of tp, cp, ep and dp with pp last (the two
-// grids must agree on the pipeline groups). G and EG stay 1.
+// A dense grid (T, G, C, P, D) and the expert grid over the same world (ET, E, EG; ED follows),
+// with world = T·G·C·P·D <= maxWorld, in a random user order of tp, cp, ep and dp with pp last (the
+// two grids must agree on the pipeline groups; ParallelLayout inserts gtp_remat). G and EG stay 1
+// unless withGtp, which draws G in 1..4 and EG among what the expert grid leaves.
 struct Topology {
-  int tp = 1, cp = 1, pp = 1, dp = 1;
-  int expertTp = 1, ep = 1;
+  int tp = 1, cp = 1, pp = 1, dp = 1, gtp = 1;
+  int expertTp = 1, ep = 1, expertGtp = 1;
   std::string order = "tp-cp-ep-dp-pp";
-  int world() const { return tp * cp * pp * dp; }
+  int world() const { return tp * gtp * cp * pp * dp; }
 };
-rc::Gen<Topology> genTopology(int maxWorld = 64);
+rc::Gen<Topology> genTopology(int maxWorld = 64, bool withGtp = false);
 ParallelSizes sizesOf(const Topology& topology);
 
 // ---- Invalid configurations -----------------------------------------------------------------

@@ -126,8 +126,11 @@ void failLayerCase(const RunConfig& config, Numerics numerics, const std::string
   const std::string dir = writeFailingInputs(inputs);
   std::ostringstream os;
   os << "\n  case:    " << config.str() << " " << shapesOf(config) << " (" << numericsName(numerics)
-     << " mode) on backend " << backend << "\n  failure: " << what << "\n  inputs:  " << dir << "/*.npy ("
-     << inputs.size() << " files)\n  replay:  " << tools::commandLine(config, dir) << "\n";
+     << " mode) on backend " << backend;
+  const std::string gtp = gtpSummary(config);
+  if (!gtp.empty()) os << "\n  gtp:     " << gtp;
+  os << "\n  failure: " << what << "\n  inputs:  " << dir << "/*.npy (" << inputs.size()
+     << " files)\n  replay:  " << tools::commandLine(config, dir) << "\n";
   RC_FAIL(os.str());
 }
 

@@ -38,8 +38,9 @@ std::string currentTestName();
 std::string writeFailingInputs(const TensorMap& inputs);
 
 // RC_FAILs with everything needed to act on a failed layer case: the configuration and shapes,
-// the numeric mode, the backend, `what` went wrong, the folder of its inputs and the
-// `tpsim run ... --load <folder>` command line that replays it.
+// the numeric mode, the backend, the GTP_remat geometry when G > 1 (gtpSummary), `what` went
+// wrong, the folder of its inputs and the `tpsim run ... --load <folder>` command line that replays
+// it (with --gtp-remat, --pad-for-alignment, --gtp-reduce and --fp32-accum-reduce-scatter).
 [[noreturn]] void failLayerCase(const RunConfig& config, Numerics numerics, const std::string& backend,
                                 const TensorMap& inputs, const std::string& what);
 

@@ -1,13 +1,15 @@
-// The remaining non-GTP invariants of SPEC 6, each a law over random topologies (up to 64 ranks),
+// The remaining invariants of SPEC 6 (the GTP_remat ones in gtp_props.cc, except the GTP rows of
+// 12 and 13, which are here), each a law over random topologies (up to 64 ranks),
 // shapes, dtypes and options, on every usable backend:
 //   4  vocabulary ranges of t = 0..T−1 are disjoint and cover [0, V);
 //   5  CPU-initialized shards interleave back to the master cast to params_dtype; the master does
 //      not depend on T;
 //   6  GPU-initialized shards are bitwise equal exactly when (seed, tp_rank) — (ep, etp) for expert
 //      layers — are equal;
-//   12 per TP block a replicated param passes both duplicate filters on exactly one rank, a
-//      TP-sharded one on all T;
-//   13 the main replicas of every sharded_state_dict key tile its global shape exactly once;
+//   12 per TP × GTP_remat block a replicated param passes both duplicate filters on exactly one
+//      rank, a TP-sharded one on the T ranks with g = 0, a GTP_remat shard on all T·G;
+//   13 the main replicas of every sharded_state_dict key tile its global shape exactly once, with
+//      and without GTP_remat layers (padded or not);
 //   14 deferred wgrads plus the drain == immediate fused accumulation, for any limit L >= 0 and
 //      m >= 1 micro-batches (m = 1 included);
 //   15 with fusion main_grad == Σ_i dY_iᵀ·X_i; without it the returned dW is each term;
@@ -27,6 +29,7 @@
 #include "core/attributes.h"
 #include "core/checkpoint.h"
 #include "core/embedding.h"
+#include "core/gtp.h"
 #include "core/init.h"
 #include "core/layers.h"
 #include "core/linear.h"
@@ -235,12 +238,18 @@ TPSIM_PROP(InitLaws, GpuInitSharesExactlyAlongEqualSeedAndTpRank, 1000) {
 
 // ---- Item 12 ----------------------------------------------------------------------------------
 
+// Per TP × GTP_remat block (expert-TP × EGTP block for expert params), on (T, G, C, P, D, ET, E, EG)
+// topologies: a GTP shard passes on all T·G ranks of its block, a TP-sharded non-GTP param on the
+// T ranks with g = 0, a replicated param on exactly one. With G = EG = 1 (GTP off) that is the
+// per-TP-block law, and passing the size-1 GTP groups or none makes no difference.
 TPSIM_PROP(DuplicateLaws, PerTpBlockReplicatedParamsPassOnceAndShardsOnEveryRank, 1000) {
-  const Topology topo = *genTopology(64);
-  const bool gtpGroupsPassed = *flag();  // the size-1 GTP groups, or nullptr (GTP off): the same
+  const Topology topo = *genTopology(64, /*withGtp=*/true);
+  // The size-1 GTP groups, or nullptr (GTP off): the same. G > 1 needs the real groups.
+  const bool gtpGroupsPassed = topo.gtp > 1 || topo.expertGtp > 1 || *flag();
   const ParallelLayout layout(sizesOf(topo));
+  RC_TAG(topo.gtp > 1 || topo.expertGtp > 1 ? "GTP_remat" : "no GTP_remat");
   struct Seen {
-    std::map<std::string, bool> pass, sharded, expert;
+    std::map<std::string, bool> pass, sharded, expert, gtpShard;
     int tpBlock = 0, expertBlock = 0;
   };
   for (const Backend* b : usableBackends()) {
@@ -252,11 +261,19 @@ TPSIM_PROP(DuplicateLaws, PerTpBlockReplicatedParamsPassOnceAndShardsOnEveryRank
       config.tensorModelParallelSize = topo.tp;
       config.expertTensorParallelSize = topo.expertTp;
       config.expertModelParallelSize = topo.ep;
+      config.gtpRematSize = topo.gtp;
+      config.expertGtpRematSize = topo.expertGtp;
       config.performInitialization = false;
       const InitMethod init = initMethodNormal(1.0);
-      ColumnParallelLinear col({ctx.compute, groups.tp()}, config, 3, 2 * topo.tp, init);
-      RowParallelLinear row({ctx.compute, groups.tp()}, config, 2 * topo.tp, 3, init);
-      VocabParallelEmbedding emb({ctx.compute, groups.tp()}, config, 4 * topo.tp, 2, init);
+      Collectives* gtp = gtpGroupsPassed ? &groups.gtpRemat() : nullptr;
+      Collectives* egtp = gtpGroupsPassed ? &groups.expertGtpRemat() : nullptr;
+      GtpGradReducer reducer(ctx.compute, {});
+      // Dense layers resolve the GTP_remat group, expert layers EGTP_remat (SPEC 4.8).
+      const LayerContext dense{ctx.compute, groups.tp(), nullptr, nullptr, gtp, &groups.dpCp(), &reducer};
+      const LayerContext expert{ctx.compute, groups.expertTp(), nullptr, nullptr, egtp, &groups.expertDp(), &reducer};
+      ColumnParallelLinear col(dense, config, 3, 2 * topo.tp, init);
+      RowParallelLinear row(dense, config, 2 * topo.tp, 3, init);
+      VocabParallelEmbedding emb(dense, config, 4 * topo.tp, 2, init);
       ColumnParallelOptions eco;
       eco.isExpert = true;
       eco.name = "expert_column";
@@ -264,13 +281,11 @@ TPSIM_PROP(DuplicateLaws, PerTpBlockReplicatedParamsPassOnceAndShardsOnEveryRank
       ero.isExpert = true;
       ero.skipBiasAdd = true;
       ero.name = "expert_row";
-      ColumnParallelLinear ecol({ctx.compute, groups.expertTp()}, config, 3, 2 * topo.expertTp, init, eco);
-      RowParallelLinear erow({ctx.compute, groups.expertTp()}, config, 2 * topo.expertTp, 3, init, ero);
-      Collectives* gtp = gtpGroupsPassed ? &groups.gtpRemat() : nullptr;
-      Collectives* egtp = gtpGroupsPassed ? &groups.expertGtpRemat() : nullptr;
+      ColumnParallelLinear ecol(expert, config, 3, 2 * topo.expertTp, init, eco);
+      RowParallelLinear erow(expert, config, 2 * topo.expertTp, 3, init, ero);
       Seen& s = seen[std::size_t(r)];
-      s.tpBlock = layout.groupIndex(GroupId::kTp, r);
-      s.expertBlock = layout.groupIndex(GroupId::kExpertTp, r);
+      s.tpBlock = layout.dense().groupIndex("tp-gtp_remat", r);
+      s.expertBlock = layout.expert().groupIndex("tp-gtp_remat", r);
       for (const Parameter* p : {col.weight(), col.bias(), &row.weight(), row.bias(), &emb.weight(), ecol.weight(),
                                  ecol.bias(), &erow.weight(), erow.bias()}) {
         s.pass[p->name] =
@@ -278,10 +293,11 @@ TPSIM_PROP(DuplicateLaws, PerTpBlockReplicatedParamsPassOnceAndShardsOnEveryRank
             paramIsNotGtpDuplicate(*p, gtp, egtp);
         s.sharded[p->name] = p->attrs.tensorModelParallel.value_or(false);
         s.expert[p->name] = p->attrs.allreduce == false;
+        s.gtpShard[p->name] = isGtpShard(*p);
       }
     });
-    // Count passes per block: TP groups for dense params, expert-TP groups for expert params
-    // (allreduce = false).
+    // Count passes per block: TP × GTP_remat blocks for dense params, expert-TP × EGTP blocks for
+    // expert params (allreduce = false).
     std::map<std::pair<std::string, int>, int> passes, members;
     for (const Seen& s : seen)
       for (const auto& [name, pass] : s.pass) {
@@ -290,9 +306,12 @@ TPSIM_PROP(DuplicateLaws, PerTpBlockReplicatedParamsPassOnceAndShardsOnEveryRank
         ++members[{name, block}];
       }
     for (const auto& [key, count] : passes) {
-      const bool sharded = seen[0].sharded.at(key.first);
-      RC_LOG() << key.first << " block " << key.second << ": " << count << " of " << members[key] << " pass\n";
-      RC_ASSERT(count == (sharded ? members[key] : 1));
+      const bool sharded = seen[0].sharded.at(key.first), gtpShard = seen[0].gtpShard.at(key.first);
+      const int blockGtp = seen[0].expert.at(key.first) ? topo.expertGtp : topo.gtp;
+      const int expected = gtpShard ? members[key] : sharded ? members[key] / blockGtp : 1;
+      RC_LOG() << key.first << (gtpShard ? " (GTP shard)" : sharded ? " (TP-sharded)" : " (replicated)") << " block "
+               << key.second << ": " << count << " of " << members[key] << " pass, expected " << expected << "\n";
+      RC_ASSERT(count == expected);
     }
   }
 }
@@ -369,16 +388,25 @@ std::vector<std::string> tilingViolations(const std::vector<ShardedStateDict>& r
   return out;
 }
 
+// On (T, G, C, P, D) topologies, with GTP_remat layers (padded or not) when G > 1: the passed
+// dp_cp group is the gtp-inclusive one, which is what a state dict without GTP shards needs (the
+// column without its weight); with a shard, replica ids come from the stamped gtp-excluded group.
 TPSIM_PROP(CheckpointLaws, MainReplicasTileEveryKeyOnceAndReplicaIdsDiffer, 1000) {
-  const Topology topo = *genTopology(64);
+  const Topology topo = *genTopology(64, /*withGtp=*/true);
   const int layersPerStage = *pick<int>({1, 2, 3});
   const bool columnBias = *flag(), rowBias = *flag(), columnWeight = !*flag();
-  const std::int64_t q = *pick<std::int64_t>({1, 2, 3}), other = *pick<std::int64_t>({1, 2, 5});
+  std::int64_t q = *pick<std::int64_t>({1, 2, 3}), other = *pick<std::int64_t>({1, 2, 5});
+  if (topo.gtp > 1 && *flag()) q *= topo.gtp, other *= topo.gtp;  // every Dlog divisible by G
+  // pad_for_alignment: 0 only when the TP-local dim 0 of every weight (q, other) divides by G.
+  const int padForAlignment = q % topo.gtp == 0 && other % topo.gtp == 0 ? *pick<int>({16, 0, 1, 32})
+                                                                         : *pick<int>({16, 1, 32});
   const ParallelLayout layout(sizesOf(topo));
+  RC_TAG(topo.gtp == 1 ? "no GTP_remat" : padForAlignment == 0 ? "GTP_remat unpadded" : "GTP_remat padded");
   RC_TAG(topo.world() > 32 ? "world 33-64" : topo.world() > 16 ? "world 17-32" : topo.world() > 8 ? "world 9-16"
                                                                                                     : "world 1-8");
   RC_LOG() << "layers per stage " << layersPerStage << ", column bias " << columnBias << ", row bias " << rowBias
-           << ", column weight " << columnWeight << "\n";
+           << ", column weight " << columnWeight << ", q " << q << ", other " << other << ", a " << padForAlignment
+           << "\n";
   for (const Backend* b : usableBackends()) {
     std::vector<ShardedStateDict> seen(std::size_t(layout.world()));
     b->runRanks(layout.world(), [&](RankContext& ctx) {
@@ -389,8 +417,13 @@ TPSIM_PROP(CheckpointLaws, MainReplicasTileEveryKeyOnceAndReplicaIdsDiffer, 1000
       const int pp = grid.coordinates(r)[std::size_t(std::find(axes.begin(), axes.end(), "pp") - axes.begin())];
       ModelParallelConfig config;
       config.tensorModelParallelSize = topo.tp;
+      config.gtpRematSize = topo.gtp;
+      config.gtpPadForAlignment = padForAlignment;
       config.performInitialization = false;
       const InitMethod init = initMethodNormal(1.0);
+      GtpGradReducer reducer(ctx.compute, {});
+      // wrapGtp stamps the gtp-excluded DP-CP group as gtp_replica_group (SPEC 4.11.1).
+      const LayerContext lc{ctx.compute, groups.tp(), nullptr, nullptr, &groups.gtpRemat(), &groups.dpCp(), &reducer};
       ShardedStateDict all;
       auto append = [&](ShardedStateDict sd) {
         for (ShardedEntry& e : sd) all.push_back(std::move(e));
@@ -402,13 +435,13 @@ TPSIM_PROP(CheckpointLaws, MainReplicasTileEveryKeyOnceAndReplicaIdsDiffer, 1000
         co.skipWeightParamAllocation = !columnWeight;
         RowParallelOptions ro;
         ro.bias = rowBias;
-        ColumnParallelLinear col({ctx.compute, groups.tp()}, config, other, q * topo.tp, init, co);
-        RowParallelLinear row({ctx.compute, groups.tp()}, config, q * topo.tp, other, init, ro);
+        ColumnParallelLinear col(lc, config, other, q * topo.tp, init, co);
+        RowParallelLinear row(lc, config, q * topo.tp, other, init, ro);
         append(shardedStateDict(col, "decoder.layers.fc1.", layer, groups.tp(), &groups.dpCpGtp()));
         append(shardedStateDict(row, "decoder.layers.fc2.", layer, groups.tp(), &groups.dpCpGtp()));
       }
       if (pp == 0) {  // the first stage holds the embedding
-        VocabParallelEmbedding emb({ctx.compute, groups.tp()}, config, q * topo.tp, other, init);
+        VocabParallelEmbedding emb(lc, config, q * topo.tp, other, init);
         append(shardedStateDict(emb, "embedding.word_embeddings.", {}, groups.tp(), &groups.dpCpGtp()));
       }
       seen[std::size_t(r)] = std::move(all);

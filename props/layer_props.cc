@@ -1,13 +1,19 @@
 // The central laws, over random layer kinds, T, dtypes, options and awkward shapes, on every usable
-// backend (SPEC 6 items 1, 2, 4, 17 for the layers as a whole):
+// backend (SPEC 6 items 1, 2, 4, 17 for the layers as a whole, and 8 for GTP_remat through
+// tools::runSharded):
 //   Column / Row / VocabParallelEmbedding sharded == unsharded, bitwise, on exact data;
 //   the same within the data-derived bound of tools/reference.h, on real data;
 //   Column(gather_output=false) -> GeLU -> Row(input_is_parallel) == the dense MLP, within the bound;
 //   an exact case gives bitwise the same results at T = 1 and at T = k.
+// About one case in three also shards the weights over G GTP_remat peers that split the batch
+// (genRunConfig's GtpMode::kSometimes): the results are then the full-batch ones, with parameter
+// gradients divided by G under MEAN (tools::verify's scaling); exact cases use MEAN only with G a
+// power of two, where the 1/G pre-scale is exact.
 // A failure writes the case's unsharded inputs as .npy files and prints the `tpsim run --load`
 // command line that replays it (props/harness.h).
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <sstream>
 
 #include "props/backends.h"
@@ -28,16 +34,6 @@ constexpr int kMlpCases = 5000;
 constexpr int kCrossTopologyCases = 5000;
 
 const std::vector<LayerKind> kLinearAndEmbedding = {LayerKind::kColumn, LayerKind::kRow, LayerKind::kEmbedding};
-
-tools::ReferenceOptions referenceOptions(const RunConfig& c) {
-  tools::ReferenceOptions o;
-  o.kind = c.layer;
-  o.reduceScatterEmbeddings = c.reduceScatterEmbeddings;
-  o.tp = c.tp;
-  o.computeDtype = c.dtype;
-  o.outputDtype = c.outputDtype.value_or(c.dtype);
-  return o;
-}
 
 // "[1, 0, 5]": the multi-index of flat position i in `shape`.
 std::string indexOf(const std::vector<std::int64_t>& shape, std::int64_t i) {
@@ -73,9 +69,13 @@ std::string difference(const std::string& name, const HostTensor& got, const std
   return os.str();
 }
 
+bool isParameterGradient(const std::string& name) {
+  return name != "input.grad" && name.size() >= 5 && name.compare(name.size() - 5, 5, ".grad") == 0;
+}
+
 // The first result that differs from the dense reference rounded to the result's dtype, or "".
 std::string differenceFromReference(const RunConfig& c, const TensorMap& inputs, const TensorMap& results) {
-  for (const auto& [name, ref] : tools::denseReference(referenceOptions(c), inputs)) {
+  for (const auto& [name, ref] : tools::referenceFor(c, inputs)) {
     auto it = results.find(name);
     if (it == results.end()) return name + ": the sharded run produced no such result";
     const HostTensor want = tools::makeHost(ref.value.shape, it->second.dtype, ref.value.values);
@@ -85,10 +85,12 @@ std::string differenceFromReference(const RunConfig& c, const TensorMap& inputs,
   return "";
 }
 
+// "" when tools::verify (what `tpsim run` checks) finds every element within its bound; else which
+// elements are outside, worst first, from the same reference.
 std::string outsideTheBound(const RunConfig& c, const TensorMap& inputs, const TensorMap& results) {
   std::ostringstream os;
   os.precision(4);
-  for (const auto& [name, ref] : tools::denseReference(referenceOptions(c), inputs)) {
+  for (const auto& [name, ref] : tools::referenceFor(c, inputs)) {
     auto it = results.find(name);
     if (it == results.end()) return name + ": the sharded run produced no such result";
     const HostTensor& got = it->second;
@@ -131,9 +133,9 @@ void onEveryBackend(const RunConfig& c, Numerics numerics, const TensorMap& inpu
 // Exact data: every product and partial sum is an integer the dtypes hold, so sharded == unsharded
 // holds bitwise (as values: +0 == -0) for forward, dgrad, wgrad and bias grads of every option.
 TPSIM_PROP(LayerLaws, ShardedEqualsUnshardedBitwiseOnExactData, kExactCases) {
-  const RunConfig c = *genRunConfig(kLinearAndEmbedding);
+  const RunConfig c = *genRunConfig(kLinearAndEmbedding, genTp(), GtpMode::kSometimes, Numerics::kExact);
   const TensorMap inputs = *genExactInputs(c);
-  RC_TAG(layerName(c.layer), dtypeName(c.dtype));
+  RC_TAG(layerName(c.layer), dtypeName(c.dtype), c.gtpRemat > 1 ? "GTP_remat" : "no GTP_remat");
   onEveryBackend(c, Numerics::kExact, inputs,
                  [&](const TensorMap& results) { return differenceFromReference(c, inputs, results); });
 }
@@ -141,8 +143,8 @@ TPSIM_PROP(LayerLaws, ShardedEqualsUnshardedBitwiseOnExactData, kExactCases) {
 // Real data: |sharded − unsharded| <= the bound tools/reference.h derives from |X|·|W|, the
 // reduction length and the dtypes, for every element of every result.
 TPSIM_PROP(LayerLaws, ShardedEqualsUnshardedWithinTheDataDerivedBound, kRealCases) {
-  const RunConfig c = *genRunConfig(kLinearAndEmbedding);
-  RC_TAG(layerName(c.layer), c.tp > 4 ? "T > 4" : "T <= 4");
+  const RunConfig c = *genRunConfig(kLinearAndEmbedding, genTp(), GtpMode::kSometimes);
+  RC_TAG(layerName(c.layer), c.tp > 4 ? "T > 4" : "T <= 4", c.gtpRemat > 1 ? "GTP_remat" : "no GTP_remat");
   const TensorMap inputs = realInputs(c);
   onEveryBackend(c, Numerics::kReal, inputs,
                  [&](const TensorMap& results) { return outsideTheBound(c, inputs, results); });
@@ -151,20 +153,24 @@ TPSIM_PROP(LayerLaws, ShardedEqualsUnshardedWithinTheDataDerivedBound, kRealCase
 // Column(gather_output=false) -> GeLU -> Row(input_is_parallel) == the dense MLP block, forward and
 // every gradient, within the bound (GeLU has no exact mode), with and without sequence parallelism.
 TPSIM_PROP(LayerLaws, MlpBlockEqualsTheDenseMlpWithinTheBound, kMlpCases) {
-  const RunConfig c = *genRunConfig({LayerKind::kMlp});
+  const RunConfig c = *genRunConfig({LayerKind::kMlp}, genTp(), GtpMode::kSometimes);
+  RC_TAG(c.gtpRemat > 1 ? "GTP_remat" : "no GTP_remat");
   const TensorMap inputs = realInputs(c);
   onEveryBackend(c, Numerics::kReal, inputs,
                  [&](const TensorMap& results) { return outsideTheBound(c, inputs, results); });
 }
 
-// The same exact case gives bitwise the same results at T = k as unsharded at T = 1 (sequence
-// parallelism off there): the topology changes nothing but the shards.
+// The same exact case gives bitwise the same results at T = k (and G GTP_remat peers) as unsharded
+// at T = 1, G = 1 (sequence parallelism off there): the topology changes nothing but the shards, and
+// MEAN divides the parameter gradients by G.
 TPSIM_PROP(LayerLaws, ExactCaseGivesTheSameBitsAtAnyT, kCrossTopologyCases) {
-  const RunConfig c = *genRunConfig(kLinearAndEmbedding, genTpAbove1());
+  const RunConfig c = *genRunConfig(kLinearAndEmbedding, genTpAbove1(), GtpMode::kSometimes, Numerics::kExact);
   const TensorMap inputs = *genExactInputs(c);
+  RC_TAG(c.gtpRemat > 1 ? "GTP_remat" : "no GTP_remat");
   RunConfig single = c;
   single.tp = 1;
   single.sequenceParallel = false;
+  single.gtpRemat = 1;
   for (const Backend* b : usableBackends()) {
     TensorMap dense, sharded;
     try {
@@ -173,13 +179,17 @@ TPSIM_PROP(LayerLaws, ExactCaseGivesTheSameBitsAtAnyT, kCrossTopologyCases) {
     } catch (const std::exception& e) {
       failLayerCase(c, Numerics::kExact, b->name, inputs, std::string("a run threw: ") + e.what());
     }
+    if (c.gtpRemat > 1 && c.gtpReduceMean)  // exact: G is a power of two here
+      for (auto& [name, t] : dense)
+        if (isParameterGradient(name))
+          for (double& v : t.values) v /= double(c.gtpRemat);
     if (sharded.size() != dense.size())
       failLayerCase(c, Numerics::kExact, b->name, inputs, "T = 1 and T = k produce different sets of results");
+    const std::string at = "T = " + std::to_string(c.tp) + (c.gtpRemat > 1 ? ", G = " + std::to_string(c.gtpRemat) : "");
     for (const auto& [name, t] : dense) {
       auto it = sharded.find(name);
-      const std::string d = it == sharded.end()
-                                ? name + ": missing at T = " + std::to_string(c.tp)
-                                : difference(name, it->second, "T = " + std::to_string(c.tp), t, "T = 1");
+      const std::string d = it == sharded.end() ? name + ": missing at " + at
+                                                : difference(name, it->second, at, t, "T = 1");
       if (!d.empty()) failLayerCase(c, Numerics::kExact, b->name, inputs, d);
     }
   }

@@ -172,8 +172,15 @@ double geluGrad(double x) {
 std::map<std::string, Checked> denseReference(const ReferenceOptions& o, const TensorMap& in) {
   std::map<std::string, Checked> out = denseValues(o, in);
   const double underflow = underflowAllowance(o, in);
-  for (auto& [name, c] : out)
-    for (double& b : c.bound) b += underflow;
+  // The GTP_remat reduce-scatter's roundings: each at most u(wire)·magnitude, and the bound holds at
+  // least u(compute)·magnitude (its storage rounding), so they fit in a factor; plus their underflow.
+  const bool gtp = o.gtpRemat > 1;
+  const double gtpFactor = gtp ? 1.0 + o.gtpRemat * unitRoundoff(o.gtpWireDtype) / unitRoundoff(o.computeDtype) : 1.0;
+  const double gtpUnderflow = gtp ? o.gtpRemat * halfSubnormal(o.gtpWireDtype) : 0.0;
+  for (auto& [name, c] : out) {
+    const bool gtpWeight = gtp && name.find("weight.grad") != std::string::npos;
+    for (double& b : c.bound) b = (gtpWeight ? b * gtpFactor + gtpUnderflow : b) + underflow;
+  }
   return out;
 }
 

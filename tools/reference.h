@@ -35,6 +35,10 @@ struct ReferenceOptions {
   int tp = 1;                            // number of partial sums a reduction adds
   DType computeDtype = DType::kFloat32;  // the activations' dtype
   DType outputDtype = DType::kFloat32;
+  // GTP_remat: a weight gradient also goes through a reduce-scatter in its wire dtype (up to G
+  // roundings: G − 1 partial sums and MEAN's 1/G pre-scale).
+  int gtpRemat = 1;
+  DType gtpWireDtype = DType::kFloat32;
 };
 
 std::map<std::string, Checked> denseReference(const ReferenceOptions& options, const TensorMap& inputs);

@@ -132,8 +132,8 @@ void RunConfig::validate() const {
               gtpRemat, " with --tp ", tp);
   TPSIM_CHECK(padForAlignment >= 0, "--pad-for-alignment: expected >= 0, got ", padForAlignment);
   TPSIM_CHECK(gtpRemat == 1 || mainGradDtype == DType::kFloat32 || mainGradDtype == dtype,
-              "--main-grad-dtype bf16: GTP_remat reduce-scatters into main_grad in the wgrad's dtype; needs --dtype "
-              "bf16, got --dtype ", dtypeName(dtype));
+              "--main-grad-dtype ", dtypeName(mainGradDtype), ": GTP_remat reduce-scatters into main_grad in the "
+              "wgrad's dtype; needs --dtype ", dtypeName(mainGradDtype), ", got --dtype ", dtypeName(dtype));
   TPSIM_CHECK(!sequenceParallel || tp > 1, "--sequence-parallel: needs --tp > 1, got --tp ", tp);
   TPSIM_CHECK(stride >= 1, "--stride: expected >= 1, got ", stride);
   TPSIM_CHECK(stride == 1 || layer == LayerKind::kColumn || layer == LayerKind::kRow,
@@ -548,21 +548,34 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
   return r;
 }
 
-std::vector<Verdict> verify(const RunConfig& c, const TensorMap& inputs, const TensorMap& results) {
+ReferenceOptions referenceOptions(const RunConfig& c) {
   ReferenceOptions o;
   o.kind = c.layer;
   o.reduceScatterEmbeddings = c.reduceScatterEmbeddings;
   o.tp = c.tp;
   o.computeDtype = c.dtype;
   o.outputDtype = c.outputDtype.value_or(c.dtype);
-  std::vector<Verdict> out;
-  auto reference = denseReference(o, inputs);
-  if (c.gtpRemat > 1 && c.gtpReduceMean)  // MEAN over the peers: parameter gradients are 1/G of the full batch's
+  o.gtpRemat = c.gtpRemat;
+  // The wire dtype of the GTP_remat wgrad reduce-scatter (SPEC 4.5): the table's for the embedding,
+  // main_grad's for the linears.
+  o.gtpWireDtype = c.layer == LayerKind::kEmbedding ? c.dtype : c.mainGradDtype;
+  return o;
+}
+
+std::map<std::string, Checked> referenceFor(const RunConfig& c, const TensorMap& inputs) {
+  auto reference = denseReference(referenceOptions(c), inputs);
+  if (c.gtpRemat > 1 && c.gtpReduceMean)
     for (auto& [name, ref] : reference)
       if (name.size() >= 5 && name.compare(name.size() - 5, 5, ".grad") == 0 && name != "input.grad") {
         for (double& v : ref.value.values) v /= double(c.gtpRemat);
         for (double& b : ref.bound) b /= double(c.gtpRemat);
       }
+  return reference;
+}
+
+std::vector<Verdict> verify(const RunConfig& c, const TensorMap& inputs, const TensorMap& results) {
+  std::vector<Verdict> out;
+  auto reference = referenceFor(c, inputs);
   for (auto& [name, ref] : reference) {
     auto it = results.find(name);
     TPSIM_INTERNAL_ASSERT(it != results.end(), "no sharded result named ", name);

@@ -73,6 +73,11 @@ struct Verdict {
 };
 std::vector<Verdict> verify(const RunConfig& config, const TensorMap& inputs, const TensorMap& results);
 
+// The reference options of `config`'s run, and its dense reference as verify() checks it: under
+// GTP_remat MEAN every parameter gradient (and its bound) is 1/G of the full batch's.
+ReferenceOptions referenceOptions(const RunConfig& config);
+std::map<std::string, Checked> referenceFor(const RunConfig& config, const TensorMap& inputs);
+
 // The `tpsim run` command line that runs `config`: "tpsim run --layer row --tp 4 ... --seed 7".
 // With loadDir, it ends in "--load <loadDir>" (quoted for a POSIX shell when needed) and leaves out
 // the shape flags, which --load ignores; without it, it lists the shape flags of config's layer.
