@@ -18,20 +18,11 @@ namespace tpsim {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::rows;
 using testing::runRanks;
+using testing::table;
 using testing::tensorOf;
 using testing::valuesOf;
-
-using Fn = std::function<double(std::int64_t, std::int64_t)>;
-std::vector<double> table(std::int64_t rows, std::int64_t cols, const Fn& f) {
-  std::vector<double> v(rows * cols);
-  for (std::int64_t r = 0; r < rows; ++r)
-    for (std::int64_t c = 0; c < cols; ++c) v[r * cols + c] = f(r, c);
-  return v;
-}
-std::vector<double> rows(const std::vector<double>& m, std::int64_t cols, std::int64_t r0, std::int64_t r1) {
-  return std::vector<double>(m.begin() + r0 * cols, m.begin() + r1 * cols);
-}
 
 // The unsharded layer in double: out = W[ids], dW[v] = Σ_{ids(i) = v} dY[i].
 struct Dense {

@@ -16,29 +16,12 @@ namespace {
 
 using ::testing::HasSubstr;
 using testing::errorOf;
+using testing::columns;
+using testing::rows;
 using testing::runRanks;
+using testing::table;
 using testing::tensorOf;
 using testing::valuesOf;
-
-// Dense row-major matrices in double: the reference.
-using Fn = std::function<double(std::int64_t, std::int64_t)>;
-std::vector<double> table(std::int64_t rows, std::int64_t cols, const Fn& f) {
-  std::vector<double> v(rows * cols);
-  for (std::int64_t r = 0; r < rows; ++r)
-    for (std::int64_t c = 0; c < cols; ++c) v[r * cols + c] = f(r, c);
-  return v;
-}
-
-// Columns [c0, c1) of a row-major (rows, cols) table.
-std::vector<double> columns(const std::vector<double>& m, std::int64_t cols, std::int64_t c0, std::int64_t c1) {
-  std::vector<double> out;
-  for (std::size_t r = 0; r < m.size() / cols; ++r)
-    for (std::int64_t c = c0; c < c1; ++c) out.push_back(m[r * cols + c]);
-  return out;
-}
-std::vector<double> rows(const std::vector<double>& m, std::int64_t cols, std::int64_t r0, std::int64_t r1) {
-  return std::vector<double>(m.begin() + r0 * cols, m.begin() + r1 * cols);
-}
 
 struct Dense {  // y = x·Wᵀ + b and its gradients for one dY, all (M, ·) row-major
   std::vector<double> x, w, b, dy, y, dx, dw, db;

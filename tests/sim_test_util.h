@@ -46,6 +46,26 @@ inline std::vector<double> valuesOf(Compute& compute, ConstView v) {
   return out;
 }
 
+// Row-major host matrices for dense references: table(r, c, f) fills (r, c) with f(i, j);
+// rows/columns cut a block out of a (·, cols) table.
+inline std::vector<double> table(std::int64_t rows, std::int64_t cols,
+                                 const std::function<double(std::int64_t, std::int64_t)>& f) {
+  std::vector<double> v(static_cast<std::size_t>(rows * cols));
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c) v[r * cols + c] = f(r, c);
+  return v;
+}
+inline std::vector<double> rows(const std::vector<double>& m, std::int64_t cols, std::int64_t r0, std::int64_t r1) {
+  return std::vector<double>(m.begin() + r0 * cols, m.begin() + r1 * cols);
+}
+inline std::vector<double> columns(const std::vector<double>& m, std::int64_t cols, std::int64_t c0,
+                                   std::int64_t c1) {
+  std::vector<double> out;
+  for (std::size_t r = 0; r < m.size() / cols; ++r)
+    for (std::int64_t c = c0; c < c1; ++c) out.push_back(m[r * cols + c]);
+  return out;
+}
+
 // The message of the InvalidArgument `f` throws, or "no error".
 inline std::string errorOf(const std::function<void()>& f) {
   try {
