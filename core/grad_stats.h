@@ -4,7 +4,10 @@
 // factorization of one model and one batch reports the same numbers.
 //
 // These are the optimizer's view, not an optimizer: they read main_grad (or grad) and reduce over
-// groups the caller passes. No global state.
+// groups the caller passes. No global state. A rank either owns its parameters' whole gradients
+// (plain DDP: reduce over the model-parallel group) or a distributed optimizer's fragments of them
+// (reduce over the optimizer instance, ProcessGroups::intraDistOpt(): the whole world under
+// GTP_remat, SPEC 4.7).
 #pragma once
 
 #include <cstdint>
@@ -34,13 +37,34 @@ struct DuplicateFilter {
   bool includes(const Parameter& p) const;
 };
 
-// sqrt(Σ over ranks of `stats` Σ over included params ‖main_grad‖²), summed in fp64. `stats` is
-// the grad-stats group: the model-parallel group (tp-gtp_remat-pp) when every DP replica holds
-// whole gradients; the whole world when a distributed optimizer splits them (Megatron under GTP).
+// A flat range of one parameter's gradient that this rank's optimizer owns: an "optimizer-side
+// param". gtpPadZeros is the padding inside the range (SPEC 3.6), which a zero count subtracts.
+struct GradFragment {
+  const Parameter* param = nullptr;
+  std::int64_t begin = 0, end = 0;
+  std::int64_t gtpPadZeros = 0;
+};
+
+// Each parameter whole, with the gtp_pad_zeros stamped on it (absent = 0).
+std::vector<GradFragment> wholeGradients(const std::vector<Parameter*>& params);
+
+// A distributed optimizer's share for data-parallel rank `dpRank` of `dpSize` (the replicate DP
+// group the gradients were reduced over, gtp-excluded dp_cp under GTP_remat): the gradients laid
+// end to end in `params` order, padded to a multiple of dpSize and cut into equal contiguous
+// ranges, as Megatron's DistributedOptimizer cuts its grad buffer. Empty pieces are dropped.
+std::vector<GradFragment> distOptFragments(const std::vector<Parameter*>& params, int dpRank, int dpSize);
+
+// sqrt(Σ over ranks of `stats` Σ over fragments of included params ‖main_grad[begin, end)‖²),
+// summed in fp64. `stats` must be the group whose fragments tile every gradient exactly once.
+double gradNormL2(Compute& compute, const std::vector<GradFragment>& fragments, const DuplicateFilter& filter,
+                  Collectives& stats);
+// Σ over ranks of `stats` Σ over fragments of included params (length − nnz − gtpPadZeros).
+std::int64_t countZeros(Compute& compute, const std::vector<GradFragment>& fragments,
+                        const DuplicateFilter& filter, Collectives& stats);
+
+// The same over whole parameters (wholeGradients).
 double gradNormL2(Compute& compute, const std::vector<Parameter*>& params, const DuplicateFilter& filter,
                   Collectives& stats);
-
-// Σ over ranks of `stats` Σ over included params (numel − nnz − gtp_pad_zeros).
 std::int64_t countZeros(Compute& compute, const std::vector<Parameter*>& params, const DuplicateFilter& filter,
                         Collectives& stats);
 

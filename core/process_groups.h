@@ -36,6 +36,9 @@ class ProcessGroups {
   Collectives& expertGtpRemat() const { return group(GroupId::kExpertGtpRemat); }
   Collectives& expertDp() const { return group(GroupId::kExpertDp); }
   Collectives& expertDpGtp() const { return group(GroupId::kExpertDpGtp); }
+  // The distributed optimizer's instance: the grad-stats group when an optimizer shards gradients
+  // over data-parallel ranks (core/grad_stats.h). The whole world under GTP_remat.
+  Collectives& intraDistOpt() const { return group(GroupId::kIntraDistOpt); }
 
  private:
   Collectives& world_;

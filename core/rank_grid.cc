@@ -219,6 +219,7 @@ ParallelSizes checkedSizes(ParallelSizes s) {
   positive(s.ep, "ep (E)");
   positive(s.gtpRemat, "gtp_remat (G)");
   positive(s.expertGtpRemat, "expert gtp_remat (EG)");
+  positive(s.distOptInstances, "num_distributed_optimizer_instances");
   TPSIM_CHECK(s.expertTp >= 0, "ParallelLayout: expert tp (ET) must be >= 1, or 0 for the same as tp, got ",
               s.expertTp);
   if (s.expertTp == 0) s.expertTp = s.tp;
@@ -292,6 +293,7 @@ const std::array<GroupSpec, kNumGroupIds>& groupSpecs() {
       {GroupId::kExpertGtpRemat, GridKind::kExpert, "gtp_remat", "egtp"},
       {GroupId::kExpertDp, GridKind::kExpert, "dp", "edp"},
       {GroupId::kExpertDpGtp, GridKind::kExpert, "gtp_remat-dp", "edp_egtp"},
+      {GroupId::kIntraDistOpt, GridKind::kExpert, "tp-ep-gtp_remat-pp", "intra_dist_opt"},
   }};
   return kSpecs;
 }
@@ -319,24 +321,51 @@ ParallelLayout::ParallelLayout(const ParallelSizes& sizes)
               " and the expert grid ", expert_.str(),
               " must give the same pp groups, got different ones for order '", sizes_.order,
               "'; put pp last in the order or make D equal ED");
+  const int instances = sizes_.distOptInstances;
+  // GTP_remat shards every weight over peers that the gradient statistics must all see; with
+  // several instances each would see only its own peers (SPEC 4.12).
+  TPSIM_CHECK(instances == 1 || (sizes_.gtpRemat == 1 && sizes_.expertGtpRemat == 1),
+              "ParallelLayout: num_distributed_optimizer_instances must be 1 with GTP_remat (G = ",
+              sizes_.gtpRemat, ", EG = ", sizes_.expertGtpRemat, "), got ", instances);
+  TPSIM_CHECK((dp_ * sizes_.cp) % instances == 0, "ParallelLayout: num_distributed_optimizer_instances (",
+              instances, ") must divide the data-parallel size with context parallelism D·C = ", dp_, "·",
+              sizes_.cp, " = ", dp_ * sizes_.cp);
+  TPSIM_CHECK(expertDp_ % instances == 0, "ParallelLayout: num_distributed_optimizer_instances (", instances,
+              ") must divide the expert data-parallel size ED = ", expertDp_);
 }
 
+// An instance group concatenates `span` consecutive expert model-parallel groups, as Megatron
+// builds it. Its token includes gtp_remat: Megatron's "tp-ep-pp" groups would leave out the EGTP
+// peers, and an instance would then cover only 1/EG of the world (SPEC 5.4 G17).
 std::vector<std::vector<int>> ParallelLayout::groups(GroupId id) const {
   const GroupSpec& spec = groupSpec(id);
-  return grid(spec.grid).groups(spec.token);
+  std::vector<std::vector<int>> parts = grid(spec.grid).groups(spec.token);
+  if (id != GroupId::kIntraDistOpt) return parts;
+  std::vector<std::vector<int>> runs(parts.size() / intraDistOptSpan());
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    auto& run = runs[i / intraDistOptSpan()];
+    run.insert(run.end(), parts[i].begin(), parts[i].end());
+  }
+  return runs;
 }
 
 int ParallelLayout::groupIndex(GroupId id, int globalRank) const {
   const GroupSpec& spec = groupSpec(id);
-  return grid(spec.grid).groupIndex(spec.token, globalRank);
+  const int index = grid(spec.grid).groupIndex(spec.token, globalRank);
+  return id == GroupId::kIntraDistOpt ? index / intraDistOptSpan() : index;
 }
 
 int ParallelLayout::groupRank(GroupId id, int globalRank) const {
   const GroupSpec& spec = groupSpec(id);
-  return grid(spec.grid).groupRank(spec.token, globalRank);
+  const RankGrid& g = grid(spec.grid);
+  const int rank = g.groupRank(spec.token, globalRank);
+  if (id != GroupId::kIntraDistOpt) return rank;
+  const int partSize = g.size() / expertDp_;  // one group per expert data-parallel index
+  return g.groupIndex(spec.token, globalRank) % intraDistOptSpan() * partSize + rank;
 }
 
 std::vector<int> ParallelLayout::groupOf(GroupId id, int globalRank) const {
+  if (id == GroupId::kIntraDistOpt) return groups(id)[groupIndex(id, globalRank)];
   const GroupSpec& spec = groupSpec(id);
   return grid(spec.grid).groupOf(spec.token, globalRank);
 }

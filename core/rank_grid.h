@@ -72,6 +72,9 @@ struct ParallelSizes {
   int gtpRemat = 1;        // G
   int expertTp = 0;        // ET; 0 = same as tp
   int expertGtpRemat = 1;  // EG
+  // num_distributed_optimizer_instances: the distributed optimizer is replicated this many times
+  // over the data-parallel axis. Must divide D·C and ED; must be 1 when G > 1 or EG > 1.
+  int distOptInstances = 1;
   // User order without gtp_remat; ParallelLayout inserts it per grid.
   std::string order = "tp-cp-ep-dp-pp";
 };
@@ -93,8 +96,10 @@ enum class GroupId {
   kExpertGtpRemat,  // expert "gtp_remat" (EGTP_remat)
   kExpertDp,        // expert "dp" (replicate expert DP)
   kExpertDpGtp,     // expert "gtp_remat-dp"
+  kIntraDistOpt,    // one distributed-optimizer instance: ED/instances consecutive expert
+                    // "tp-ep-gtp_remat-pp" groups; the whole world with one instance
 };
-inline constexpr int kNumGroupIds = 13;
+inline constexpr int kNumGroupIds = 14;
 
 struct GroupSpec {
   GroupId id;
@@ -110,14 +115,16 @@ const GroupSpec& groupSpec(GroupId id);
 class ParallelLayout {
  public:
   // Throws InvalidArgument when a size is < 1, when D = W/(T·P·C·G) or ED = W/(ET·E·P·EG) is not
-  // an integer, when an axis of size > 1 is missing from the order, or when the two grids would
-  // disagree on the pipeline groups.
+  // an integer, when an axis of size > 1 is missing from the order, when the two grids would
+  // disagree on the pipeline groups, or when the distributed-optimizer instances do not divide D·C
+  // and ED or are combined with GTP_remat.
   explicit ParallelLayout(const ParallelSizes& sizes);
 
   const ParallelSizes& sizes() const { return sizes_; }  // expertTp resolved (never 0)
   int world() const { return sizes_.world; }
   int dp() const { return dp_; }              // D
   int expertDp() const { return expertDp_; }  // ED
+  int distOptInstances() const { return sizes_.distOptInstances; }
 
   const RankGrid& dense() const { return dense_; }    // tp-gtp_remat-cp-ep-dp-pp: (T, G, C, 1, D, P)
   const RankGrid& expert() const { return expert_; }  // tp-cp-ep-gtp_remat-dp-pp: (ET, 1, E, EG, ED, P)
@@ -129,6 +136,9 @@ class ParallelLayout {
   std::vector<int> groupOf(GroupId id, int globalRank) const;
 
  private:
+  // kIntraDistOpt is not one token's groups but runs of them; every other id is spec.token's.
+  int intraDistOptSpan() const { return expertDp_ / sizes_.distOptInstances; }
+
   ParallelSizes sizes_;
   int dp_;
   int expertDp_;

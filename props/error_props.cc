@@ -383,7 +383,7 @@ TPSIM_PROP(ErrorLaws, InvalidTopologiesAreRejectedNamingTheSize, 1500) {
   const Topology t = *genTopology(64);
   ParallelSizes s = sizesOf(t);
   std::string expected;
-  switch (*pickIndex(5)) {
+  switch (*pickIndex(6)) {
     case 0:  // the dense product T·P·C does not divide W
       s.world = t.world() + *uniform<int>(1, t.tp * t.cp * t.pp + 1);
       RC_PRE(s.world % (t.tp * t.cp * t.pp) != 0);
@@ -413,6 +413,12 @@ TPSIM_PROP(ErrorLaws, InvalidTopologiesAreRejectedNamingTheSize, 1500) {
                                   std::to_string(shards));
       return;
     }
+    case 4:  // more distributed-optimizer instances than data-parallel ranks
+      s.distOptInstances = t.dp * t.cp + *uniform<int>(1, 4);
+      expected = "ParallelLayout: num_distributed_optimizer_instances (" + std::to_string(s.distOptInstances) +
+                 ") must divide the data-parallel size with context parallelism D·C = " + std::to_string(t.dp) +
+                 "·" + std::to_string(t.cp);
+      break;
     default: {  // a world communicator of another size
       const ParallelLayout layout(s);
       const int ranks = layout.world() + *pick<int>({1, 2});

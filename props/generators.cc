@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <numeric>
 #include <random>
 #include <sstream>
 
@@ -298,6 +299,12 @@ rc::Gen<Topology> genTopology(int maxWorld, bool withGtp) {
     t.expertTp = int(*pick(divisorsOf(perStage)));
     t.ep = int(*pick(divisorsOf(perStage / t.expertTp)));
     if (withGtp) t.expertGtp = int(*pick(divisorsOf(perStage / (t.expertTp * t.ep))));
+    if (t.gtp == 1 && t.expertGtp == 1) {
+      const int expertDp = perStage / (t.expertTp * t.ep);
+      std::vector<int> instances;
+      for (auto d : divisorsOf(std::gcd(t.dp * t.cp, expertDp))) instances.push_back(int(d));
+      t.distOptInstances = *pick(instances);
+    }
     std::vector<std::string> axes = {"tp", "cp", "ep", "dp"};
     const int rotation = *pickIndex(4);
     const bool swapFirstTwo = *flag();
@@ -318,6 +325,7 @@ ParallelSizes sizesOf(const Topology& t) {
   s.expertTp = t.expertTp;
   s.gtpRemat = t.gtp;
   s.expertGtpRemat = t.expertGtp;
+  s.distOptInstances = t.distOptInstances;
   s.order = t.order;
   return s;
 }

@@ -124,10 +124,12 @@ std::string shapesOf(const RunConfig& config);
 // A dense grid (T, G, C, P, D) and the expert grid over the same world (ET, E, EG; ED follows),
 // with world = T·G·C·P·D <= maxWorld, in a random user order of tp, cp, ep and dp with pp last (the
 // two grids must agree on the pipeline groups; ParallelLayout inserts gtp_remat). G and EG stay 1
-// unless withGtp, which draws G in 1..4 and EG among what the expert grid leaves.
+// unless withGtp, which draws G in 1..4 and EG among what the expert grid leaves. Without GTP_remat
+// the distributed optimizer may have several instances (a common divisor of D·C and ED).
 struct Topology {
   int tp = 1, cp = 1, pp = 1, dp = 1, gtp = 1;
   int expertTp = 1, ep = 1, expertGtp = 1;
+  int distOptInstances = 1;
   std::string order = "tp-cp-ep-dp-pp";
   int world() const { return tp * gtp * cp * pp * dp; }
 };

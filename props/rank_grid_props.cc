@@ -161,6 +161,8 @@ TPSIM_PROP(RankGridLaws, EveryNamedGroupOfALayoutPartitionsTheWorld, 1500) {
   }
   RC_ASSERT(layout.dp() * t.tp * t.cp * t.pp == layout.world());
   RC_ASSERT(layout.expertDp() * t.expertTp * t.ep * t.pp == layout.world());
+  for (const auto& instance : layout.groups(GroupId::kIntraDistOpt))
+    RC_ASSERT(int(instance.size()) * t.distOptInstances == layout.world());
 }
 
 }  // namespace tpsim::props

@@ -7,7 +7,10 @@
 
 #include <cmath>
 #include <mutex>
+#include <tuple>
+#include <utility>
 
+#include "core/attributes.h"
 #include "core/gtp.h"
 #include "core/layers.h"
 #include "core/process_groups.h"
@@ -22,6 +25,11 @@ struct Stats {
   double norm;
   std::int64_t zeros;
   std::int64_t zerosWithoutPadCorrection;
+  // With a distributed optimizer: fragments over the gtp-excluded dp_cp, reduced over the
+  // optimizer instance (the world), and, wrongly, over the model-parallel group.
+  double distOptNorm;
+  std::int64_t distOptZeros;
+  double distOptNormOverModelParallel;
 };
 
 // Column(K -> F, bias) then Row(F -> K, input_is_parallel, bias) on a global batch of B samples,
@@ -83,8 +91,12 @@ Stats run(int T, int G, int D) {
     stampGtpPadZeros(params);
     const double norm = gradNormL2(ctx.compute, params, filter, stats);
     const std::int64_t zeros = countZeros(ctx.compute, params, filter, stats);
+    const auto fragments = distOptFragments(params, pg.dpCp().rank(), pg.dpCp().size());
+    const double distOptNorm = gradNormL2(ctx.compute, fragments, filter, pg.intraDistOpt());
+    const std::int64_t distOptZeros = countZeros(ctx.compute, fragments, filter, pg.intraDistOpt());
+    const double distOptNormOverModelParallel = gradNormL2(ctx.compute, fragments, filter, stats);
     std::lock_guard<std::mutex> lock(mu);
-    out = {norm, zeros, uncorrected};
+    if (ctx.comm.rank() == 0) out = {norm, zeros, uncorrected, distOptNorm, distOptZeros, distOptNormOverModelParallel};
   });
   return out;
 }
@@ -105,7 +117,45 @@ TEST(GradStats, TopologyIndependentNormAndZeroCount) {
     if (f.G > 1) {
       EXPECT_GT(s.zerosWithoutPadCorrection, s.zeros) << "the padding rows would count as zeros";
     }
+    // G13 with a distributed optimizer: the fragments tile every gradient once over the world.
+    EXPECT_NEAR(s.distOptNorm, reference.norm, 1e-5 * reference.norm);
+    EXPECT_EQ(s.distOptZeros, reference.zeros);
+    if (f.D > 1) {
+      EXPECT_LT(s.distOptNormOverModelParallel, 0.99 * reference.norm) << "one fragment per replica";
+    }
   }
+}
+
+// Fragments cut the buffer [w (2·3) | b (4)] into equal contiguous ranges; pad rows inside a
+// range are counted per fragment (SPEC 3.6), so the pieces add up to the whole shard's count.
+TEST(GradStats, DistOptFragmentsTileTheBuffer) {
+  testing::runRanks(2, [](RankContext& ctx) {
+    Parameter w, b;
+    w.name = "w";
+    b.name = "b";
+    w.mainGrad = ctx.compute.zeros({2, 3}, DType::kFloat32);
+    b.mainGrad = ctx.compute.zeros({4}, DType::kFloat32);
+    w.data = ctx.compute.zeros({2, 3}, DType::kFloat32);
+    w.attrs.isGtpWeightRemat = true;
+    w.attrs.group = &ctx.comm;
+    w.attrs.padLength = 3;  // Dlog 1: rank 0 holds 1 real + 1 pad row, rank 1 two pad rows
+    const std::vector<Parameter*> params = {&w, &b};
+    auto f = distOptFragments(params, 0, 3);  // buffer of 10 -> ranges of 4: [0, 4) [4, 8) [8, 10)
+    ASSERT_EQ(f.size(), 1u);
+    EXPECT_EQ(f[0].param, &w);
+    EXPECT_EQ(std::make_pair(f[0].begin, f[0].end), std::make_pair(std::int64_t{0}, std::int64_t{4}));
+    f = distOptFragments(params, 1, 3);
+    ASSERT_EQ(f.size(), 2u);
+    EXPECT_EQ(std::make_tuple(f[0].param, f[0].begin, f[0].end), std::make_tuple(&w, std::int64_t{4}, std::int64_t{6}));
+    EXPECT_EQ(std::make_tuple(f[1].param, f[1].begin, f[1].end), std::make_tuple(&b, std::int64_t{0}, std::int64_t{2}));
+    EXPECT_EQ(f[1].gtpPadZeros, 0);
+    std::int64_t pads = 0;
+    for (int d = 0; d < 3; ++d)
+      for (const GradFragment& g : distOptFragments(params, d, 3)) pads += g.gtpPadZeros;
+    EXPECT_EQ(pads, gtpLocalPadZeroCount(w, 0, 6));
+    EXPECT_EQ(pads, ctx.comm.rank() == 0 ? 3 : 6);
+    EXPECT_THROW(distOptFragments(params, 3, 3), InvalidArgument);
+  });
 }
 
 }  // namespace

@@ -95,6 +95,15 @@ TEST(ProcessGroups, W24AllAxesMatchesGrid) {
   checkAgainstGrid(s);
 }
 
+TEST(ProcessGroups, W8TwoDistOptInstancesMatchGrid) {
+  ParallelSizes s;
+  s.world = 8;
+  s.tp = 2;
+  s.pp = 2;
+  s.distOptInstances = 2;
+  checkAgainstGrid(s);
+}
+
 TEST(ProcessGroups, W8ExampleTpGroups) {
   const ParallelLayout layout(w8Example(2, 1, 1));
   std::vector<std::vector<int>> tpMembers(8);
@@ -136,6 +145,7 @@ TEST(ProcessGroups, NamedAccessorsReturnTheirGroups) {
         {&g.expertGtpRemat(), GroupId::kExpertGtpRemat},
         {&g.expertDp(), GroupId::kExpertDp},
         {&g.expertDpGtp(), GroupId::kExpertDpGtp},
+        {&g.intraDistOpt(), GroupId::kIntraDistOpt},
     };
     ASSERT_EQ(int(named.size()), kNumGroupIds);
     for (const auto& [comm, id] : named) {

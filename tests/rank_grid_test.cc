@@ -250,6 +250,74 @@ TEST(RankGridW8Example, Tp4Pp2DefaultOrder) {
   EXPECT_EQ(layout.groups(GroupId::kExpertTp), (Groups{{0, 1, 2, 3}, {4, 5, 6, 7}}));
 }
 
+// ---- Distributed-optimizer instances ----
+
+// G17: under GTP_remat the grad-stats group (the instance group) is the whole world, dense
+// (T = 1, G = 2, D = 2) and MoE (E = 2, EG = 2, G = 2) alike. Megatron's recipe of ED consecutive
+// "tp-ep-pp" groups would cover only half of the MoE world: those groups leave out the EGTP peers.
+TEST(DistOptInstances, G17GradStatsGroupIsTheWorldUnderGtp) {
+  ParallelSizes dense;
+  dense.world = 4;
+  dense.gtpRemat = 2;
+  ParallelSizes moe = dense;
+  moe.ep = 2;
+  moe.expertGtpRemat = 2;
+  for (const ParallelSizes& s : {dense, moe}) {
+    const ParallelLayout layout(s);
+    EXPECT_EQ(layout.groups(GroupId::kIntraDistOpt), (Groups{{0, 1, 2, 3}}));
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_EQ(layout.groupOf(GroupId::kIntraDistOpt, r).size(), 4u);
+      EXPECT_EQ(layout.groupRank(GroupId::kIntraDistOpt, r), r);
+      EXPECT_EQ(layout.groupIndex(GroupId::kIntraDistOpt, r), 0);
+    }
+  }
+  const ParallelLayout layout(moe);
+  ASSERT_EQ(layout.expertDp(), 1);
+  EXPECT_EQ(layout.expert().groups("tp-ep-pp"), (Groups{{0, 1}, {2, 3}}));
+}
+
+// Two instances of W = 8, T = 2, D = 4: ED/2 = 2 consecutive expert model-parallel groups each,
+// as Megatron's parallel-state init builds them.
+TEST(DistOptInstances, InstancesSplitTheDataParallelAxis) {
+  ParallelSizes s;
+  s.world = 8;
+  s.tp = 2;
+  s.distOptInstances = 2;
+  const ParallelLayout layout(s);
+  EXPECT_EQ(layout.groups(GroupId::kIntraDistOpt), (Groups{{0, 1, 2, 3}, {4, 5, 6, 7}}));
+  for (int r = 0; r < 8; ++r) {
+    EXPECT_EQ(layout.groupIndex(GroupId::kIntraDistOpt, r), r / 4);
+    EXPECT_EQ(layout.groupRank(GroupId::kIntraDistOpt, r), r % 4);
+  }
+  s.pp = 2;  // D = 2, ED = 2: an instance is one data-parallel index with both its stages
+  const ParallelLayout staged(s);
+  EXPECT_EQ(staged.groups(GroupId::kIntraDistOpt), (Groups{{0, 1, 4, 5}, {2, 3, 6, 7}}));
+}
+
+TEST(DistOptInstances, Errors) {
+  ParallelSizes s;
+  s.world = 8;
+  s.tp = 2;
+  s.distOptInstances = 0;
+  expectInvalid([&] { ParallelLayout{s}; }, "num_distributed_optimizer_instances must be >= 1, got 0");
+  s.distOptInstances = 3;
+  expectInvalid([&] { ParallelLayout{s}; },
+                "num_distributed_optimizer_instances (3) must divide the data-parallel size with context "
+                "parallelism D·C = 4·1 = 4");
+  s.distOptInstances = 2;
+  s.gtpRemat = 2;
+  expectInvalid([&] { ParallelLayout{s}; },
+                "num_distributed_optimizer_instances must be 1 with GTP_remat (G = 2, EG = 1), got 2");
+  s.gtpRemat = 1;
+  s.expertGtpRemat = 2;
+  expectInvalid([&] { ParallelLayout{s}; }, "(G = 1, EG = 2), got 2");
+  s.expertGtpRemat = 1;
+  s.expertTp = 1;
+  s.ep = 8;  // ED = 1
+  expectInvalid([&] { ParallelLayout{s}; },
+                "num_distributed_optimizer_instances (2) must divide the expert data-parallel size ED = 1");
+}
+
 // ---- Grid rules ----
 
 TEST(RankGrid, GroupSpecTable) {
@@ -267,6 +335,7 @@ TEST(RankGrid, GroupSpecTable) {
       {GroupId::kExpertGtpRemat, {"gtp_remat", "egtp"}},
       {GroupId::kExpertDp, {"dp", "edp"}},
       {GroupId::kExpertDpGtp, {"gtp_remat-dp", "edp_egtp"}},
+      {GroupId::kIntraDistOpt, {"tp-ep-gtp_remat-pp", "intra_dist_opt"}},
   };
   ASSERT_EQ(int(expected.size()), kNumGroupIds);
   for (int i = 0; i < kNumGroupIds; ++i) {
