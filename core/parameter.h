@@ -16,6 +16,8 @@
 
 namespace tpsim {
 
+struct Parameter;
+
 // Megatron's closed set of model-parallel attributes (_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS, SPEC 3.2)
 // plus the others the layers read (SPEC 1.5). nullopt = the attribute is absent.
 struct ParamAttributes {
@@ -39,6 +41,10 @@ struct ParamAttributes {
   std::optional<int> padLength;
   std::optional<Collectives*> gtpReplicaGroup;
   std::optional<std::int64_t> gtpPadZeros;
+  // Routed experts (SPEC 4.8): the expert index of a grouped linear's shard, and, on weight0 only,
+  // every expert's shard in expert order: the batch gathered and reduce-scattered together.
+  std::optional<int> expertIdx;
+  std::optional<std::vector<Parameter*>> weightList;  // non-owning
 };
 
 struct Parameter {
