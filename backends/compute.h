@@ -56,6 +56,25 @@ class Compute {
   virtual void gelu(ConstView x, View y) = 0;
   virtual void geluBackward(ConstView x, ConstView dy, View dx) = 0;
 
+  // MXFP8 (OCP microscaling): every block of 32 consecutive elements along `axis` shares one E8M0
+  // scale. x: (R, C) fp32, bf16, fp16 or fp64  data: (R, C) fp8e4m3.
+  //   axis 1, rowwise:    scales (R, ceil(C/32)) e8m0; block j of row r is x(r, [32j, 32j+32)).
+  //   axis 0, columnwise: scales (ceil(R/32), C) e8m0; block i of column c is x([32i, 32i+32), c).
+  // A tail block is shorter. Per block, with amax = max |x| (Transformer Engine's rule):
+  //   - amax finite and > 0: scale = 2^e, e = ceil(log2(amax/448)) taken exactly from amax's
+  //     exponent and mantissa (so amax/scale <= 448), clamped to [-127, 127];
+  //   - amax = 0: scale = 2^-127 (bits 0x00), data ±0;
+  //   - an infinite element (no NaN): e = 127 (TE's saturating E8M0 conversion gives 0xFE), and
+  //     the infinite element saturates to ±448;
+  //   - a NaN anywhere in the block: scale NaN (0xFF) and every element of the block NaN (0x7F),
+  //     so the whole block dequantizes to NaN, as the OCP MX spec reads a NaN scale.
+  //   data = E4M3(x / scale), rounded to nearest even and saturating at ±448; the division by a
+  //   power of two is exact.
+  virtual void quantizeMxfp8(ConstView x, View data, View scales, int axis) = 0;
+  // y = E4M3(data) · scale of its block, rounded once to y's dtype. data: (R, C) fp8e4m3, scales
+  // as for quantizeMxfp8 with the same axis, y: (R, C) fp32, bf16, fp16 or fp64.
+  virtual void dequantizeMxfp8(ConstView data, ConstView scales, int axis, View y) = 0;
+
   // Embedding lookup on a vocab shard owning ids [first, first + V).
   // out(i, :) = table(ids(i) - first, :) when the id is owned, else 0.
   // table: (V, h)  ids: int64 (n)  out: (n, h).

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "backends/dtype.h"
+#include "core/mxfp8.h"
 
 namespace tpsim {
 
@@ -27,6 +28,10 @@ struct ModelParallelConfig {
   int gtpPadForAlignment = 16;                 // a: pad dim 0 to a multiple of a·G; 0 = no padding
   bool calculatePerTokenLoss = false;          // false: the GTP wgrad reduce-scatter is a MEAN
   bool gtpReduceScatterWithFp32Accumulation = false;
+  // How ColumnParallelLinear and RowParallelLinear hand their weight to the fprop and dgrad GEMMs
+  // (Megatron: fp8_recipe = "mxfp8" with fp8_param). The embedding is a lookup, not a GEMM, and
+  // always reads its table natively. mxfp8 with GTP_remat needs gtpPadForAlignment = 32·j.
+  WeightFormat weightFormat = WeightFormat::kNative;
 
   int expertTp() const { return expertTensorParallelSize ? expertTensorParallelSize : tensorModelParallelSize; }
   // Megatron's config validation: SP needs T > 1; deferral needs PP > 1, fusion and a limit >= 0.

@@ -92,6 +92,7 @@ ColumnParallelLinear::ColumnParallelLinear(LayerContext ctx, const ModelParallel
   const char* where = "ColumnParallelLinear";
   config_.validate();
   checkGtp(ctx_, where);
+  checkMxfp8Alignment(config_.weightFormat, ctx_.gtpActive() ? ctx_.gtp->size() : 1, config_.gtpPadForAlignment, where);
   const int T = ctx_.tp.size();
   outputSizePerPartition_ = divide(outputSize, T, "ColumnParallelLinear: output_size by the TP size");
   const bool expertParallel = config_.expertModelParallelSize > 1;
@@ -152,6 +153,7 @@ LayerOutput ColumnParallelLinear::forward(ConstView input, Parameter* weight, st
   lo.wgradDeferralLimit = config_.wgradDeferralLimit;
   lo.outputDtype = options_.outputDtype;
   lo.gtpReducer = ctx_.gtpReducer;
+  lo.weightFormat = config_.weightFormat;
   Tensor outputParallel;  // (…, N/T), or (s, b, N/T) under sequence parallelism
   linear_.reset();
   frozen_.reset();
@@ -199,6 +201,7 @@ RowParallelLinear::RowParallelLinear(LayerContext ctx, const ModelParallelConfig
   const char* where = "RowParallelLinear";
   config_.validate();
   checkGtp(ctx_, where);
+  checkMxfp8Alignment(config_.weightFormat, ctx_.gtpActive() ? ctx_.gtp->size() : 1, config_.gtpPadForAlignment, where);
   TPSIM_CHECK(!config_.sequenceParallel || options_.inputIsParallel,
               "RowParallelLinear: sequence_parallel needs input_is_parallel = True");
   // The layer's own scatter hands rank t the contiguous columns [t·K/T, (t+1)·K/T), while a
@@ -242,6 +245,7 @@ LayerOutput RowParallelLinear::forward(ConstView input) {
   LinearOptions lo;  // no TP collective inside the linear function: the layer reduces the output
   lo.gradientAccumulationFusion = config_.gradientAccumulationFusion;
   lo.gtpReducer = ctx_.gtpReducer;
+  lo.weightFormat = config_.weightFormat;
   Tensor partial;    // (…, N), partial over TP
   linear_.reset();
   frozen_.reset();

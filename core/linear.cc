@@ -124,20 +124,21 @@ Tensor LinearWithGradAccumulation::forward(ConstView input, Parameter& weight, c
   weight_ = &weight;
   hasBias_ = bias != nullptr;
   const ConstView biasView = bias ? ConstView(bias->data) : ConstView();
-  Materialized full;  // the GTP_remat weight, dropped after the GEMM
-  const ConstView w = gtp ? (full = materialize(compute_, weight)).weight : ConstView(weight.data);  // (N, K)
-  if (!options_.sequenceParallel) return linearForward(compute_, input, w, biasView, options_.outputDtype);
+  // The fprop operand (N, K); a GTP_remat or mxfp8 copy is dropped after the GEMM.
+  const GemmWeight w = gemmWeight(compute_, weight, options_.weightFormat, GemmUse::kFprop, input.dtype());
+  if (!options_.sequenceParallel) return linearForward(compute_, input, w.weight, biasView, options_.outputDtype);
   Tensor staging, total;  // total: (s, b, K)
   gatherSequence(compute_, tp_, input, staging, total)->wait();
-  return linearForward(compute_, total, w, biasView, options_.outputDtype);
+  return linearForward(compute_, total, w.weight, biasView, options_.outputDtype);
 }
 
 LinearGrads LinearWithGradAccumulation::backward(ConstView dYIn) {
   TPSIM_CHECK(weight_ != nullptr, "LinearWithGradAccumulation::backward: called before forward");
   Parameter& weight = *weight_;
   const bool gtp = isGtpShard(weight);
-  Materialized full;  // rematerialized for dgrad: the forward's copy was not kept
-  const ConstView w = gtp ? (full = materialize(compute_, weight)).weight : ConstView(weight.data);  // (N, K)
+  // Rematerialized for dgrad, the forward's copy was not kept; columnwise blocks under mxfp8.
+  const GemmWeight dgradWeight = gemmWeight(compute_, weight, options_.weightFormat, GemmUse::kDgrad, input_.dtype());
+  const ConstView w = dgradWeight.weight;  // (N, K)
   const std::int64_t n = w.dim(0), k = w.dim(1);
   Shape outShape = withLastDim(input_.shape(), n);
   if (options_.sequenceParallel) outShape[0] *= tp_.size();
@@ -219,34 +220,39 @@ LinearWithFrozenWeight::LinearWithFrozenWeight(Compute& compute, Collectives& tp
 }
 
 Tensor LinearWithFrozenWeight::forward(ConstView input, const Parameter& weight, const Parameter* bias) {
-  if (isGtpShard(weight)) {
-    // Backward reads the weight the forward used: keep this materialization, privately.
-    Materialized full = materialize(compute_, weight);
-    gathered_ = std::move(full.gathered);
-    weight_ = full.weight;
-  } else {
-    gathered_ = Tensor();
-    weight_ = weight.data;
-  }
+  // Backward reads the weight the forward used. A frozen weight cannot change in between, so its
+  // dgrad operand is derived here and kept privately (SPEC 8 item 10) and backward gathers nothing:
+  // natively that is the fprop operand itself, under mxfp8 the separate columnwise copy.
+  const bool native = options_.weightFormat == WeightFormat::kNative;
+  GemmWeight fprop = gemmWeight(compute_, weight, options_.weightFormat, GemmUse::kFprop, input.dtype());  // (N, K)
+  dgradWeight_ = native ? GemmWeight{}
+                        : gemmWeight(compute_, weight, options_.weightFormat, GemmUse::kDgrad, input.dtype());
   inputShape_ = input.shape();
   inputDtype_ = input.dtype();
   hasBias_ = bias != nullptr;
   const ConstView biasView = bias ? ConstView(bias->data) : ConstView();
-  if (!options_.sequenceParallel) return linearForward(compute_, input, weight_, biasView, options_.outputDtype);
-  Tensor staging, total;  // total: (s, b, K)
-  gatherSequence(compute_, tp_, input, staging, total)->wait();
-  return linearForward(compute_, total, weight_, biasView, options_.outputDtype);
+  Tensor y;
+  if (!options_.sequenceParallel) {
+    y = linearForward(compute_, input, fprop.weight, biasView, options_.outputDtype);
+  } else {
+    Tensor staging, total;  // total: (s, b, K)
+    gatherSequence(compute_, tp_, input, staging, total)->wait();
+    y = linearForward(compute_, total, fprop.weight, biasView, options_.outputDtype);
+  }
+  if (native) dgradWeight_ = std::move(fprop);
+  return y;
 }
 
 LinearGrads LinearWithFrozenWeight::backward(ConstView dYIn) {
-  TPSIM_CHECK(weight_.data() != nullptr, "LinearWithFrozenWeight::backward: called before forward");
+  const ConstView weight = dgradWeight_.weight;  // (N, K)
+  TPSIM_CHECK(weight.data() != nullptr, "LinearWithFrozenWeight::backward: called before forward");
   Tensor dYStorage;
   const ConstView dY = castTo(compute_, dYIn, inputDtype_, dYStorage);  // (…, N)
-  TPSIM_CHECK(dY.dim(-1) == weight_.dim(0), "LinearWithFrozenWeight::backward: grad_output must end in N=",
-              weight_.dim(0), ", got ", dY.str());
+  TPSIM_CHECK(dY.dim(-1) == weight.dim(0), "LinearWithFrozenWeight::backward: grad_output must end in N=",
+              weight.dim(0), ", got ", dY.str());
   LinearGrads grads;
-  Tensor dX = compute_.empty(withLastDim(dY.shape(), weight_.dim(1)), inputDtype_);  // (…, K)
-  compute_.gemm(dY.flattenTo2d(), weight_, dX.view().flattenTo2d());
+  Tensor dX = compute_.empty(withLastDim(dY.shape(), weight.dim(1)), inputDtype_);  // (…, K)
+  compute_.gemm(dY.flattenTo2d(), weight, dX.view().flattenTo2d());
   if (options_.allreduceDgrad) tp_.allReduce(dX)->wait();
   if (options_.sequenceParallel) {
     grads.dX = compute_.empty(inputShape_, inputDtype_);  // (s/T, b, K): backward of the SP gather
@@ -255,7 +261,7 @@ LinearGrads LinearWithFrozenWeight::backward(ConstView dYIn) {
     grads.dX = std::move(dX);
   }
   if (hasBias_) {
-    grads.db = compute_.empty({weight_.dim(0)}, inputDtype_);
+    grads.db = compute_.empty({weight.dim(0)}, inputDtype_);
     compute_.sumRows(dY.flattenTo2d(), grads.db);
   }
   return grads;

@@ -16,6 +16,7 @@
 #include "backends/collectives.h"
 #include "backends/compute.h"
 #include "core/gtp.h"
+#include "core/mxfp8.h"
 #include "core/parameter.h"
 
 namespace tpsim {
@@ -54,6 +55,8 @@ struct LinearOptions {
   std::optional<DType> outputDtype;
   // Reduces the wgrads of GTP_remat shards (SPEC 4.5); required when the weight is one.
   GtpGradReducer* gtpReducer = nullptr;
+  // The weight operand of fprop and dgrad (core/mxfp8.h); the wgrad is never quantized.
+  WeightFormat weightFormat = WeightFormat::kNative;
 };
 
 class LinearWithGradAccumulation {
@@ -62,8 +65,8 @@ class LinearWithGradAccumulation {
   LinearWithGradAccumulation(Compute& compute, Collectives& tp, LinearOptions options);
 
   // input: (…, K), or (s/T, b, K) under sequence parallelism.  weight: (N, K), or its GTP_remat
-  // shard, materialized here and again in backward.  bias: (N) or nullptr. Returns (…, N), or
-  // (s, b, N) under sequence parallelism.
+  // shard, materialized here and again in backward (gemmWeight: the fprop operand here, the dgrad
+  // one there).  bias: (N) or nullptr. Returns (…, N), or (s, b, N) under sequence parallelism.
   Tensor forward(ConstView input, Parameter& weight, const Parameter* bias);
   // dY: the output's shape. Fusion adds the wgrad into weight.mainGrad here.
   LinearGrads backward(ConstView dY);
@@ -91,8 +94,7 @@ class LinearWithFrozenWeight {
   Compute& compute_;
   Collectives& tp_;
   LinearOptions options_;
-  Tensor gathered_;          // a GTP_remat weight's private materialized copy (SPEC 8 item 10)
-  ConstView weight_;         // (N, K)
+  GemmWeight dgradWeight_;   // (N, K); a GTP_remat or mxfp8 weight's private copy (SPEC 8 item 10)
   Shape inputShape_;
   DType inputDtype_ = DType::kFloat32;
   bool hasBias_ = false;

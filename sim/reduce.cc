@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "backends/errors.h"
+
 namespace tpsim::sim {
 namespace {
 
@@ -42,7 +44,11 @@ void reduceInRankOrder(DType dtype, ReduceOp op, const std::vector<const void*>&
       return reduce16<bf16ToFloat, floatToBf16>(op, inputs, count, static_cast<std::uint16_t*>(out));
     case DType::kFloat16:
       return reduce16<halfToFloat, floatToHalf>(op, inputs, count, static_cast<std::uint16_t*>(out));
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E8M0:
+      break;  // the collectives reject them when issued
   }
+  TPSIM_INTERNAL_ASSERT(false, "reduceInRankOrder: cannot reduce ", dtypeName(dtype));
 }
 
 }  // namespace tpsim::sim

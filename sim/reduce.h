@@ -14,7 +14,8 @@
 
 namespace tpsim::sim {
 
-// inputs[r] points at `count` elements of `dtype`; out must not overlap any input.
+// inputs[r] points at `count` elements of `dtype`; out must not overlap any input. The fp8 dtypes
+// are not reducible (a sum of E4M3 values with their own block scales means nothing).
 void reduceInRankOrder(DType dtype, ReduceOp op, const std::vector<const void*>& inputs, std::int64_t count,
                        void* out);
 

@@ -110,7 +110,8 @@ void checkHost(const char* op, const char* arg, ConstView v) {
 
 void checkFloating(const char* op, const char* arg, ConstView v) {
   checkHost(op, arg, v);
-  TPSIM_CHECK(isFloating(v.dtype()), op, ": ", arg, " must be fp32, bf16, fp16 or fp64, got ", v.str());
+  TPSIM_CHECK(isFloating(v.dtype()), op, ": ", arg, " must be fp32, bf16, fp16 or fp64, got ", v.str(),
+              isFloat8(v.dtype()) ? "; fp8 is a storage type, dequantizeMxfp8 it first" : "");
 }
 
 void checkSameShape(const char* op, const char* arg, ConstView v, const char* refArg, ConstView ref) {
@@ -155,6 +156,8 @@ T load(const void* p, DType dtype) {
     case DType::kFloat16: return T(halfToFloat(*static_cast<const std::uint16_t*>(p)));
     case DType::kFloat64: return T(*static_cast<const double*>(p));
     case DType::kInt64: return T(*static_cast<const std::int64_t*>(p));
+    case DType::kFloat8E4M3: return T(e4m3ToFloat(*static_cast<const std::uint8_t*>(p)));
+    case DType::kFloat8E8M0: return T(e8m0ToFloat(*static_cast<const std::uint8_t*>(p)));
   }
   TPSIM_INTERNAL_ASSERT(false, "unknown dtype ", int(dtype));
 }
@@ -173,6 +176,8 @@ void store(void* p, DType dtype, T v) {
                   "SimCompute: an int64 output must receive values in [-2^63, 2^63), got ", v);
       *static_cast<std::int64_t*>(p) = std::int64_t(v);
       return;
+    case DType::kFloat8E4M3: *static_cast<std::uint8_t*>(p) = toE4m3(double(v)); return;
+    case DType::kFloat8E8M0: *static_cast<std::uint8_t*>(p) = toE8m0(double(v)); return;
   }
   TPSIM_INTERNAL_ASSERT(false, "unknown dtype ", int(dtype));
 }
@@ -304,6 +309,42 @@ void gemmAs(ConstView a, ConstView b, View c, float alpha, float beta) {
   withMatrix<T>(a, [&](const auto& am) {
     withMatrix<T>(b, [&](const auto& bm) { gemmInto<T>(am, bm, c, alpha, beta); });
   });
+}
+
+// ---- MXFP8 --------------------------------------------------------------------------------------
+
+constexpr std::int64_t kMxBlock = 32;
+
+// Checks the (R, C) data and the shape of its block scales for `axis`.
+void checkMxfp8(const char* op, ConstView data, ConstView scales, int axis) {
+  TPSIM_CHECK(axis == 0 || axis == 1, op, ": axis must be 0 (columnwise) or 1 (rowwise), got ", axis);
+  checkHost(op, "data", data);
+  checkHost(op, "scales", scales);
+  TPSIM_CHECK(data.dtype() == DType::kFloat8E4M3, op, ": data must be fp8e4m3, got ", data.str());
+  TPSIM_CHECK(scales.dtype() == DType::kFloat8E8M0, op, ": scales must be e8m0, got ", scales.str());
+  const std::int64_t r = data.dim(0), c = data.dim(1);
+  const Shape want = axis == 1 ? Shape{r, (c + kMxBlock - 1) / kMxBlock} : Shape{(r + kMxBlock - 1) / kMxBlock, c};
+  TPSIM_CHECK(scales.shape() == want, op, ": scales of ", axis == 1 ? "rowwise" : "columnwise", " (axis ", axis,
+              ") blocks of a ", data.shape(), " matrix must be ", want, ", got ", scales.str());
+}
+
+// The E8M0 exponent of a block whose largest magnitude is amax > 0: the least e with
+// amax <= 448·2^e. With amax = f·2^k, f in [0.5, 1), and 448 = 0.875·2^9, that is k - 9, or
+// k - 8 when f > 0.875. Infinity saturates to the top exponent.
+int mxfp8Exponent(double amax) {
+  if (std::isinf(amax)) return 127;
+  int k;
+  const double f = std::frexp(amax, &k);
+  return std::clamp(k - 9 + (f > 0.875 ? 1 : 0), -127, 127);
+}
+
+// Calls fn(a, b, first, last) for every block of an (R, C) matrix: block b of row (axis 1) or
+// column (axis 0) a holds the elements [first, last) along `axis`.
+template <typename Fn>
+void forEachMxBlock(std::int64_t rows, std::int64_t cols, int axis, Fn&& fn) {
+  const std::int64_t along = axis == 1 ? cols : rows, across = axis == 1 ? rows : cols;
+  for (std::int64_t a = 0; a < across; ++a)
+    for (std::int64_t b = 0; b * kMxBlock < along; ++b) fn(a, b, b * kMxBlock, std::min(along, (b + 1) * kMxBlock));
 }
 
 }  // namespace
@@ -515,6 +556,57 @@ void SimCompute::geluBackward(ConstView x, ConstView dy, View dx) {
       store<T>(dx.at(o[2]), dx.dtype(), load<T>(dy.at(o[1]), dy.dtype()) * (cdf + v * pdf));
     });
   });
+}
+
+// ---- MXFP8 --------------------------------------------------------------------------------------
+
+void SimCompute::quantizeMxfp8(ConstView x, View data, View scales, int axis) {
+  checkFloating("quantizeMxfp8", "x", x);
+  TPSIM_CHECK(x.rank() == 2, "quantizeMxfp8: x must be a matrix (R, C), got ", x.str());
+  checkSameShape("quantizeMxfp8", "data", data, "x", x);
+  checkMxfp8("quantizeMxfp8", data, scales, axis);
+  // Element k of the block (a, b): row-major (a, k) for rowwise blocks, (k, a) for columnwise ones.
+  auto offset = [axis](ConstView v, std::int64_t a, std::int64_t k) {
+    return axis == 1 ? a * v.stride(0) + k * v.stride(1) : k * v.stride(0) + a * v.stride(1);
+  };
+  forEachMxBlock(x.dim(0), x.dim(1), axis, [&](std::int64_t a, std::int64_t b, std::int64_t first, std::int64_t last) {
+    double amax = 0.0;
+    bool nan = false;
+    for (std::int64_t k = first; k < last; ++k) {
+      const double v = load<double>(x.at(offset(x, a, k)), x.dtype());
+      nan = nan || std::isnan(v);
+      amax = std::max(amax, std::fabs(v));
+    }
+    void* scale = axis == 1 ? scales.at(a * scales.stride(0) + b * scales.stride(1))
+                            : scales.at(b * scales.stride(0) + a * scales.stride(1));
+    if (nan) {
+      *static_cast<std::uint8_t*>(scale) = 0xff;
+      for (std::int64_t k = first; k < last; ++k) *static_cast<std::uint8_t*>(data.at(offset(data, a, k))) = 0x7f;
+      return;
+    }
+    const int e = amax > 0.0 ? mxfp8Exponent(amax) : -127;
+    *static_cast<std::uint8_t*>(scale) = std::uint8_t(e + 127);
+    for (std::int64_t k = first; k < last; ++k) {
+      const double v = load<double>(x.at(offset(x, a, k)), x.dtype());
+      *static_cast<std::uint8_t*>(data.at(offset(data, a, k))) = toE4m3(std::ldexp(v, -e));
+    }
+  });
+}
+
+void SimCompute::dequantizeMxfp8(ConstView data, ConstView scales, int axis, View y) {
+  checkFloating("dequantizeMxfp8", "y", y);
+  TPSIM_CHECK(data.rank() == 2, "dequantizeMxfp8: data must be a matrix (R, C), got ", data.str());
+  checkMxfp8("dequantizeMxfp8", data, scales, axis);
+  checkSameShape("dequantizeMxfp8", "y", y, "data", data);
+  // Both factors fit double exactly (4 significant bits times a power of two), so the product is
+  // exact and the store below is the only rounding.
+  for (std::int64_t r = 0; r < data.dim(0); ++r)
+    for (std::int64_t c = 0; c < data.dim(1); ++c) {
+      const std::int64_t i = axis == 1 ? r : r / kMxBlock, j = axis == 1 ? c / kMxBlock : c;
+      const auto* scale = static_cast<const std::uint8_t*>(scales.at(i * scales.stride(0) + j * scales.stride(1)));
+      const auto* v = static_cast<const std::uint8_t*>(data.at(r * data.stride(0) + c * data.stride(1)));
+      store<double>(y.at(r * y.stride(0) + c * y.stride(1)), y.dtype(), double(e4m3ToFloat(*v)) * e8m0ToFloat(*scale));
+    }
 }
 
 // ---- Embedding rows -----------------------------------------------------------------------------

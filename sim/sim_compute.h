@@ -17,6 +17,8 @@ namespace tpsim::sim {
 //    fp32; fp64 -> 16-bit stores round once (no detour through a rounded fp32).
 //  - int64 data is accepted only by fill, copy, upload and download (and as ids). Storing to int64
 //    truncates toward zero (as torch .to(int64)) and rejects NaN and values outside int64's range.
+//    The same four accept fp8e4m3 and e8m0 (besides the MXFP8 ops); storing to e8m0 rejects any
+//    value but an exact power of two.
 //  - axpy and scatterAddRows accumulate into a destination of the source's dtype or a wider one
 //    (16-bit -> fp32 -> fp64); the other elementwise ops take any floating dtypes.
 //  - gemm accepts c of a's dtype, or fp32 for 16-bit a and b. Each operand with a unit-stride mode
@@ -46,6 +48,9 @@ class SimCompute final : public Compute {
 
   void gelu(ConstView x, View y) override;
   void geluBackward(ConstView x, ConstView dy, View dx) override;
+
+  void quantizeMxfp8(ConstView x, View data, View scales, int axis) override;
+  void dequantizeMxfp8(ConstView data, ConstView scales, int axis, View y) override;
 
   void gatherRows(ConstView table, ConstView ids, std::int64_t first, View out) override;
   void scatterAddRows(ConstView grad, ConstView ids, std::int64_t first, View table) override;

@@ -407,6 +407,7 @@ class SimCollectives final : public Collectives {
 
   std::unique_ptr<Work> allReduce(ConstView in, View out, const AllReduceOptions& opts) override {
     checkBuffers("allReduce", in, out);
+    checkReducible("allReduce", in);
     TPSIM_CHECK(in.numel() == out.numel(), where("allReduce"), ": out must have in's ", in.numel(),
                 " elements, got ", out.str());
     Fingerprint fp{OpKind::kAllReduce, in.dtype(), in.numel(), out.numel(), opts.op, 0, {}};
@@ -423,6 +424,7 @@ class SimCollectives final : public Collectives {
 
   std::unique_ptr<Work> reduceScatter(ConstView in, View out, const ReduceScatterOptions& opts) override {
     checkBuffers("reduceScatter", in, out);
+    checkReducible("reduceScatter", in);
     TPSIM_CHECK(in.numel() == size() * out.numel(), where("reduceScatter"), ": in must have n·out = ", size(),
                 "·", out.numel(), " elements, got ", in.str(), "; in's dim 0 must divide by the group size");
     Fingerprint fp{OpKind::kReduceScatter, in.dtype(), in.numel(), out.numel(), opts.op, 0, {}};
@@ -475,6 +477,13 @@ class SimCollectives final : public Collectives {
     TPSIM_CHECK(out.isContiguous(), where(op), ": out must be contiguous, got ", out.str());
     TPSIM_CHECK(in.device() == Device::kHost && out.device() == Device::kHost, where(op),
                 ": buffers must be host memory on the simulator");
+  }
+
+  // fp8 data is only moved: E4M3 values carry separate block scales, so their sum is meaningless.
+  void checkReducible(const char* op, ConstView in) const {
+    TPSIM_CHECK(!isFloat8(in.dtype()), where(op), ": cannot reduce ", dtypeName(in.dtype()),
+                " data; expected fp32, bf16, fp16, fp64 or int64, got ", in.str(),
+                "; fp8 tensors can be all-gathered, broadcast or exchanged, dequantize them to reduce");
   }
 
   std::unique_ptr<Work> issue(const Fingerprint& fp, ConstView in, View out, Timeout timeout,

@@ -37,6 +37,12 @@ check run-gtp 0 "sharded results agree" -- "$tpsim" run --layer row --tp 2 --gtp
 check run-gtp-fp32 0 "sharded results agree" -- "$tpsim" run --layer column --tp 1 --gtp-remat 4 --batch 4 \
   --fp32-accum-reduce-scatter --dtype bf16
 check gtp-batch 2 "must be divisible by --gtp-remat" -- "$tpsim" run --layer column --gtp-remat 3
+check run-mxfp8 0 "sharded results agree" -- "$tpsim" run --layer mlp --tp 2 --gtp-remat 2 --batch 4 \
+  --pad-for-alignment 32 --weight-format mxfp8 --dtype bf16
+check mxfp8-pad 2 "--pad-for-alignment: expected a positive multiple of 32 for --weight-format mxfp8" -- \
+  "$tpsim" run --layer column --gtp-remat 2 --weight-format mxfp8
+check mxfp8-embedding 2 "--weight-format mxfp8: applies to --layer column, row or mlp" -- \
+  "$tpsim" run --layer embedding --weight-format mxfp8
 check run-rs-embeddings 0 "sharded results agree" -- "$tpsim" run --layer embedding --tp 2 --reduce-scatter-embeddings
 
 # Save generated inputs and results, replay from the files: identical results, byte for byte.

@@ -1,8 +1,9 @@
 // Unit tests of backends/dtype.h conversions and of Shape (dims.h) and View (view.h).
 //
 // Conversions are checked on hand-picked bit patterns (ties, subnormals, overflow, inf, NaN),
-// exhaustively over all 16-bit patterns, and on random floats against a reference rounding
-// written here from the IEEE definition (nearest of the two neighbours, ties to even mantissa).
+// exhaustively over all 16-bit and 8-bit patterns, and on random values against a reference
+// rounding written here from the IEEE definition (nearest of the two neighbours, ties to even
+// mantissa; fp8 by brute force over its 127 magnitudes).
 #include "backends/dtype.h"
 
 #include <gtest/gtest.h>
@@ -214,11 +215,133 @@ TEST(Half, RandomFloatsMatchReference) {
   }
 }
 
+// ---- fp8 (E4M3FN data, E8M0 scales) -------------------------------------------------------------
+
+// Value of a non-NaN E4M3 pattern from its fields (independent of e4m3ToFloat).
+double e4m3Value(std::uint8_t b) {
+  const int exp = (b >> 3) & 0xf, mant = b & 0x7;
+  const double sign = (b & 0x80) ? -1.0 : 1.0;
+  return exp == 0 ? sign * mant / 512.0 : sign * (1.0 + mant / 8.0) * std::pow(2.0, exp - 7);
+}
+bool isE4m3NaN(std::uint8_t b) { return (b & 0x7f) == 0x7f; }
+
+// Brute force: the nearest of the 127 non-negative finite patterns, ties to the even pattern,
+// magnitudes above 448 saturated.
+std::uint8_t referenceE4m3(double v) {
+  const std::uint8_t sign = std::signbit(v) ? 0x80 : 0x00;
+  const double a = std::min(std::fabs(v), 448.0);
+  std::uint8_t best = 0;
+  for (int b = 1; b <= 0x7e; ++b) {
+    const double d = std::fabs(e4m3Value(std::uint8_t(b)) - a), dBest = std::fabs(e4m3Value(best) - a);
+    if (d < dBest || (d == dBest && b % 2 == 0)) best = std::uint8_t(b);
+  }
+  return sign | best;
+}
+
+TEST(Fp8E4m3, ConversionTable) {
+  struct Case { double value; std::uint8_t bits; };
+  const Case cases[] = {
+      {0.0, 0x00}, {-0.0, 0x80}, {1.0, 0x38}, {-1.0, 0xb8},
+      {std::ldexp(1.0, -9), 0x01},        // smallest subnormal
+      {7 * std::ldexp(1.0, -9), 0x07},    // largest subnormal
+      {std::ldexp(1.0, -6), 0x08},        // smallest normal
+      {448.0, 0x7e}, {-448.0, 0xfe},      // largest finite
+      {1000.0, 0x7e}, {-1000.0, 0xfe}, {449.0, 0x7e}, {464.0, 0x7e},  // saturate
+      {kInf, 0x7e}, {-kInf, 0xfe},
+      {1.0 + 1.0 / 16, 0x38},             // tie between 1 and 1.125: even mantissa 0
+      {1.0 + 3.0 / 16, 0x3a},             // tie between 1.125 and 1.25: even mantissa 2
+      {1.0 + 1.0 / 16 + 1e-9, 0x39},      // just above the tie
+      {std::ldexp(1.0, -10), 0x00},       // half the smallest subnormal: tie to 0
+      {3 * std::ldexp(1.0, -10), 0x02},   // tie between subnormals 1 and 2
+      {7.5 * std::ldexp(1.0, -9), 0x08},  // tie between the largest subnormal and 2^-6
+      {15.5 * 16, 0x78},                  // 248, tie between 240 and 256: 256 (mantissa 0)
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ(int(toE4m3(c.value)), int(c.bits)) << "value " << c.value;
+    EXPECT_EQ(int(referenceE4m3(c.value)), int(c.bits)) << "reference, value " << c.value;
+  }
+  EXPECT_EQ(int(toE4m3(std::nan(""))), 0x7f);
+  EXPECT_EQ(int(toE4m3(-std::nan(""))), 0xff);
+  EXPECT_TRUE(std::isnan(e4m3ToFloat(0x7f)));
+  EXPECT_TRUE(std::isnan(e4m3ToFloat(0xff)));
+  EXPECT_EQ(e4m3ToFloat(0x7e), 448.f);
+  EXPECT_EQ(e4m3ToFloat(0x01), std::ldexp(1.f, -9));
+  EXPECT_TRUE(std::signbit(e4m3ToFloat(0x80)));
+}
+
+TEST(Fp8E4m3, EveryPatternRoundTripsAndMatchesFields) {
+  for (int b = 0; b < 256; ++b) {
+    const std::uint8_t bits = std::uint8_t(b);
+    if (isE4m3NaN(bits)) continue;
+    ASSERT_EQ(double(e4m3ToFloat(bits)), e4m3Value(bits)) << "mismatch at pattern " << b;
+    ASSERT_EQ(int(toE4m3(e4m3ToFloat(bits))), b) << "mismatch at pattern " << b;
+  }
+}
+
+TEST(Fp8E4m3, RandomValuesMatchReference) {
+  std::mt19937 rng(44);
+  std::uniform_real_distribution<double> mantissa(-1.0, 1.0);
+  std::uniform_int_distribution<int> exponent(-12, 10);  // below the subnormals to past 448
+  for (int i = 0; i < 100000; ++i) {
+    // Half of the values sit exactly on a midpoint between neighbouring patterns.
+    double v = std::ldexp(mantissa(rng), exponent(rng));
+    if (i % 2) {
+      const std::uint8_t lo = toE4m3(v) & 0x7f;
+      if (lo < 0x7e) v = std::copysign((e4m3Value(lo) + e4m3Value(std::uint8_t(lo + 1))) / 2, v);
+    }
+    ASSERT_EQ(int(toE4m3(v)), int(referenceE4m3(v))) << "mismatch at index " << i << " (value " << v << ")";
+  }
+}
+
+TEST(Fp8E8m0, PowersOfTwoOnly) {
+  EXPECT_EQ(e8m0ToFloat(127), 1.f);
+  EXPECT_EQ(e8m0ToFloat(0), std::ldexp(1.f, -127));
+  EXPECT_EQ(e8m0ToFloat(254), std::ldexp(1.f, 127));
+  EXPECT_EQ(e8m0ToFloat(120), 1.f / 128);
+  EXPECT_TRUE(std::isnan(e8m0ToFloat(0xff)));
+  EXPECT_EQ(int(toE8m0(1.0)), 127);
+  EXPECT_EQ(int(toE8m0(std::ldexp(1.0, -127))), 0);
+  EXPECT_EQ(int(toE8m0(std::ldexp(1.0, 127))), 254);
+  EXPECT_EQ(int(toE8m0(0.25)), 125);
+  EXPECT_EQ(int(toE8m0(std::nan(""))), 0xff);
+  for (int b = 0; b < 255; ++b) ASSERT_EQ(int(toE8m0(e8m0ToFloat(std::uint8_t(b)))), b) << "pattern " << b;
+  for (double bad : {3.0, 0.75, 0.0, -2.0, double(kInf), std::ldexp(1.0, 128), std::ldexp(1.0, -128)}) {
+    try {
+      toE8m0(bad);
+      ADD_FAILURE() << "expected InvalidArgument for " << bad;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("exact power of two"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(Fp8, LoadStoreAsDouble) {
+  std::uint8_t b = 0;
+  storeFromDouble(DType::kFloat8E4M3, 0.3, &b);  // 0.3 -> 0.3125 = 1.25·2^-2
+  EXPECT_EQ(int(b), 0x2a);
+  EXPECT_EQ(loadAsDouble(DType::kFloat8E4M3, &b), 0.3125);
+  storeFromDouble(DType::kFloat8E4M3, -1e6, &b);
+  EXPECT_EQ(loadAsDouble(DType::kFloat8E4M3, &b), -448.0);
+  storeFromDouble(DType::kFloat8E8M0, 0.5, &b);
+  EXPECT_EQ(int(b), 126);
+  EXPECT_EQ(loadAsDouble(DType::kFloat8E8M0, &b), 0.5);
+  EXPECT_THROW(storeFromDouble(DType::kFloat8E8M0, 0.3, &b), InvalidArgument);
+}
+
 // ---- DType helpers ------------------------------------------------------------------------------
 
 TEST(DType, NamesSizesAndRoundTo) {
-  for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat64, DType::kInt64})
+  for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat64, DType::kInt64,
+                  DType::kFloat8E4M3, DType::kFloat8E8M0})
     EXPECT_EQ(parseDType(dtypeName(d)), d) << dtypeName(d);
+  EXPECT_EQ(std::string(dtypeName(DType::kFloat8E4M3)), "fp8e4m3");
+  EXPECT_EQ(std::string(dtypeName(DType::kFloat8E8M0)), "e8m0");
+  EXPECT_EQ(dtypeSize(DType::kFloat8E4M3), 1u);
+  EXPECT_EQ(dtypeSize(DType::kFloat8E8M0), 1u);
+  EXPECT_TRUE(isFloat8(DType::kFloat8E4M3));
+  EXPECT_FALSE(isFloat8(DType::kBFloat16));
+  EXPECT_FALSE(isFloating(DType::kFloat8E4M3));  // storage only, not an arithmetic operand
+  EXPECT_FALSE(isFloating(DType::kFloat8E8M0));
   EXPECT_EQ(std::string(dtypeName(DType::kBFloat16)), "bf16");
   EXPECT_EQ(dtypeSize(DType::kFloat32), 4u);
   EXPECT_EQ(dtypeSize(DType::kBFloat16), 2u);

@@ -456,7 +456,10 @@ TEST(NpyWriteErrorTest, BadArguments) {
   EXPECT_EQ(errorOf([&] { writeNpy(path, DType::kBFloat16, {2}, bf16); }),
             "writeNpy '" + path +
                 "': dtype must be one of fp32, fp16, fp64, int64, got bf16; NumPy has no "
-                "bfloat16, widen to fp32 first");
+                "bfloat16 or fp8 type, widen to fp32 first");
+  const std::uint8_t fp8[2] = {0, 0};
+  EXPECT_NE(errorOf([&] { writeNpy(path, DType::kFloat8E4M3, {2}, fp8); }).find("got fp8e4m3; NumPy has no"),
+            std::string::npos);
   EXPECT_EQ(errorOf([&] {
               writeNpy(path, DType::kFloat32, {2, -1}, bf16);
             }),

@@ -11,14 +11,14 @@ namespace {
 
 using ::testing::HasSubstr;
 
-void expectAgreement(const RunConfig& c) {
-  const TensorMap inputs = generateInputs(c);
+void expectAgreement(const RunConfig& c, const TensorMap& inputs) {
   const RunResult r = runSharded(c, inputs);
   const auto verdicts = verify(c, inputs, r.results);
   ASSERT_FALSE(verdicts.empty());
   for (const Verdict& v : verdicts)
     EXPECT_EQ(v.outside, 0) << c.str() << ": " << v.name << " max error " << v.maxError << " bound " << v.maxBound;
 }
+void expectAgreement(const RunConfig& c) { expectAgreement(c, generateInputs(c)); }
 
 TEST(Runner, EveryLayerKindAndOptionAgreesWithTheDenseComputation) {
   for (int tp : {1, 2, 4})
@@ -128,6 +128,55 @@ TEST(Runner, GtpRematAgreesWithTheDenseComputation) {
   expectAgreement(c);  // 16/2 = 8 rows per TP rank, divisible by G
 }
 
+// Generated inputs with every weight's element (0, 0) multiplied by 2^18: the small elements of
+// its rowwise and columnwise blocks fall to E4M3's subnormals or zero, so the results depend on
+// how the blocks are cut (TP-local, stride chunks, along rows or columns). Elsewhere MXFP8 rounds
+// each element to 3 mantissa bits whatever its block.
+TensorMap spikedWeights(const RunConfig& c) {
+  TensorMap in = generateInputs(c);
+  for (auto& [name, t] : in)
+    if (name.find("weight") != std::string::npos) t.values[0] *= 262144.0;
+  return in;
+}
+
+// MXFP8 weights through the whole tool: the dense reference multiplies by each rank's TP-local
+// weight quantized on its own (rowwise for outputs, columnwise for input gradients; N/T = 20 rows
+// and stride 2 cut blocks differently from the unsharded weight), with and without GTP_remat.
+TEST(Runner, Mxfp8WeightsAgreeWithTheQuantizedReference) {
+  for (LayerKind kind : {LayerKind::kColumn, LayerKind::kRow, LayerKind::kMlp})
+    for (int g : {1, 2})
+      for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
+        RunConfig c;
+        c.layer = kind;
+        c.tp = 2;
+        c.gtpRemat = g;
+        c.padForAlignment = 32;
+        c.batch = 4;
+        c.bias = true;
+        c.dtype = dt;
+        c.inFeatures = 48;
+        c.outFeatures = 40;
+        c.ffnHidden = 72;
+        c.weightFormat = WeightFormat::kMxfp8;
+        expectAgreement(c, spikedWeights(c));
+        if (kind == LayerKind::kMlp) continue;
+        c.stride = 2;
+        c.inputIsParallel = kind == LayerKind::kRow;
+        expectAgreement(c, spikedWeights(c));
+      }
+  // The quantization is visible: against the unquantized reference, outputs and dgrads fail.
+  RunConfig c;
+  c.inFeatures = 48;
+  c.outFeatures = 40;
+  c.weightFormat = WeightFormat::kMxfp8;
+  const TensorMap inputs = generateInputs(c);
+  const RunResult r = runSharded(c, inputs);
+  RunConfig native = c;
+  native.weightFormat = WeightFormat::kNative;
+  for (const Verdict& v : verify(native, inputs, r.results))
+    EXPECT_EQ(v.outside > 0, v.name != "weight.grad" && v.name != "bias.grad") << v.name << ": " << v.outside;
+}
+
 TEST(Runner, BadConfigurationsAndInputsAreNamed) {
   auto message = [](const std::function<void()>& f) {
     try {
@@ -164,7 +213,17 @@ TEST(Runner, BadConfigurationsAndInputsAreNamed) {
   c.gtpRemat = 1;
   in.erase("grad_output");
   EXPECT_THAT(message([&] { runSharded(c, in); }), HasSubstr("grad_output.npy is missing"));
+  c = RunConfig();
+  c.weightFormat = WeightFormat::kMxfp8;
+  c.gtpRemat = 2;
+  EXPECT_THAT(message([&] { c.validate(); }),
+              HasSubstr("--pad-for-alignment: expected a positive multiple of 32 for --weight-format mxfp8 with "
+                        "--gtp-remat 2, got 16"));
   c.layer = LayerKind::kEmbedding;
+  c.gtpRemat = 1;
+  EXPECT_THAT(message([&] { c.validate(); }), HasSubstr("--weight-format mxfp8: applies to --layer column, row or "
+                                                        "mlp (the embedding is a lookup, not a GEMM)"));
+  c.weightFormat = WeightFormat::kNative;
   in = generateInputs(c);
   in["input"].values[3] = 999;
   EXPECT_THAT(message([&] { runSharded(c, in); }), HasSubstr("input.npy holds id 999 at flat position 3"));
@@ -208,6 +267,11 @@ TEST(Runner, CommandLineNamesEveryNonDefaultFlag) {
   c.threads = 1;
   EXPECT_EQ(commandLine(c), "tpsim run --layer mlp --tp 2 --dtype fp32 --threads 1 --seed 1234 --seq 8 --batch 2 "
                             "--in-features 16 --ffn-hidden 64");
+  c.weightFormat = WeightFormat::kMxfp8;
+  c.gtpRemat = 2;
+  c.padForAlignment = 32;
+  EXPECT_EQ(commandLine(c, "d"), "tpsim run --layer mlp --tp 2 --dtype fp32 --weight-format mxfp8 --gtp-remat 2 "
+                                 "--pad-for-alignment 32 --gtp-reduce mean --threads 1 --seed 1234 --load d");
 }
 
 }  // namespace

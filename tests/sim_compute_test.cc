@@ -32,6 +32,8 @@ double getAt(ConstView v, std::int64_t offset) {
     case DType::kFloat16: return halfToFloat(*static_cast<const std::uint16_t*>(p));
     case DType::kFloat64: return *static_cast<const double*>(p);
     case DType::kInt64: return double(*static_cast<const std::int64_t*>(p));
+    case DType::kFloat8E4M3: return e4m3ToFloat(*static_cast<const std::uint8_t*>(p));
+    case DType::kFloat8E8M0: return e8m0ToFloat(*static_cast<const std::uint8_t*>(p));
   }
   return kNaN;
 }
@@ -45,6 +47,8 @@ void setAt(View v, std::int64_t offset, double value) {
     case DType::kFloat16: *static_cast<std::uint16_t*>(p) = floatToHalf(float(value)); return;
     case DType::kFloat64: *static_cast<double*>(p) = value; return;
     case DType::kInt64: *static_cast<std::int64_t*>(p) = std::int64_t(value); return;
+    case DType::kFloat8E4M3: *static_cast<std::uint8_t*>(p) = toE4m3(value); return;
+    case DType::kFloat8E8M0: *static_cast<std::uint8_t*>(p) = toE8m0(value); return;
   }
 }
 
@@ -837,6 +841,233 @@ TEST(SimCompute, ScatterAddRowsRoundsEachAdd) {
   Tensor f32 = make(sc, {1, 1}, DType::kFloat32, {1});
   sc.scatterAddRows(grad, ids, 10, f32);
   EXPECT_EQ(getAt(f32, 0), 1 + 0x1p-7);
+}
+
+
+// ---- MXFP8 quantize / dequantize ------------------------------------------------------------------
+
+// Reference scale exponent, searched rather than read off amax's fields: the least e in
+// [-127, 127] with amax <= 448·2^e; 2^-127 for an all-zero block, 2^127 when nothing fits.
+int referenceMxExponent(double amax) {
+  if (amax == 0) return -127;
+  for (int e = -127; e < 127; ++e)
+    if (amax <= 448.0 * std::ldexp(1.0, e)) return e;
+  return 127;
+}
+
+// The expected data bits and scale bits of `x` (R, C) quantized along `axis`, by plain loops.
+struct MxExpected {
+  std::vector<std::uint8_t> data;    // (R, C)
+  std::vector<std::uint8_t> scales;  // the scales' shape, row-major
+};
+MxExpected referenceMxfp8(ConstView x, int axis) {
+  const std::int64_t rows = x.dim(0), cols = x.dim(1);
+  const std::int64_t blocksAlong = ((axis == 1 ? cols : rows) + 31) / 32;
+  MxExpected out{std::vector<std::uint8_t>(std::size_t(rows * cols)), {}};
+  const std::int64_t scaleRows = axis == 1 ? rows : blocksAlong, scaleCols = axis == 1 ? blocksAlong : cols;
+  out.scales.resize(std::size_t(scaleRows * scaleCols));
+  for (std::int64_t si = 0; si < scaleRows; ++si)
+    for (std::int64_t sj = 0; sj < scaleCols; ++sj) {
+      std::vector<std::pair<std::int64_t, std::int64_t>> block;  // (row, col) of each element
+      for (std::int64_t k = 0; k < 32; ++k) {
+        const std::int64_t r = axis == 1 ? si : si * 32 + k, c = axis == 1 ? sj * 32 + k : sj;
+        if (r < rows && c < cols) block.emplace_back(r, c);
+      }
+      double amax = 0;
+      bool nan = false;
+      for (auto [r, c] : block) {
+        nan = nan || std::isnan(at2(x, r, c));
+        amax = std::max(amax, std::fabs(at2(x, r, c)));
+      }
+      const int e = referenceMxExponent(amax);
+      out.scales[std::size_t(si * scaleCols + sj)] = nan ? 0xff : std::uint8_t(e + 127);
+      for (auto [r, c] : block)
+        out.data[std::size_t(r * cols + c)] = nan ? 0x7f : toE4m3(at2(x, r, c) / std::ldexp(1.0, e));
+    }
+  return out;
+}
+
+std::uint8_t byteAt2(ConstView v, std::int64_t i, std::int64_t j) {
+  return *static_cast<const std::uint8_t*>(v.at(i * v.stride(0) + j * v.stride(1)));
+}
+
+// 5 rows of 70 (two full blocks and a tail of 6 per row), one kind of block per row: ordinary
+// values; zeros, float subnormals, huge values; amax exactly at 448·2^e and just past it; a wide
+// dynamic range that sends small elements to E4M3 subnormals and zero; exponents spread widely.
+std::vector<double> mxfp8Input() {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  std::uniform_int_distribution<int> spread(-20, 20);
+  std::vector<double> v(5 * 70);
+  for (int c = 0; c < 70; ++c) {
+    const int block = c / 32;
+    v[0 * 70 + c] = 3 * u(rng);
+    v[1 * 70 + c] = block == 0 ? 0.0 : block == 1 ? 1e-39 * u(rng) : 1e30 * u(rng);
+    v[2 * 70 + c] = u(rng);
+    v[3 * 70 + c] = c % 7 == 0 ? 100.0 : 1e-3 * u(rng);
+    v[4 * 70 + c] = std::ldexp(u(rng), spread(rng));
+  }
+  v[2 * 70 + 5] = 448.0;       // block 0: e = 0 exactly
+  v[2 * 70 + 40] = -449.0;     // block 1: just past, e = 1
+  v[2 * 70 + 66] = 448.0 / 8;  // tail block: e = -3 exactly
+  return v;
+}
+
+double roundedTo(DType dtype, double v) {
+  switch (dtype) {
+    case DType::kFloat32: return float(v);
+    case DType::kBFloat16: return bf16ToFloat(floatToBf16(float(v)));  // v fits float exactly
+    case DType::kFloat16: return halfToFloat(floatToHalf(float(v)));
+    default: return v;
+  }
+}
+
+class Mxfp8 : public ::testing::TestWithParam<DType> {};
+
+TEST_P(Mxfp8, QuantizeAndDequantizeMatchReference) {
+  SimCompute sc;
+  const Tensor rowMajor = make(sc, {5, 70}, GetParam(), mxfp8Input());  // (5, 70)
+  Tensor colMajor = sc.empty({70, 5}, GetParam());  // (70, 5): the same values transposed
+  sc.copy(rowMajor.view().t(), colMajor);
+  for (int axis : {1, 0}) {
+    const ConstView x = axis == 1 ? ConstView(rowMajor) : ConstView(colMajor);
+    const Shape scaleShape = axis == 1 ? Shape{x.dim(0), 3} : Shape{3, x.dim(1)};
+    Tensor data = sc.empty(x.shape(), DType::kFloat8E4M3);
+    Tensor scales = sc.empty(scaleShape, DType::kFloat8E8M0);
+    sc.quantizeMxfp8(x, data, scales, axis);
+    const MxExpected want = referenceMxfp8(x, axis);
+    for (std::int64_t i = 0; i < scaleShape[0]; ++i)
+      for (std::int64_t j = 0; j < scaleShape[1]; ++j)
+        ASSERT_EQ(int(byteAt2(scales, i, j)), int(want.scales[std::size_t(i * scaleShape[1] + j)]))
+            << "axis " << axis << " scale mismatch at (" << i << ", " << j << ")";
+    for (std::int64_t r = 0; r < x.dim(0); ++r)
+      for (std::int64_t c = 0; c < x.dim(1); ++c)
+        ASSERT_EQ(int(byteAt2(data, r, c)), int(want.data[std::size_t(r * x.dim(1) + c)]))
+            << "axis " << axis << " data mismatch at (" << r << ", " << c << ")";
+    for (DType out : {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat64}) {
+      Tensor y = sc.empty(x.shape(), out);
+      sc.dequantizeMxfp8(data, scales, axis, y);
+      for (std::int64_t r = 0; r < x.dim(0); ++r)
+        for (std::int64_t c = 0; c < x.dim(1); ++c) {
+          const std::int64_t bi = axis == 1 ? r : r / 32, bj = axis == 1 ? c / 32 : c;
+          const double exact = e4m3ToFloat(byteAt2(data, r, c)) * std::ldexp(1.0, int(byteAt2(scales, bi, bj)) - 127);
+          ASSERT_EQ(at2(y, r, c), roundedTo(out, exact))
+              << "axis " << axis << " " << dtypeName(out) << " mismatch at (" << r << ", " << c << ")";
+        }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, Mxfp8,
+                         ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat64),
+                         [](const auto& info) { return std::string(dtypeName(info.param)); });
+
+TEST(SimCompute, Mxfp8ScaleRuleOnHandPickedBlocks) {
+  SimCompute sc;
+  // One row per block: amax 448 -> 2^0; 449 -> 2^1; 1 -> 2^-8 (1/2^-8 = 256 <= 448); 0 -> 2^-127;
+  // 2^-140 and 2^-136 (below every scale) -> 2^-127 with the element rounded to E4M3 zero or a
+  // subnormal.
+  const std::vector<double> amax = {448, 449, 1, 0, std::ldexp(1.0, -140), std::ldexp(1.0, -136)};
+  const int wantExp[] = {0, 1, -8, -127, -127, -127};
+  // The block's first element x / scale: 448; 224.5 -> 224; 256; 0; 2^-13 -> 0; 2^-9, the smallest subnormal.
+  const std::uint8_t wantFirst[] = {0x7e, 0x76, 0x78, 0x00, 0x00, 0x01};
+  Tensor x = sc.empty({6, 3}, DType::kFloat64);
+  for (int r = 0; r < 6; ++r) {
+    set2(x, r, 0, amax[r]);
+    set2(x, r, 1, -amax[r] / 4);
+    set2(x, r, 2, 0.0);
+  }
+  Tensor data = sc.empty({6, 3}, DType::kFloat8E4M3);
+  Tensor scales = sc.empty({6, 1}, DType::kFloat8E8M0);
+  sc.quantizeMxfp8(x, data, scales, 1);
+  for (int r = 0; r < 6; ++r) {
+    EXPECT_EQ(int(byteAt2(scales, r, 0)), wantExp[r] + 127) << "row " << r;
+    EXPECT_EQ(int(byteAt2(data, r, 0)), int(wantFirst[r])) << "row " << r;
+    EXPECT_EQ(byteAt2(data, r, 2), 0) << "row " << r;
+  }
+}
+
+TEST(SimCompute, Mxfp8NaNPoisonsItsBlockAndInfSaturates) {
+  SimCompute sc;
+  std::vector<double> v(2 * 40, 1.0);
+  v[3] = kNaN;                                       // row 0, block 0
+  v[40 + 35] = std::numeric_limits<double>::infinity();  // row 1, tail block
+  Tensor x = make(sc, {2, 40}, DType::kFloat32, v);
+  Tensor data = sc.empty({2, 40}, DType::kFloat8E4M3);
+  Tensor scales = sc.empty({2, 2}, DType::kFloat8E8M0);
+  sc.quantizeMxfp8(x, data, scales, 1);
+  EXPECT_EQ(byteAt2(scales, 0, 0), 0xff);
+  for (int c = 0; c < 32; ++c) ASSERT_EQ(byteAt2(data, 0, c), 0x7f) << "column " << c;
+  EXPECT_EQ(byteAt2(scales, 0, 1), 127 - 8);       // the other block is untouched: amax 1 -> 2^-8
+  EXPECT_EQ(byteAt2(data, 0, 35), 0x78);           // 1 / 2^-8 = 256
+  EXPECT_EQ(byteAt2(scales, 1, 1), 254);           // inf: the top scale 2^127
+  EXPECT_EQ(byteAt2(data, 1, 35), 0x7e);           // inf saturates to 448
+  EXPECT_EQ(byteAt2(data, 1, 36), 0x00);           // 1 / 2^127 is far below E4M3's subnormals
+  Tensor y = sc.empty({2, 40}, DType::kFloat32);
+  sc.dequantizeMxfp8(data, scales, 1, y);
+  for (int c = 0; c < 32; ++c) ASSERT_TRUE(std::isnan(at2(y, 0, c))) << "column " << c;
+  EXPECT_EQ(at2(y, 0, 35), 1.0);
+  EXPECT_EQ(at2(y, 1, 35), std::numeric_limits<double>::infinity());  // 448·2^127 overflows fp32
+  EXPECT_EQ(at2(y, 1, 0), 1.0);
+}
+
+TEST(SimCompute, Mxfp8ColumnwiseOfATransposeIsRowwise) {
+  SimCompute sc;
+  const Tensor x = make(sc, {5, 70}, DType::kBFloat16, mxfp8Input());  // (5, 70)
+  Tensor rowData = sc.empty({5, 70}, DType::kFloat8E4M3), rowScales = sc.empty({5, 3}, DType::kFloat8E8M0);
+  sc.quantizeMxfp8(x, rowData, rowScales, 1);
+  // Strided operands: x.t() (70, 5) read in place, data and scales written through transposes.
+  Tensor colData = sc.empty({5, 70}, DType::kFloat8E4M3), colScales = sc.empty({5, 3}, DType::kFloat8E8M0);
+  sc.quantizeMxfp8(x.view().t(), colData.view().t(), colScales.view().t(), 0);
+  for (std::int64_t r = 0; r < 5; ++r) {
+    for (std::int64_t c = 0; c < 70; ++c)
+      ASSERT_EQ(byteAt2(colData, r, c), byteAt2(rowData, r, c)) << "mismatch at (" << r << ", " << c << ")";
+    for (std::int64_t b = 0; b < 3; ++b)
+      ASSERT_EQ(byteAt2(colScales, r, b), byteAt2(rowScales, r, b)) << "scale mismatch at (" << r << ", " << b << ")";
+  }
+}
+
+TEST(SimCompute, Mxfp8RejectsBadArguments) {
+  SimCompute sc;
+  Tensor x = sc.zeros({4, 40}, DType::kFloat32);
+  Tensor data = sc.empty({4, 40}, DType::kFloat8E4M3);
+  Tensor rowScales = sc.empty({4, 2}, DType::kFloat8E8M0);
+  expectInvalid([&] { sc.quantizeMxfp8(x, data, sc.empty({4, 1}, DType::kFloat8E8M0), 1); },
+                "quantizeMxfp8: scales of rowwise (axis 1) blocks of a (4, 40) matrix must be (4, 2), got e8m0 (4, 1)");
+  expectInvalid([&] { sc.quantizeMxfp8(x, data, rowScales, 0); },
+                "scales of columnwise (axis 0) blocks of a (4, 40) matrix must be (1, 40), got e8m0 (4, 2)");
+  expectInvalid([&] { sc.quantizeMxfp8(x, data, rowScales, 2); },
+                "quantizeMxfp8: axis must be 0 (columnwise) or 1 (rowwise), got 2");
+  expectInvalid([&] { sc.quantizeMxfp8(x, sc.empty({4, 40}, DType::kBFloat16), rowScales, 1); },
+                "quantizeMxfp8: data must be fp8e4m3, got bf16 (4, 40)");
+  expectInvalid([&] { sc.quantizeMxfp8(x, data, sc.empty({4, 2}, DType::kFloat8E4M3), 1); },
+                "quantizeMxfp8: scales must be e8m0, got fp8e4m3 (4, 2)");
+  expectInvalid([&] { sc.quantizeMxfp8(data, data, rowScales, 1); },
+                "quantizeMxfp8: x must be fp32, bf16, fp16 or fp64, got fp8e4m3 (4, 40); fp8 is a storage type");
+  expectInvalid([&] { sc.quantizeMxfp8(sc.zeros({160}, DType::kFloat32), data, rowScales, 1); },
+                "quantizeMxfp8: x must be a matrix (R, C), got fp32 (160,)");
+  expectInvalid([&] { sc.dequantizeMxfp8(data, rowScales, 1, sc.empty({4, 40}, DType::kInt64)); },
+                "dequantizeMxfp8: y must be fp32, bf16, fp16 or fp64, got int64 (4, 40)");
+  expectInvalid([&] { sc.dequantizeMxfp8(data, rowScales, 1, sc.empty({40, 4}, DType::kFloat32)); },
+                "dequantizeMxfp8: y must have data's shape (4, 40), got fp32 (40, 4)");
+  expectInvalid([&] { sc.gemm(data, sc.empty({40, 4}, DType::kFloat8E4M3), sc.empty({4, 4}, DType::kFloat32)); },
+                "gemm: a must be fp32, bf16, fp16 or fp64, got fp8e4m3 (4, 40); fp8 is a storage type, "
+                "dequantizeMxfp8 it first");
+  expectInvalid([&] { sc.axpy(1.f, data, x); }, "axpy: x must be fp32, bf16, fp16 or fp64, got fp8e4m3");
+}
+
+TEST(SimCompute, CopyConvertsToAndFromFp8) {
+  SimCompute sc;
+  Tensor x = make(sc, {4}, DType::kFloat32, {0.3, -1000, 0.0, 2.0});
+  Tensor q = sc.empty({4}, DType::kFloat8E4M3);
+  sc.copy(x, q);
+  EXPECT_EQ(getAt(q, 0), 0.3125);  // nearest even
+  EXPECT_EQ(getAt(q, 1), -448.0);  // saturates
+  Tensor back = sc.empty({4}, DType::kBFloat16);
+  sc.copy(q, back);
+  EXPECT_EQ(getAt(back, 3), 2.0);
+  Tensor s = sc.empty({4}, DType::kFloat8E8M0);
+  expectInvalid([&] { sc.copy(x, s); }, "e8m0: a value must be an exact power of two");
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 // determinism across worker-thread counts.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <mutex>
 #include <tuple>
@@ -143,6 +144,31 @@ INSTANTIATE_TEST_SUITE_P(
       return "n" + std::to_string(std::get<0>(info.param)) + "_" + dtypeName(std::get<1>(info.param)) +
              (std::get<2>(info.param) ? "_inplace" : "_outofplace");
     });
+
+// fp8 data moves byte for byte; summing it is rejected before anything is issued, naming the op.
+TEST(Collectives, Fp8IsMovedButNeverReduced) {
+  runRanks(3, [](RankContext& ctx) {
+    const int r = ctx.comm.rank();
+    Tensor data = tensorOf(ctx.compute, DType::kFloat8E4M3, {double(r) + 0.5, -448.0});
+    Tensor scales = tensorOf(ctx.compute, DType::kFloat8E8M0, {std::ldexp(1.0, r - 1)});
+    Tensor allData = ctx.compute.empty({6}, DType::kFloat8E4M3);
+    Tensor allScales = ctx.compute.empty({3}, DType::kFloat8E8M0);
+    ctx.comm.allGather(data, allData)->wait();
+    ctx.comm.allGather(scales, allScales)->wait();
+    EXPECT_EQ(valuesOf(ctx.compute, allData), (std::vector<double>{0.5, -448, 1.5, -448, 2.5, -448}));
+    EXPECT_EQ(valuesOf(ctx.compute, allScales), (std::vector<double>{0.5, 1, 2}));
+    ctx.comm.broadcast(data, data, BroadcastOptions{2})->wait();
+    EXPECT_EQ(valuesOf(ctx.compute, data), (std::vector<double>{2.5, -448}));
+    EXPECT_EQ(testing::errorOf([&] { ctx.comm.allReduce(data)->wait(); }),
+              "allReduce on world[0-2] (rank " + std::to_string(r) + "): cannot reduce fp8e4m3 data; expected fp32, "
+              "bf16, fp16, fp64 or int64, got fp8e4m3 (2,); fp8 tensors can be all-gathered, broadcast or "
+              "exchanged, dequantize them to reduce");
+    Tensor one = ctx.compute.empty({1}, DType::kFloat8E8M0);
+    const std::string rs = testing::errorOf([&] { ctx.comm.reduceScatter(allScales, one)->wait(); });
+    EXPECT_NE(rs.find("reduceScatter on world[0-2]"), std::string::npos) << rs;
+    EXPECT_NE(rs.find("cannot reduce e8m0 data"), std::string::npos) << rs;
+  });
+}
 
 TEST(Collectives, IntegerMeanTruncates) {
   runRanks(3, [](RankContext& ctx) {

@@ -24,6 +24,8 @@ double roundValue(DType dtype, double v) {
     case DType::kInt64:
       TPSIM_CHECK(v == std::floor(v), "HostTensor: int64 values must be integers, got ", v);
       return v;
+    case DType::kFloat8E4M3: return double(e4m3ToFloat(toE4m3(v)));
+    case DType::kFloat8E8M0: return double(e8m0ToFloat(toE8m0(v)));
   }
   return v;
 }

@@ -21,7 +21,8 @@ struct HostTensor {
   std::string shapeStr() const;  // "(8, 2, 16)"
 };
 
-// Rounds every value to `dtype` (bf16/fp16 round to nearest even, int64 must be integral).
+// Rounds every value to `dtype` (bf16/fp16/fp8e4m3 round to nearest even, fp8e4m3 saturates, int64
+// must be integral, e8m0 must be a power of two).
 HostTensor makeHost(std::vector<std::int64_t> shape, DType dtype, std::vector<double> values);
 
 // Elements [begin, end) along `dim` (negative counts from the end).

@@ -341,7 +341,7 @@ void writeNpy(const std::string& path, DType dtype, const std::vector<std::int64
   for (const NpyType& t : kTypes)
     if (t.dtype == dtype) type = &t;
   TPSIM_CHECK(type, where, ": dtype must be one of fp32, fp16, fp64, int64, got ", dtypeName(dtype),
-              "; NumPy has no bfloat16, widen to fp32 first");
+              "; NumPy has no bfloat16 or fp8 type, widen to fp32 first");
   for (std::int64_t d : shape)
     TPSIM_CHECK(d >= 0, where, ": shape must be non-negative, got ", shapeString(shape));
   const std::optional<std::uint64_t> bytes = byteCount(shape, dtypeSize(dtype));

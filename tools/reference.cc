@@ -1,5 +1,6 @@
 #include "tools/reference.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "backends/errors.h"
@@ -121,13 +122,50 @@ const HostTensor& need(const TensorMap& m, const std::string& name) {
   return it->second;
 }
 
-// One linear layer y = x·Wᵀ + b and its gradients, written into `out` under `prefix`.
-// Returns dX's magnitude's helpers through `out` too.
-void linearLayer(const ReferenceOptions& o, const HostTensor& x, const HostTensor& w, const HostTensor* b,
-                 const HostTensor& dy, const std::string& prefix, std::map<std::string, Checked>& out,
-                 int extraStages) {
-  const Mat X = asMat(x), W = asMat(w), dY = asMat(dy);
-  const Mat aX = absMat(X), aW = absMat(W), adY = absMat(dY);
+// The least e in [-127, 127] with amax <= 448·2^e: with amax = m·2^E, m in [1, 2), that is E - 8,
+// or E - 7 when m > 1.75. 2^-127 for an all-zero block; infinity saturates to 2^127.
+int mxfp8Exponent(double amax) {
+  if (amax == 0) return -127;
+  if (std::isinf(amax)) return 127;
+  const int e = std::ilogb(amax) - 8;
+  return std::clamp(amax > std::ldexp(448.0, e) ? e + 1 : e, -127, 127);
+}
+
+// m (rows, cols) row-major replaced by deq(Q(m)), blocks of 32 along `axis`; a NaN makes its
+// block NaN.
+void fakeQuantize(std::vector<double>& m, std::int64_t rows, std::int64_t cols, int axis) {
+  const std::int64_t along = axis == 1 ? cols : rows, across = axis == 1 ? rows : cols;
+  auto at = [&](std::int64_t a, std::int64_t k) -> double& {
+    return m[std::size_t(axis == 1 ? a * cols + k : k * cols + a)];
+  };
+  for (std::int64_t a = 0; a < across; ++a)
+    for (std::int64_t first = 0; first < along; first += 32) {
+      const std::int64_t last = std::min(along, first + 32);
+      double amax = 0;
+      bool nan = false;
+      for (std::int64_t k = first; k < last; ++k) {
+        nan = nan || std::isnan(at(a, k));
+        amax = std::max(amax, std::fabs(at(a, k)));
+      }
+      const double scale = std::ldexp(1.0, mxfp8Exponent(amax));
+      for (std::int64_t k = first; k < last; ++k)
+        at(a, k) = nan ? std::nan("") : double(e4m3ToFloat(toE4m3(at(a, k) / scale))) * scale;
+    }
+}
+
+// The weight a linear's GEMM multiplies by for `axis` (1: fprop, 0: dgrad).
+HostTensor gemmOperand(const ReferenceOptions& o, const HostTensor& w, int axis, int splitDim) {
+  if (o.weightFormat == WeightFormat::kNative) return w;
+  return mxfp8Weight(w, axis, splitDim, o.tp, o.stride, o.computeDtype);
+}
+
+// One linear layer y = x·Wᵀ + b and its gradients, written into `out` under `prefix`. wFprop and
+// wDgrad are the weight as the forward and the dgrad GEMM read it (W itself unless quantized).
+void linearLayer(const ReferenceOptions& o, const HostTensor& x, const HostTensor& wFprop, const HostTensor& wDgrad,
+                 const HostTensor* b, const HostTensor& dy, const std::string& prefix,
+                 std::map<std::string, Checked>& out, int extraStages) {
+  const Mat X = asMat(x), W = asMat(wFprop), Wd = asMat(wDgrad), dY = asMat(dy);
+  const Mat aX = absMat(X), aW = absMat(W), aWd = absMat(Wd), adY = absMat(dY);
   std::vector<double> bias, absBias;
   if (b) {
     bias = b->values;
@@ -138,9 +176,9 @@ void linearLayer(const ReferenceOptions& o, const HostTensor& x, const HostTenso
   out[prefix + "output"] = checked(withLast(x.shape, W.rows), o.outputDtype, linear(X, W, b ? &bias : nullptr),
                                    linear(aX, aW, b ? &absBias : nullptr), X.cols, 1 + extraStages + reduceStages,
                                    o.outputDtype);
-  out[prefix + "input.grad"] = checked(x.shape, c, matmul(dY, W), matmul(adY, aW), W.rows,
+  out[prefix + "input.grad"] = checked(x.shape, c, matmul(dY, Wd), matmul(adY, aWd), W.rows,
                                        1 + extraStages + reduceStages, c);
-  out[prefix + "weight.grad"] = checked(w.shape, c, transposeMatmul(dY, X), transposeMatmul(adY, aX), X.rows,
+  out[prefix + "weight.grad"] = checked(wFprop.shape, c, transposeMatmul(dY, X), transposeMatmul(adY, aX), X.rows,
                                         1 + extraStages, c);
   if (b) {
     Mat db{1, dY.cols, columnSums(dY)}, adb{1, dY.cols, columnSums(adY)};
@@ -190,8 +228,10 @@ static std::map<std::string, Checked> denseValues(const ReferenceOptions& o, con
     case LayerKind::kColumn:
     case LayerKind::kRow: {
       auto b = in.find("bias");
-      linearLayer(o, need(in, "input"), need(in, "weight"), b == in.end() ? nullptr : &b->second,
-                  need(in, "grad_output"), "", out, 0);
+      const HostTensor& w = need(in, "weight");
+      const int splitDim = o.kind == LayerKind::kColumn ? 0 : 1;
+      linearLayer(o, need(in, "input"), gemmOperand(o, w, 1, splitDim), gemmOperand(o, w, 0, splitDim),
+                  b == in.end() ? nullptr : &b->second, need(in, "grad_output"), "", out, 0);
       break;
     }
     case LayerKind::kEmbedding: {
@@ -218,8 +258,12 @@ static std::map<std::string, Checked> denseValues(const ReferenceOptions& o, con
     }
     case LayerKind::kMlp: {
       // fc1 (column) -> GeLU -> fc2 (row), each with its bias; SPEC's MLP block.
+      // fc1 is column-parallel, fc2 row-parallel (stride 1): each GEMM reads its own copy.
       const HostTensor& x = need(in, "input");
-      const Mat X = asMat(x), W1 = asMat(need(in, "fc1.weight")), W2 = asMat(need(in, "fc2.weight"));
+      const HostTensor &w1 = need(in, "fc1.weight"), &w2 = need(in, "fc2.weight");
+      const HostTensor w1f = gemmOperand(o, w1, 1, 0), w1d = gemmOperand(o, w1, 0, 0);
+      const HostTensor w2f = gemmOperand(o, w2, 1, 1), w2d = gemmOperand(o, w2, 0, 1);
+      const Mat X = asMat(x), W1 = asMat(w1f), W2 = asMat(w2f);
       const std::vector<double>& b1 = need(in, "fc1.bias").values;
       const Mat H = linear(X, W1, &b1);  // (M, F)
       Mat A = H, dGelu = H;
@@ -230,21 +274,21 @@ static std::map<std::string, Checked> denseValues(const ReferenceOptions& o, con
       HostTensor a{withLast(x.shape, W1.rows), x.dtype, A.v};
       const HostTensor& dy = need(in, "grad_output");
       std::map<std::string, Checked> fc2;
-      linearLayer(o, a, need(in, "fc2.weight"), &need(in, "fc2.bias"), dy, "", fc2, 2);
+      linearLayer(o, a, w2f, w2d, &need(in, "fc2.bias"), dy, "", fc2, 2);
       // GeLU's backward: dH = dA ⊙ GeLU'(H); then fc1's backward from dH.
       HostTensor dh{a.shape, x.dtype, fc2["input.grad"].value.values};
       for (std::size_t i = 0; i < dh.values.size(); ++i) dh.values[i] *= dGelu.v[i];
       std::map<std::string, Checked> fc1;
-      linearLayer(o, x, need(in, "fc1.weight"), &need(in, "fc1.bias"), dh, "", fc1, 2);
+      linearLayer(o, x, w1f, w1d, &need(in, "fc1.bias"), dh, "", fc1, 2);
       // fc1's input gradient went through fc2's dgrad, GeLU and fc1: widen its bound by fc2's
       // reduction length through the magnitudes (|dY|·|W2| feeds |dH| up to max|GeLU'| < 1.13).
       const double chain = double(W2.rows + 2) * unitRoundoff(DType::kFloat32) + 4 * unitRoundoff(o.computeDtype);
       const Mat adH = [&] {
-        Mat m = matmul(absMat(asMat(dy)), absMat(W2));
+        Mat m = matmul(absMat(asMat(dy)), absMat(asMat(w2d)));
         for (double& v : m.v) v *= 1.13;
         return m;
       }();
-      const Mat adX = matmul(adH, absMat(W1));
+      const Mat adX = matmul(adH, absMat(asMat(w1d)));
       for (std::size_t i = 0; i < adX.v.size(); ++i) fc1["input.grad"].bound[i] += chain * adX.v[i];
       const Mat adW1 = transposeMatmul(adH, absMat(X));
       for (std::size_t i = 0; i < adW1.v.size(); ++i) fc1["weight.grad"].bound[i] += chain * adW1.v[i];
@@ -267,6 +311,30 @@ static std::map<std::string, Checked> denseValues(const ReferenceOptions& o, con
     }
   }
   return out;
+}
+
+HostTensor mxfp8Weight(const HostTensor& w, int axis, int splitDim, int tp, int stride, DType dtype) {
+  TPSIM_CHECK(w.shape.size() == 2, "mxfp8Weight: the weight must be (N, K), got ", w.shapeStr());
+  const std::int64_t rows = w.shape[0], cols = w.shape[1], total = w.shape[splitDim];
+  const std::int64_t chunk = total / (std::int64_t(tp) * stride), local = chunk * stride;
+  std::vector<double> out = w.values;
+  for (int t = 0; t < tp; ++t) {
+    // Rank t's rows (or columns): chunks t, t + T, ... in order (SPEC 3.11).
+    std::vector<std::int64_t> owned;
+    for (int j = 0; j < stride; ++j)
+      for (std::int64_t i = 0; i < chunk; ++i) owned.push_back((t + std::int64_t(j) * tp) * chunk + i);
+    const std::int64_t lr = splitDim == 0 ? local : rows, lc = splitDim == 0 ? cols : local;
+    auto global = [&](std::int64_t r, std::int64_t c) {
+      return std::size_t(splitDim == 0 ? owned[r] * cols + c : r * cols + owned[c]);
+    };
+    std::vector<double> m(std::size_t(lr * lc));  // the TP-local weight (lr, lc)
+    for (std::int64_t r = 0; r < lr; ++r)
+      for (std::int64_t c = 0; c < lc; ++c) m[r * lc + c] = w.values[global(r, c)];
+    fakeQuantize(m, lr, lc, axis);
+    for (std::int64_t r = 0; r < lr; ++r)
+      for (std::int64_t c = 0; c < lc; ++c) out[global(r, c)] = m[r * lc + c];
+  }
+  return makeHost(w.shape, dtype, std::move(out));
 }
 
 }  // namespace tpsim::tools

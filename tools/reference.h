@@ -12,6 +12,7 @@
 #include <map>
 #include <string>
 
+#include "core/mxfp8.h"
 #include "tools/host_tensor.h"
 
 namespace tpsim::tools {
@@ -39,9 +40,20 @@ struct ReferenceOptions {
   // roundings: G − 1 partial sums and MEAN's 1/G pre-scale).
   int gtpRemat = 1;
   DType gtpWireDtype = DType::kFloat32;
+  // MXFP8 weights: outputs use each linear's rowwise copy, input gradients its columnwise copy
+  // (mxfp8Weight); weight gradients are unchanged. stride: the linears' partition stride.
+  WeightFormat weightFormat = WeightFormat::kNative;
+  int stride = 1;
 };
 
 std::map<std::string, Checked> denseReference(const ReferenceOptions& options, const TensorMap& inputs);
+
+// deq(Q(w)) of an MXFP8 weight as the ranks quantize it: w (N, K) unsharded, cut over `tp` ranks
+// along splitDim (0: column-parallel, 1: row-parallel) in `stride` interleaved chunks (SPEC 3.11),
+// each rank's TP-local weight quantized on its own with blocks of 32 along `axis` (1: rowwise for
+// fprop, 0: columnwise for dgrad), the values rounded to `dtype`. GTP_remat shards quantize to the
+// same values (core/mxfp8.h). The scale rule is compute.h's quantizeMxfp8.
+HostTensor mxfp8Weight(const HostTensor& w, int axis, int splitDim, int tp, int stride, DType dtype);
 
 // Exact (erf) GeLU and its derivative, in double.
 double gelu(double x);

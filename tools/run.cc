@@ -83,7 +83,7 @@ DType parseFloatDtype(const std::string& flag, const std::string& s) {
 int runMain(const std::vector<std::string>& args) {
   RunConfig c;
   std::string layer, dtype = "fp32", outputDtype, mainGradDtype = "fp32", backend = "sim", loadDir, saveDir,
-      gtpReduce = "mean";
+      gtpReduce = "mean", weightFormat = "native";
   po::options_description par("Parallelism");
   par.add_options()
       ("help,h", "show this help")
@@ -109,7 +109,10 @@ int runMain(const std::vector<std::string>& args) {
       ("dtype,d", po::value(&dtype)->default_value(dtype), "fp32 | bf16 | fp16: params and activations")
       ("output-dtype", po::value(&outputDtype), "column: output dtype when it differs from --dtype")
       ("grad-accumulation-fusion", po::bool_switch(&c.gradAccumulationFusion), "add wgrads into main_grad")
-      ("main-grad-dtype", po::value(&mainGradDtype)->default_value(mainGradDtype), "fp32 | bf16");
+      ("main-grad-dtype", po::value(&mainGradDtype)->default_value(mainGradDtype), "fp32 | bf16")
+      ("weight-format", po::value(&weightFormat)->default_value(weightFormat),
+       "column/row/mlp: native | mxfp8 (E4M3 weights, one E8M0 scale per 32; GTP_remat needs "
+       "--pad-for-alignment 32)");
   po::options_description size("Problem size (generated data; ignored with --load)");
   size.add_options()
       ("seq,s", po::value(&c.seq)->default_value(c.seq), "sequence length s")
@@ -144,6 +147,9 @@ int runMain(const std::vector<std::string>& args) {
   if (gtpReduce != "mean" && gtpReduce != "sum")
     throw UsageError{"--gtp-reduce: expected mean or sum, got '" + gtpReduce + "'"};
   c.gtpReduceMean = gtpReduce == "mean";
+  if (weightFormat != "native" && weightFormat != "mxfp8")
+    throw UsageError{"--weight-format: expected native or mxfp8, got '" + weightFormat + "'"};
+  c.weightFormat = parseWeightFormat(weightFormat);
   if (backend != "sim") throw UsageError{"--backend: expected sim (this build has no gpu backend), got '" + backend + "'"};
   c.validate();
 

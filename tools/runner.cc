@@ -104,6 +104,7 @@ ModelParallelConfig layerConfig(const RunConfig& c) {
   mp.gtpPadForAlignment = c.padForAlignment;
   mp.calculatePerTokenLoss = !c.gtpReduceMean;
   mp.gtpReduceScatterWithFp32Accumulation = c.fp32AccumReduceScatter;
+  mp.weightFormat = c.weightFormat;
   return mp;
 }
 
@@ -165,6 +166,13 @@ void RunConfig::validate() const {
               "--main-grad-dtype: expected fp32 or bf16, got ", dtypeName(mainGradDtype));
   TPSIM_CHECK(!gradAccumulationFusion || mainGradDtype == DType::kFloat32 || mainGradDtype == dtype,
               "--main-grad-dtype bf16: needs --dtype bf16 (the 16-bit fused kernel), got --dtype ", dtypeName(dtype));
+  TPSIM_CHECK(weightFormat == WeightFormat::kNative || layer != LayerKind::kEmbedding,
+              "--weight-format mxfp8: applies to --layer column, row or mlp (the embedding is a lookup, not a "
+              "GEMM), got --layer embedding");
+  const bool blockAligned = padForAlignment > 0 && padForAlignment % kMxfp8BlockSize == 0;
+  TPSIM_CHECK(weightFormat == WeightFormat::kNative || gtpRemat == 1 || blockAligned,
+              "--pad-for-alignment: expected a positive multiple of 32 for --weight-format mxfp8 with --gtp-remat ",
+              gtpRemat, ", got ", padForAlignment);
   for (auto [flag, v] : {std::pair{"seq", seq}, {"batch", batch}, {"in-features", inFeatures},
                          {"out-features", outFeatures}, {"ffn-hidden", ffnHidden}, {"vocab", vocab}})
     TPSIM_CHECK(v >= 1, "--", flag, ": expected >= 1, got ", v);
@@ -181,6 +189,7 @@ std::string RunConfig::str() const {
   if (skipBiasAdd) s += " skip-bias-add";
   if (stride > 1) s += detail::concat(" stride=", stride);
   if (gradAccumulationFusion) s += detail::concat(" grad-accumulation-fusion main-grad-dtype=", dtypeName(mainGradDtype));
+  if (weightFormat != WeightFormat::kNative) s += detail::concat(" weight-format=", weightFormatName(weightFormat));
   if (gtpRemat > 1)
     s += detail::concat(" gtp-remat=", gtpRemat, " pad-for-alignment=", padForAlignment, " gtp-reduce=",
                         gtpReduceMean ? "mean" : "sum", fp32AccumReduceScatter ? " fp32-accum-reduce-scatter" : "");
@@ -559,6 +568,8 @@ ReferenceOptions referenceOptions(const RunConfig& c) {
   // The wire dtype of the GTP_remat wgrad reduce-scatter (SPEC 4.5): the table's for the embedding,
   // main_grad's for the linears.
   o.gtpWireDtype = c.layer == LayerKind::kEmbedding ? c.dtype : c.mainGradDtype;
+  o.weightFormat = c.weightFormat;
+  o.stride = c.stride;
   return o;
 }
 
@@ -607,6 +618,8 @@ std::string commandLine(const RunConfig& c, const std::string& loadDir) {
   if (c.outputDtype) s += detail::concat(" --output-dtype ", dtypeName(*c.outputDtype));
   if (c.gradAccumulationFusion)
     s += detail::concat(" --grad-accumulation-fusion --main-grad-dtype ", dtypeName(c.mainGradDtype));
+  if (c.weightFormat != WeightFormat::kNative)
+    s += detail::concat(" --weight-format ", weightFormatName(c.weightFormat));
   if (c.gtpRemat > 1) {
     s += detail::concat(" --gtp-remat ", c.gtpRemat, " --pad-for-alignment ", c.padForAlignment, " --gtp-reduce ",
                         c.gtpReduceMean ? "mean" : "sum");

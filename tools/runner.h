@@ -40,6 +40,8 @@ struct RunConfig {
   int padForAlignment = 16;
   bool gtpReduceMean = true;  // Megatron's default; false: SUM (calculate_per_token_loss)
   bool fp32AccumReduceScatter = false;
+  // The linears' weights as the GEMMs read them (core/mxfp8.h); not for the embedding.
+  WeightFormat weightFormat = WeightFormat::kNative;
   std::uint64_t seed = 1234;
   int threads = 0;
   // Shapes of generated data (ignored for tensors loaded from files).
