@@ -253,6 +253,52 @@ ShardedStateDict shardedStateDict(VocabParallelEmbedding& layer, const std::stri
   return {weight};
 }
 
+ShardedStateDict shardedStateDict(GroupedParallelLinear& layer, const std::string& prefix,
+                                  const std::vector<RankOffset>& shardedOffsets, Collectives& expertTp,
+                                  Collectives& ep, Collectives* expertDp) {
+  const char* where = "shardedStateDict(GroupedParallelLinear)";
+  TPSIM_CHECK(expertDp != nullptr, where, ": expertDp must be the expert replicate-DP group (pg_collection.expt_dp), "
+              "got nullptr (there is no global group to fall back to)");
+  Collectives& tp = layer.tpGroup();
+  // Only rank and size reach the metadata, so a group that agrees on both describes the same chunks.
+  TPSIM_CHECK(expertTp.size() == tp.size() && expertTp.rank() == tp.rank(), where,
+              ": expertTp must be the layer's expert TP group (size ", tp.size(), ", rank ", tp.rank(), "), got size ",
+              expertTp.size(), ", rank ", expertTp.rank());
+  const Parameter& w0 = layer.weight(0);
+  Collectives* egtp = isGtpShard(w0) ? &gtpGroup(where, w0) : nullptr;
+  TPSIM_CHECK(ep.size() == 1 || (&ep != &tp && &ep != egtp), where,
+              ": ep must be the expert-parallel group, got the layer's ", &ep == &tp ? "expert TP" : "EGTP_remat",
+              " group (size ", ep.size(), "); pass ProcessGroups::ep()");
+  if (egtp != nullptr) {
+    // The shards elect their writer in the stamped group, the other entries in expertDp (SPEC 4.11.2):
+    // both must be Megatron's expert-DP replica rank, taken without the EGTP peers, which hold
+    // different shards.
+    TPSIM_CHECK(w0.attrs.gtpReplicaGroup.has_value() && *w0.attrs.gtpReplicaGroup != nullptr, where,
+                ": GTP_remat shard '", w0.name, "' must carry a gtp_replica_group, got none; build the layer with "
+                "LayerContext::gtpReplica = the gtp-excluded expert DP group");
+    Collectives& stamped = **w0.attrs.gtpReplicaGroup;
+    TPSIM_CHECK(&stamped != egtp, where, ": the gtp_replica_group stamped on '", w0.name,
+                "' must be the gtp-excluded expert DP group, got its EGTP_remat group (size ", egtp->size(),
+                "), over which only EGTP rank 0's shard would be written");
+    TPSIM_CHECK(expertDp->size() == stamped.size() && expertDp->rank() == stamped.rank(), where,
+                ": expertDp must be the gtp_replica_group stamped on '", w0.name,
+                "', the gtp-excluded expert DP (size ", stamped.size(), ", rank ", stamped.rank(), "), got size ",
+                expertDp->size(), ", rank ", expertDp->rank());
+  }
+  const bool column = layer.parallelMode() == GroupedParallelMode::kColumn;
+  const AxisMap axisMap = column ? AxisMap{{"weight", 0}, {"bias", 0}} : AxisMap{{"weight", 1}};  // SPEC 3.21
+  const int E = layer.numGemms();
+  ShardedStateDict out;
+  for (int i = 0; i < E; ++i) {
+    std::vector<RankOffset> offsets = shardedOffsets;
+    offsets.push_back({int(shardedOffsets.size()), std::int64_t(ep.rank()) * E + i, std::int64_t(ep.size()) * E});
+    for (ShardedEntry& e : layerStateDict(where, &layer.weight(i), layer.bias(i), axisMap, prefix, offsets, expertTp,
+                                          expertDp))
+      out.push_back(std::move(e));
+  }
+  return out;
+}
+
 void checkReshardable(const ShardedTensor& saved, const ShardedTensor& target) {
   const char* where = "checkReshardable";
   TPSIM_CHECK(target.key == saved.key, where, ": the target must have the saved key '", saved.key, "', got '",

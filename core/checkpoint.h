@@ -1,5 +1,5 @@
-// Distributed-checkpoint metadata (SPEC 2.8, 3.17, 3.21, 4.11): which chunk of which global tensor a
-// rank holds, and whether this rank is the replica that writes it, with and without GTP_remat.
+// Distributed-checkpoint metadata (SPEC 2.8, 3.17, 3.21, 4.8, 4.11): which chunk of which global
+// tensor a rank holds, and whether this rank is the replica that writes it, with and without GTP_remat.
 //
 // Pure metadata: nothing here communicates, copies tensor values or writes a file; a group is only
 // asked for its rank and size. There is no global TP, DP-CP or GTP replica group: every function
@@ -18,6 +18,7 @@
 #include "backends/collectives.h"
 #include "backends/view.h"
 #include "core/embedding.h"
+#include "core/grouped_linear.h"
 #include "core/layers.h"
 #include "core/parameter.h"
 
@@ -162,6 +163,22 @@ ShardedStateDict shardedStateDict(RowParallelLinear& layer, const std::string& p
 // differently padded vocabulary loads.
 ShardedStateDict shardedStateDict(VocabParallelEmbedding& layer, const std::string& prefix,
                                   const std::vector<RankOffset>& shardedOffsets, Collectives& tp, Collectives* dpCp);
+// The routed experts' (Transformer Engine's grouped linear, SPEC 4.8, 4.11.5 item 8): for each local
+// expert i in order, weight, bias (if any) and `_extra_state` under the keys prefix + "weight",
+// "bias", "_extra_state", as the column (row) layer above would describe expert i's weight{i} and
+// bias{i}, with one more prepended offset (p, e·E + i, EP·E) after the p = shardedOffsets.size()
+// given ones: local expert i of EP rank e = rank(ep) is global expert e·E + i of EP·E, so every EP
+// rank's experts form one global tensor (EP·E, ...) per key. An EGTP_remat shard gets the composite
+// offsets and padded extent of SPEC 4.11.1 behind the expert axis. expertDp takes dp_cp_group's
+// place in every replica id (Megatron's pg_collection.expt_dp): with EGTP_remat it must agree in
+// rank and size with the weights' stamped gtp_replica_group, the gtp-excluded expert DP (the EGTP
+// peers are told apart by the g folded into the non-shard ids); without, it must span the whole
+// expert DP, as dpCp above. Throws InvalidArgument when expertDp is nullptr, when expertTp's rank or
+// size differs from the layer's TP group, when ep (size > 1) is the layer's TP or EGTP_remat group,
+// or when the stamped gtp_replica_group is the EGTP_remat group itself or disagrees with expertDp.
+ShardedStateDict shardedStateDict(GroupedParallelLinear& layer, const std::string& prefix,
+                                  const std::vector<RankOffset>& shardedOffsets, Collectives& expertTp,
+                                  Collectives& ep, Collectives* expertDp);
 
 // ---- Padding and resharding (SPEC 4.11.4, 8 item 26) ----------------------------------------------
 //

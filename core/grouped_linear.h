@@ -60,6 +60,8 @@ class GroupedParallelLinear {
   Tensor backward(ConstView dOutput);
 
   int numGemms() const { return int(weights_.size()); }
+  GroupedParallelMode parallelMode() const { return options_.parallelMode; }
+  Collectives& tpGroup() const { return ctx_.tp; }  // the expert TP group it was built with
   Parameter& weight(int expert);
   Parameter* bias(int expert);
   std::int64_t inputSizePerPartition() const { return kLocal_; }

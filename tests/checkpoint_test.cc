@@ -2,7 +2,9 @@
 // of SPEC 3.21 (world 8, T = 2, D = 4), layer offsets prepended by sharded_offsets, checkpoint tiling
 // (SPEC 6 item 13) on several (T, C, D) grids, groups built by split, and every rejected input.
 // Under GTP_remat (SPEC 4.11): the worked example 4.11.3, the checks of 4.11.5, tiling on (T, G, D, C)
-// grids with and without padding, and the resharding check of 4.11.4.
+// grids with and without padding, and the resharding check of 4.11.4. Routed experts (SPEC 4.8,
+// 4.11.5 item 8): the global expert axis, EP × EGTP_remat grids with padding, and the plain expert-TP
+// layout.
 #include "core/checkpoint.h"
 
 #include <gmock/gmock.h>
@@ -17,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/grouped_linear.h"
 #include "core/gtp.h"
 #include "core/init.h"
 #include "core/process_groups.h"
@@ -947,6 +950,313 @@ TEST(GtpCheckpointResharding, RejectsAnotherKeyOrRank) {
               HasSubstr("the target global shape must have the saved rank 2 (saved (16, 4)), got (16, 4, 1)"));
   EXPECT_THAT(message([&] { checkReshardable(saved, columnWeight(1, 2, 0, 24)); }),
               HasSubstr("must equal the saved (16, 4) unless the target allows a shape mismatch, got (24, 4)"));
+}
+
+// ---- Routed experts (SPEC 4.8, 4.11.5 item 8) ---------------------------------------------------
+
+// The expert grid `tp-cp-ep-gtp_remat-dp-pp` with sizes (ET, 1, EP, EG, ED, 1), so expert rank
+// t + ET·(e + EP·(g + EG·d)); the dense side is T = ET, G = 1, D = world / ET.
+ParallelLayout expertLayout(int world, int et, int ep, int eg) {
+  ParallelSizes s;
+  s.world = world;
+  s.tp = et;
+  s.ep = ep;
+  s.expertTp = et;
+  s.expertGtpRemat = eg;
+  return ParallelLayout(s);
+}
+
+ModelParallelConfig expertConfig(int et, int ep, int eg, int padForAlignment) {
+  ModelParallelConfig config = configFor(et);
+  config.expertTensorParallelSize = et;
+  config.expertModelParallelSize = ep;
+  config.expertGtpRematSize = eg;
+  config.gtpPadForAlignment = padForAlignment;
+  return config;
+}
+
+// Runs fn on every rank with the LayerContext an expert layer gets: the expert TP group, the EGTP_remat
+// group and, as gtp_replica_group, the gtp-excluded expert DP group (SPEC 1.4.4, 4.8).
+void runExpertRanks(const ParallelLayout& layout,
+                    const std::function<void(RankContext&, ProcessGroups&, LayerContext&)>& fn) {
+  runRanks(layout.world(), [&](RankContext& ctx) {
+    ProcessGroups pg(ctx.comm, layout);
+    GtpGradReducer reducer(ctx.compute, {});
+    LayerContext lc{ctx.compute, pg.expertTp(), nullptr, nullptr, &pg.expertGtpRemat(), &pg.expertDp(), &reducer};
+    fn(ctx, pg, lc);
+  });
+}
+
+GroupedLinearOptions expertOptions(int numGemms, GroupedParallelMode mode) {
+  GroupedLinearOptions o;
+  o.numGemms = numGemms;
+  o.parallelMode = mode;
+  return o;
+}
+
+// The entries under `key`, one per local expert, in expert order.
+template <class Entry>
+std::vector<const Entry*> entriesAt(const ShardedStateDict& sd, const std::string& key) {
+  std::vector<const Entry*> out;
+  for (const ShardedEntry& e : sd)
+    if (shardedKey(e) == key) out.push_back(&std::get<Entry>(e));
+  return out;
+}
+
+// SPEC 4.11.5 item 8: world 4, ET = 1, EP = 2, EG = 2, so ED = 1 and expert rank = e + 2g; one local
+// expert, full (4, 4) column weight, a = 0: shard (2, 4), global (2, 4, 4), offset (e, 2g, 0). The
+// SPEC calls [0, 2] / [1, 3] the expert-DP group, but on this grid they are the EGTP pairs: a replica
+// id taken over a pair would make EGTP rank 1 replica 1 of a shard nobody else holds, leaving it
+// without a writer. The replica rank comes from the gtp-excluded expert DP (size 1 here), so each
+// rank holds a distinct chunk and writes it: 4 chunks, one writer each.
+TEST(ExpertCheckpoint, Spec4115Item8Ep2Egtp2) {
+  std::vector<ShardedStateDict> seen(4);
+  runExpertRanks(expertLayout(4, 1, 2, 2), [&](RankContext& ctx, ProcessGroups& pg, LayerContext& lc) {
+    ASSERT_EQ(pg.expertDp().size(), 1);
+    const int r = ctx.comm.rank();
+    ASSERT_EQ(pg.expertGtpRemat().rank(), r / 2) << "EGTP pair [" << r % 2 << ", " << r % 2 + 2 << "]";
+    GroupedParallelLinear experts(lc, expertConfig(1, 2, 2, 0), 4, 4, initMethodNormal(0.02),
+                                  expertOptions(1, GroupedParallelMode::kColumn));
+    seen[r] = shardedStateDict(experts, "experts.", {}, pg.expertTp(), pg.ep(), &pg.expertDp());
+    EXPECT_EQ(tensorAt(seen[r], "experts.weight").data.data(), experts.weight(0).data.data());
+    EXPECT_EQ(tensorAt(seen[r], "experts.bias").data.data(), experts.bias(0)->data.data());
+  });
+  std::map<Ints, int> writers;  // weight chunk offset -> main replicas
+  for (int r = 0; r < 4; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    const int e = r % 2, g = r / 2;
+    EXPECT_THAT(keysOf(seen[r]), ElementsAre("experts.weight", "experts.bias", "experts._extra_state"));
+    const ShardedTensor& w = tensorAt(seen[r], "experts.weight");
+    EXPECT_EQ(w.localShape, (Ints{2, 4}));
+    EXPECT_EQ(w.globalShape, (Ints{2, 4, 4}));
+    EXPECT_EQ(w.globalOffset, (Ints{e, 2 * g, 0}));
+    EXPECT_EQ(w.axisFragmentations, (std::vector<int>{2, 2, 1}));
+    EXPECT_EQ(w.prependAxisNum, 1);
+    EXPECT_EQ(w.replicaId, (ReplicaId{0, 0, 0})) << "replica_id[2]: rank 0 of the singleton expert DP";
+    EXPECT_FALSE(w.allowShapeMismatch);
+    expectGtpPadding(w, 0, 1, 0);
+    writers[w.globalOffset] += w.isMainReplica();
+    // The bias is not sharded over EGTP: peer g folds into replica_id[1], so EGTP rank 0 writes it.
+    const ShardedTensor& b = tensorAt(seen[r], "experts.bias");
+    EXPECT_EQ(b.globalShape, (Ints{2, 4}));
+    EXPECT_EQ(b.globalOffset, (Ints{e, 0}));
+    EXPECT_EQ(b.replicaId, (ReplicaId{0, g, 0}));
+    const ShardedObject& x = objectAt(seen[r], "experts._extra_state");
+    EXPECT_EQ(x.globalShape, (Ints{2}));
+    EXPECT_EQ(x.globalOffset, (Ints{e}));
+    EXPECT_EQ(x.replicaId, (ReplicaId{0, g, 0}));
+  }
+  EXPECT_EQ(writers, (std::map<Ints, int>{{{0, 0, 0}, 1}, {{0, 2, 0}, 1}, {{1, 0, 0}, 1}, {{1, 2, 0}, 1}}));
+  EXPECT_THAT(tilingViolations(seen), IsEmpty());
+}
+
+// SPEC 6 item 13 for experts: E = 3 local experts of two layers (sharded offset (0, l, 2), so the
+// expert axis is 1), column K = 6 -> N = 20·ET and row K = 3·ET -> N = 20: TP-local dim 0 Dlog = 20
+// in both modes, padded to a multiple of a·EG when a > 0. Every entry's metadata in closed form,
+// and the main replicas tile every key exactly once.
+struct ExpertGrid {
+  int world, et, ep, eg, pad;  // ED = world / (ET·EP·EG); pad: gtpPadForAlignment
+};
+
+class ExpertTilingGrid : public ::testing::TestWithParam<ExpertGrid> {};
+
+TEST_P(ExpertTilingGrid, MetadataAndTiling) {
+  constexpr int kLayers = 2, kE = 3;
+  constexpr std::int64_t kDlog = 20;
+  const ExpertGrid grid = GetParam();
+  const int ET = grid.et, EP = grid.ep, EG = grid.eg, a = grid.pad;
+  const std::int64_t dPad = a > 0 && EG > 1 ? (kDlog + a * EG - 1) / (a * EG) * (a * EG) : kDlog;
+  const std::int64_t S = dPad / EG, pad = dPad - kDlog;
+  std::vector<ShardedStateDict> seen(grid.world);
+  runExpertRanks(expertLayout(grid.world, ET, EP, EG), [&](RankContext& ctx, ProcessGroups& pg, LayerContext& lc) {
+    const ModelParallelConfig config = expertConfig(ET, EP, EG, a);
+    ShardedStateDict all;
+    for (int l = 0; l < kLayers; ++l) {
+      GroupedParallelLinear fc1(lc, config, 6, kDlog * ET, initMethodNormal(0.02),
+                                expertOptions(kE, GroupedParallelMode::kColumn));
+      GroupedParallelLinear fc2(lc, config, 3 * ET, kDlog, initMethodNormal(0.02),
+                                expertOptions(kE, GroupedParallelMode::kRow));
+      EXPECT_EQ(fc1.gtpBatched(), EG > 1);
+      for (GroupedParallelLinear* layer : {&fc1, &fc2})
+        for (ShardedEntry& e : shardedStateDict(*layer, layer == &fc1 ? "fc1." : "fc2.", {{0, l, kLayers}},
+                                                pg.expertTp(), pg.ep(), &pg.expertDp()))
+          all.push_back(std::move(e));
+    }
+    seen[ctx.comm.rank()] = std::move(all);
+  });
+
+  const std::int64_t experts = EP * kE;
+  for (int r = 0; r < grid.world; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    const int t = r % ET, e = r / ET % EP, g = r / (ET * EP) % EG, d = r / (ET * EP * EG);
+    const ShardedStateDict& sd = seen[r];
+    ASSERT_EQ(sd.size(), std::size_t(kLayers * 2 * kE * 3));
+    const auto cw = entriesAt<ShardedTensor>(sd, "fc1.weight"), cb = entriesAt<ShardedTensor>(sd, "fc1.bias");
+    const auto rw = entriesAt<ShardedTensor>(sd, "fc2.weight"), rb = entriesAt<ShardedTensor>(sd, "fc2.bias");
+    const auto cx = entriesAt<ShardedObject>(sd, "fc1._extra_state");
+    const auto rx = entriesAt<ShardedObject>(sd, "fc2._extra_state");
+    for (const auto* list : {&cw, &cb, &rw, &rb}) ASSERT_EQ(list->size(), std::size_t(kLayers * kE));
+    for (int l = 0; l < kLayers; ++l) {
+      for (int i = 0; i < kE; ++i) {
+        SCOPED_TRACE("layer " + std::to_string(l) + ", local expert " + std::to_string(i));
+        const std::size_t k = std::size_t(l * kE + i);
+        const std::int64_t x = std::int64_t(e) * kE + i;  // the global expert
+        EXPECT_EQ(cw[k]->globalShape, (Ints{kLayers, experts, ET * EG * S, 6}));
+        EXPECT_EQ(cw[k]->globalOffset, (Ints{l, x, (t * EG + g) * S, 0}));
+        EXPECT_EQ(rw[k]->globalShape, (Ints{kLayers, experts, EG * S, 3 * ET}));
+        EXPECT_EQ(rw[k]->globalOffset, (Ints{l, x, g * S, 3 * t}));
+        for (const ShardedTensor* w : {cw[k], rw[k]}) {
+          EXPECT_EQ(w->localShape[0], S) << w->key;
+          EXPECT_EQ(w->prependAxisNum, 2) << w->key;
+          EXPECT_EQ(w->replicaId, (ReplicaId{0, 0, d})) << w->key;
+          EXPECT_EQ(w->allowShapeMismatch, EG > 1 && pad > 0) << w->key;
+        }
+        if (EG > 1) {
+          expectGtpPadding(*cw[k], 0, ET, pad);
+          expectGtpPadding(*rw[k], 1, ET, pad);
+        }
+        EXPECT_EQ(cb[k]->globalShape, (Ints{kLayers, experts, kDlog * ET}));
+        EXPECT_EQ(cb[k]->globalOffset, (Ints{l, x, kDlog * t}));
+        EXPECT_EQ(cb[k]->replicaId, (ReplicaId{0, g, d}));
+        EXPECT_EQ(rb[k]->globalShape, (Ints{kLayers, experts, kDlog}));
+        EXPECT_EQ(rb[k]->globalOffset, (Ints{l, x, 0}));
+        EXPECT_EQ(rb[k]->replicaId, (ReplicaId{0, t * EG + g, d}));
+        for (const ShardedObject* o : {cx[k], rx[k]}) {
+          EXPECT_EQ(o->globalShape, (Ints{kLayers, experts})) << o->key;
+          EXPECT_EQ(o->globalOffset, (Ints{l, x})) << o->key;
+          EXPECT_EQ(o->replicaId, (ReplicaId{0, t * EG + g, d})) << o->key;
+        }
+      }
+    }
+  }
+  EXPECT_THAT(tilingViolations(seen), IsEmpty());
+}
+
+INSTANTIATE_TEST_SUITE_P(Grids, ExpertTilingGrid,
+                         ::testing::Values(ExpertGrid{8, 2, 2, 2, 16}, ExpertGrid{8, 1, 2, 2, 16},
+                                           ExpertGrid{8, 2, 2, 2, 0}, ExpertGrid{16, 2, 2, 2, 16},
+                                           ExpertGrid{16, 1, 2, 4, 16}, ExpertGrid{8, 1, 2, 4, 0},
+                                           ExpertGrid{8, 2, 2, 1, 16}, ExpertGrid{6, 1, 3, 2, 16}),
+                         [](const auto& info) {
+                           const ExpertGrid& g = info.param;
+                           return "W" + std::to_string(g.world) + "ET" + std::to_string(g.et) + "EP" +
+                                  std::to_string(g.ep) + "EG" + std::to_string(g.eg) + "A" + std::to_string(g.pad);
+                         });
+
+// Without EGTP_remat (EG = 1): world 8, ET = 2, EP = 2, ED = 2 (expert rank t + 2e + 4d), E = 2,
+// column 4 -> 8 and row 8 -> 4 with (4, 4) weights, layer 1 of 3. The plain expert-TP layout of
+// SPEC 3.21 behind the layer and global-expert axes, replicas over expert DP.
+TEST(ExpertCheckpoint, WithoutEgtpTheExpertTpLayoutGetsTheExpertAxis) {
+  std::vector<std::pair<ShardedStateDict, ShardedStateDict>> seen(8);
+  runExpertRanks(expertLayout(8, 2, 2, 1), [&](RankContext& ctx, ProcessGroups& pg, LayerContext& lc) {
+    const ModelParallelConfig config = expertConfig(2, 2, 1, 16);
+    GroupedParallelLinear col(lc, config, 4, 8, initMethodNormal(0.02), expertOptions(2, GroupedParallelMode::kColumn));
+    GroupedParallelLinear row(lc, config, 8, 4, initMethodNormal(0.02), expertOptions(2, GroupedParallelMode::kRow));
+    EXPECT_FALSE(isGtpShard(col.weight(0)));
+    seen[ctx.comm.rank()] = {shardedStateDict(col, "col.", {{0, 1, 3}}, pg.expertTp(), pg.ep(), &pg.expertDp()),
+                             shardedStateDict(row, "row.", {{0, 1, 3}}, pg.expertTp(), pg.ep(), &pg.expertDp())};
+    EXPECT_EQ(entriesAt<ShardedTensor>(seen[ctx.comm.rank()].first, "col.weight")[1]->data.data(),
+              col.weight(1).data.data());
+  });
+  std::map<std::pair<std::string, Ints>, int> writers;
+  for (int r = 0; r < 8; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    const int t = r % 2, e = r / 2 % 2, d = r / 4;
+    const ShardedStateDict& col = seen[r].first;
+    const ShardedStateDict& row = seen[r].second;
+    EXPECT_THAT(keysOf(col), ElementsAre("col.weight", "col.bias", "col._extra_state", "col.weight", "col.bias",
+                                         "col._extra_state"));
+    for (int i = 0; i < 2; ++i) {
+      SCOPED_TRACE("local expert " + std::to_string(i));
+      const int x = 2 * e + i;
+      const ShardedTensor& cw = *entriesAt<ShardedTensor>(col, "col.weight")[i];
+      const ShardedTensor& rw = *entriesAt<ShardedTensor>(row, "row.weight")[i];
+      const ShardedTensor& cb = *entriesAt<ShardedTensor>(col, "col.bias")[i];
+      const ShardedTensor& rb = *entriesAt<ShardedTensor>(row, "row.bias")[i];
+      EXPECT_EQ(cw.globalShape, (Ints{3, 4, 8, 4}));
+      EXPECT_EQ(cw.globalOffset, (Ints{1, x, 4 * t, 0}));
+      EXPECT_EQ(cw.axisFragmentations, (std::vector<int>{3, 4, 2, 1}));
+      EXPECT_EQ(rw.globalShape, (Ints{3, 4, 4, 8}));
+      EXPECT_EQ(rw.globalOffset, (Ints{1, x, 0, 4 * t}));
+      for (const ShardedTensor* w : {&cw, &rw}) {
+        EXPECT_EQ(w->localShape, (Ints{4, 4})) << w->key;
+        EXPECT_EQ(w->prependAxisNum, 2) << w->key;
+        EXPECT_EQ(w->replicaId, (ReplicaId{0, 0, d})) << w->key;
+        EXPECT_FALSE(w->gtpPadding.has_value()) << w->key;
+        EXPECT_FALSE(w->allowShapeMismatch) << w->key;
+        if (w->isMainReplica()) ++writers[{w->key, w->globalOffset}];
+      }
+      EXPECT_EQ(cb.globalShape, (Ints{3, 4, 8}));
+      EXPECT_EQ(cb.globalOffset, (Ints{1, x, 4 * t}));
+      EXPECT_EQ(cb.replicaId, (ReplicaId{0, 0, d}));
+      EXPECT_EQ(rb.globalShape, (Ints{3, 4, 4}));
+      EXPECT_EQ(rb.globalOffset, (Ints{1, x, 0}));
+      EXPECT_EQ(rb.replicaId, (ReplicaId{0, t, d}));
+      for (const ShardedObject* o : {entriesAt<ShardedObject>(col, "col._extra_state")[i],
+                                     entriesAt<ShardedObject>(row, "row._extra_state")[i]}) {
+        EXPECT_EQ(o->globalShape, (Ints{3, 4})) << o->key;
+        EXPECT_EQ(o->globalOffset, (Ints{1, x})) << o->key;
+        EXPECT_EQ(o->replicaId, (ReplicaId{0, t, d})) << o->key;
+      }
+    }
+  }
+  EXPECT_EQ(writers.size(), 16u) << "2 weights × 4 experts × 2 TP slices";
+  for (const auto& [chunk, n] : writers) EXPECT_EQ(n, 1) << chunk.first;
+}
+
+TEST(ExpertCheckpoint, RejectedInputsNameTheArgument) {
+  const std::string where = "shardedStateDict(GroupedParallelLinear): ";
+  // The grid of SPEC 4.11.5 item 8: ET = 1, EP = 2, EG = 2, ED = 1; dense D = 4.
+  runExpertRanks(expertLayout(4, 1, 2, 2), [&](RankContext& ctx, ProcessGroups& pg, LayerContext& lc) {
+    const int e = pg.ep().rank(), g = pg.expertGtpRemat().rank();
+    const ModelParallelConfig config = expertConfig(1, 2, 2, 0);
+    GroupedParallelLinear experts(lc, config, 4, 4, initMethodNormal(0.02));
+    Collectives& et = pg.expertTp();
+    Collectives& ep = pg.ep();
+    EXPECT_THAT(message([&] { shardedStateDict(experts, "", {}, et, ep, nullptr); }),
+                HasSubstr(where + "expertDp must be the expert replicate-DP group (pg_collection.expt_dp), got "
+                                  "nullptr"));
+    EXPECT_THAT(message([&] { shardedStateDict(experts, "", {}, ep, et, &pg.expertDp()); }),
+                HasSubstr(where + "expertTp must be the layer's expert TP group (size 1, rank 0), got size 2, rank " +
+                          std::to_string(e)));
+    EXPECT_THAT(message([&] { shardedStateDict(experts, "", {}, et, pg.expertGtpRemat(), &pg.expertDp()); }),
+                HasSubstr(where + "ep must be the expert-parallel group, got the layer's EGTP_remat group (size 2)"));
+    // A replica id over the EGTP pair (the SPEC's "[0,2] / [1,3]") would leave EGTP rank 1's shard unwritten.
+    EXPECT_THAT(message([&] { shardedStateDict(experts, "", {}, et, ep, &pg.expertGtpRemat()); }),
+                HasSubstr(where + "expertDp must be the gtp_replica_group stamped on 'experts.weight0', the "
+                                  "gtp-excluded expert DP (size 1, rank 0), got size 2, rank " + std::to_string(g)));
+    // The expert axis goes after the given offsets: an offset already on it is refused.
+    EXPECT_THAT(message([&] { shardedStateDict(experts, "e.", {{1, 0, 2}}, et, ep, &pg.expertDp()); }),
+                HasSubstr("each axis may be sharded once for key 'e.weight', got axis 1 twice"));
+
+    // Layers stamped with the wrong gtp_replica_group: the dense one, the EGTP group itself, none.
+    LayerContext dense = lc;
+    dense.gtpReplica = &pg.dpCp();
+    GroupedParallelLinear denseStamped(dense, config, 4, 4, initMethodNormal(0.02));
+    EXPECT_THAT(message([&] { shardedStateDict(denseStamped, "", {}, et, ep, &pg.expertDp()); }),
+                HasSubstr(where + "expertDp must be the gtp_replica_group stamped on 'experts.weight0', the "
+                                  "gtp-excluded expert DP (size 4, rank " + std::to_string(ctx.comm.rank()) +
+                          "), got size 1, rank 0"));
+    LayerContext pair = lc;
+    pair.gtpReplica = &pg.expertGtpRemat();
+    GroupedParallelLinear pairStamped(pair, config, 4, 4, initMethodNormal(0.02));
+    EXPECT_THAT(message([&] { shardedStateDict(pairStamped, "", {}, et, ep, &pg.expertGtpRemat()); }),
+                HasSubstr(where + "the gtp_replica_group stamped on 'experts.weight0' must be the gtp-excluded "
+                                  "expert DP group, got its EGTP_remat group (size 2)"));
+    LayerContext unstamped = lc;
+    unstamped.gtpReplica = nullptr;
+    GroupedParallelLinear noReplica(unstamped, config, 4, 4, initMethodNormal(0.02));
+    EXPECT_THAT(message([&] { shardedStateDict(noReplica, "", {}, et, ep, &pg.expertDp()); }),
+                HasSubstr(where + "GTP_remat shard 'experts.weight0' must carry a gtp_replica_group, got none"));
+  });
+  // ET = 2, EP = 2, no EGTP_remat: the expert TP group passed as ep.
+  runExpertRanks(expertLayout(4, 2, 2, 1), [&](RankContext&, ProcessGroups& pg, LayerContext& lc) {
+    GroupedParallelLinear experts(lc, expertConfig(2, 2, 1, 0), 4, 4, initMethodNormal(0.02));
+    EXPECT_THAT(message([&] { shardedStateDict(experts, "", {}, pg.expertTp(), pg.expertTp(), &pg.expertDp()); }),
+                HasSubstr(where + "ep must be the expert-parallel group, got the layer's expert TP group (size 2)"));
+    EXPECT_EQ(message([&] { shardedStateDict(experts, "", {}, pg.expertTp(), pg.ep(), &pg.expertDp()); }),
+              "no error");
+  });
 }
 
 // ---- Rejected inputs ------------------------------------------------------------------------
