@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "backends/errors.h"
+#include "core/mxfp8.h"
 
 namespace tpsim {
 namespace {
@@ -66,6 +67,19 @@ ShardedStateDict layerStateDict(const char* where, const Parameter* weight, cons
   if (bias != nullptr) stateDict.push_back({"bias", bias});
   stateDict.push_back({kExtraStateSuffix, nullptr});
   return makeShardedTensorsForCheckpoint(stateDict, prefix, axisMap, shardedOffsets, tp, *dpCp);
+}
+
+// An MXFP8 weight is saved as its dequantized bf16 value, the shard's shape and offsets unchanged
+// (SPEC 4.11.1): the entry of `weight` then owns that copy.
+void saveWeightAs(WeightFormat format, Compute& compute, const Parameter& weight, ShardedStateDict& sd) {
+  if (format != WeightFormat::kMxfp8) return;
+  for (ShardedEntry& entry : sd) {
+    auto* t = std::get_if<ShardedTensor>(&entry);
+    if (t == nullptr || t->data.data() != weight.data.data()) continue;
+    t->owned = std::make_shared<const Tensor>(mxfp8CheckpointValue(compute, weight));
+    t->data = *t->owned;
+    t->dtype = t->data.dtype();
+  }
 }
 
 }  // namespace
@@ -233,14 +247,18 @@ ShardedStateDict makeShardedTensorsForCheckpoint(const std::vector<StateDictEntr
 
 ShardedStateDict shardedStateDict(ColumnParallelLinear& layer, const std::string& prefix,
                                   const std::vector<RankOffset>& shardedOffsets, Collectives& tp, Collectives* dpCp) {
-  return layerStateDict("shardedStateDict(ColumnParallelLinear)", layer.weight(), layer.bias(),
-                        {{"weight", 0}, {"bias", 0}}, prefix, shardedOffsets, tp, dpCp);
+  ShardedStateDict sd = layerStateDict("shardedStateDict(ColumnParallelLinear)", layer.weight(), layer.bias(),
+                                       {{"weight", 0}, {"bias", 0}}, prefix, shardedOffsets, tp, dpCp);
+  if (layer.weight() != nullptr) saveWeightAs(layer.weightFormat(), layer.compute(), *layer.weight(), sd);
+  return sd;
 }
 
 ShardedStateDict shardedStateDict(RowParallelLinear& layer, const std::string& prefix,
                                   const std::vector<RankOffset>& shardedOffsets, Collectives& tp, Collectives* dpCp) {
-  return layerStateDict("shardedStateDict(RowParallelLinear)", &layer.weight(), layer.bias(), {{"weight", 1}}, prefix,
-                        shardedOffsets, tp, dpCp);
+  ShardedStateDict sd = layerStateDict("shardedStateDict(RowParallelLinear)", &layer.weight(), layer.bias(),
+                                       {{"weight", 1}}, prefix, shardedOffsets, tp, dpCp);
+  saveWeightAs(layer.weightFormat(), layer.compute(), layer.weight(), sd);
+  return sd;
 }
 
 ShardedStateDict shardedStateDict(VocabParallelEmbedding& layer, const std::string& prefix,

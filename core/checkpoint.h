@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <variant>
@@ -53,7 +54,8 @@ struct GtpPadding {
 // prependAxisNum prepended axes of local extent 1, then data's own axes; localShape is data's shape.
 struct ShardedTensor {
   std::string key;
-  ConstView data;  // the parameter's memory; not copied
+  ConstView data;  // the parameter's memory, not copied, unless `owned` holds the value saved
+  std::shared_ptr<const Tensor> owned;  // a converted value (an MXFP8 weight's dequantized bf16)
   DType dtype = DType::kFloat32;
   std::vector<std::int64_t> localShape, globalShape, globalOffset;
   std::vector<int> axisFragmentations;  // chunks per global axis

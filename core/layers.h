@@ -86,6 +86,8 @@ class ColumnParallelLinear {
   std::int64_t inputSize() const { return inputSize_; }
   std::int64_t outputSize() const { return outputSize_; }
   std::int64_t outputSizePerPartition() const { return outputSizePerPartition_; }
+  WeightFormat weightFormat() const { return config_.weightFormat; }
+  Compute& compute() const { return ctx_.compute; }
 
  private:
   LayerContext ctx_;
@@ -135,6 +137,8 @@ class RowParallelLinear {
   const Tensor& masterWeight() const { return masterWeight_; }
   bool sequenceParallel() const { return sequenceParallel_; }
   std::int64_t inputSizePerPartition() const { return inputSizePerPartition_; }
+  WeightFormat weightFormat() const { return config_.weightFormat; }
+  Compute& compute() const { return ctx_.compute; }
 
  private:
   LayerContext ctx_;

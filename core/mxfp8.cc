@@ -88,4 +88,16 @@ GemmWeight gemmWeight(Compute& compute, const Parameter& weight, WeightFormat fo
   return out;
 }
 
+Tensor mxfp8CheckpointValue(Compute& compute, const Parameter& weight) {
+  const ConstView local = weight.data;
+  TPSIM_CHECK(local.rank() == 2, "mxfp8CheckpointValue: ", weight.name, " must be a matrix (N, K), got ",
+              local.str());
+  Tensor data = compute.empty(local.shape(), DType::kFloat8E4M3);
+  Tensor scales = compute.empty(scaleShape(local.dim(0), local.dim(1), 1), DType::kFloat8E8M0);
+  compute.quantizeMxfp8(local, data, scales, 1);
+  Tensor out = compute.empty(local.shape(), DType::kBFloat16);
+  compute.dequantizeMxfp8(data, scales, 1, out);
+  return out;
+}
+
 }  // namespace tpsim

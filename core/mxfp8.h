@@ -45,6 +45,12 @@ struct GemmWeight {
 GemmWeight gemmWeight(Compute& compute, const Parameter& weight, WeightFormat format, GemmUse use,
                       DType computeDtype);
 
+// What a checkpoint saves of an MXFP8 weight (SPEC 4.11.1): this rank's own data (a GTP_remat
+// shard is not gathered) quantized rowwise, the copy the fp8 parameter holds, dequantized to bf16.
+// Same shape as weight.data; rowwise blocks never cross rows, so a shard's rows are those of the
+// whole weight's quantization.
+Tensor mxfp8CheckpointValue(Compute& compute, const Parameter& weight);
+
 // A layer's construction-time check: an MXFP8 weight sharded by GTP_remat (gtpSize > 1) needs
 // pad_for_alignment to be a positive multiple of 32, so that every shard holds whole columnwise
 // blocks (the recipe's a = 32, SPEC 4.2).

@@ -22,6 +22,7 @@
 #include "core/grouped_linear.h"
 #include "core/gtp.h"
 #include "core/init.h"
+#include "core/mxfp8.h"
 #include "core/process_groups.h"
 #include "tests/sim_test_util.h"
 
@@ -854,6 +855,52 @@ INSTANTIATE_TEST_SUITE_P(Grids, GtpTilingGrid,
                            return "T" + std::to_string(g.tp) + "G" + std::to_string(g.gtp) + "D" +
                                   std::to_string(g.dp) + "C" + std::to_string(g.cp) + "A" + std::to_string(g.pad);
                          });
+
+// SPEC 4.11.5 item 15: an MXFP8 weight is saved as its dequantized bf16 value, of the shard's shape,
+// at the composite offset. T = 2 x G = 2, N = 120: TP-local Dlog 60, a = 32 pads it to 64, S = 32.
+// Each rank's saved rows are the rows of the whole weight's rowwise quantization that it owns
+// (gemmWeight gathers and dequantizes that independently); pad rows stay zero. Native weights are
+// saved from the parameter's own memory.
+TEST(GtpCheckpoint, Spec4115Mxfp8WeightsAreSavedAsDequantizedBf16) {
+  runGtpRanks(gtpLayout(2, 2, 1), [&](RankContext& ctx, ProcessGroups& pg, LayerContext& lc) {
+    Generator gen(7);
+    lc.cpuGenerator = &gen;
+    ModelParallelConfig config = gtpConfig(2, 2, 32);
+    config.performInitialization = true;
+    config.useCpuInitialization = true;
+    config.weightFormat = WeightFormat::kMxfp8;
+    ColumnParallelLinear col(lc, config, 64, 120, initMethodNormal(0.3));
+    const int t = pg.tp().rank(), g = pg.gtpRemat().rank();
+    const ShardedStateDict sd = shardedStateDict(col, "", {}, pg.tp(), &pg.dpCpGtp());
+    const ShardedTensor& w = tensorAt(sd, "weight");
+    EXPECT_EQ(w.dtype, DType::kBFloat16);
+    ASSERT_TRUE(w.owned != nullptr);
+    EXPECT_EQ(w.data.data(), w.owned->data());
+    EXPECT_EQ(w.localShape, (Ints{32, 64}));
+    EXPECT_EQ(w.globalShape, (Ints{128, 64}));
+    EXPECT_EQ(w.globalOffset, (Ints{(2 * t + g) * 32, 0}));
+    const std::vector<double> saved = testing::valuesOf(ctx.compute, w.data);
+    const GemmWeight full = gemmWeight(ctx.compute, *col.weight(), WeightFormat::kMxfp8, GemmUse::kFprop,
+                                       DType::kBFloat16);  // (60, 64)
+    const std::vector<double> quantized = testing::valuesOf(ctx.compute, full.weight);
+    const std::vector<double> raw = testing::valuesOf(ctx.compute, col.weight()->data);
+    int changed = 0;
+    for (std::int64_t r = 0; r < 32; ++r)
+      for (std::int64_t c = 0; c < 64; ++c) {
+        const std::int64_t row = g * 32 + r, at = r * 64 + c;
+        ASSERT_EQ(saved[at], row < 60 ? quantized[row * 64 + c] : 0.0) << "row " << row << " col " << c;
+        changed += saved[at] != raw[at];
+      }
+    EXPECT_GT(changed, 32 * 64 / 2) << "the saved value is the quantized one, not the master";
+
+    ModelParallelConfig native = gtpConfig(2, 2, 32);
+    ColumnParallelLinear plain(lc, native, 64, 120, initMethodNormal(0.3));
+    const ShardedStateDict plainSd = shardedStateDict(plain, "", {}, pg.tp(), &pg.dpCpGtp());
+    const ShardedTensor& p = tensorAt(plainSd, "weight");
+    EXPECT_EQ(p.owned, nullptr);
+    EXPECT_EQ(p.data.data(), plain.weight()->data.data());
+  });
+}
 
 // ---- Resharding (SPEC 4.11.4, 8 item 26) -------------------------------------------------------
 
