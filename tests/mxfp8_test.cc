@@ -262,7 +262,8 @@ TEST(Mxfp8Layers, DgradUsesTheColumnwiseCopy) {
       ColumnParallelLinear col({ctx.compute, *tp, nullptr, &gen, &ctx.comm, nullptr, &reducer}, config, k, n,
                                initFrom(k, f), o);
       if (g > 1) col.weight()->mainGrad = ctx.compute.zeros(col.weight()->data.shape(), DType::kFloat32);
-      Tensor y = col.forward(tensorOf(ctx.compute, DType::kFloat32, xv, Shape{m, k})).output;
+      const Tensor x = tensorOf(ctx.compute, DType::kFloat32, xv, Shape{m, k});  // alive until backward
+      Tensor y = col.forward(x).output;
       Tensor dx = col.backward(tensorOf(ctx.compute, DType::kFloat32, dyv, Shape{m, n}));
       reducer.drain();
       const auto yv = valuesOf(ctx.compute, y), dxv = valuesOf(ctx.compute, dx);
@@ -401,8 +402,9 @@ TEST(Mxfp8Layers, FrozenWeightKeepsBothOperands) {
     ColumnParallelLinear col({ctx.compute, *single, nullptr, &gen, &ctx.comm, nullptr, &reducer}, config, 40, 50,
                              initFrom(40, stripes), o);
     col.weight()->requiresGrad = false;
-    Tensor y = col.forward(tensorOf(ctx.compute, DType::kFloat32, table(1, 40, [](auto, auto j) { return j == 0; }),
-                                    Shape{1, 40})).output;
+    const Tensor x = tensorOf(ctx.compute, DType::kFloat32, table(1, 40, [](auto, auto j) { return j == 0; }),
+                              Shape{1, 40});  // alive until backward
+    Tensor y = col.forward(x).output;
     Tensor dx = col.backward(tensorOf(ctx.compute, DType::kFloat32, table(1, 50, [](auto, auto j) { return j == 0; }),
                                       Shape{1, 50}));
     // y = column 0 of deq(Q_row(W)); dX = row 0 of deq(Q_col(W)).
