@@ -18,8 +18,8 @@
 //   18 the fp32-accumulation reduce-scatter is bypassed at G <= 2: bitwise the plain reduce-scatter,
 //      no fp32 dispatch, the same collectives (no accuracy ordering is asserted at G > 2).
 // The GTP rows of items 12 and 13 extend DuplicateLaws and CheckpointLaws in invariant_props.cc.
-// Rank code cannot RC_ASSERT: it records what it saw (or what was wrong) and the property asserts
-// afterwards, on the test's thread.
+// Rank code cannot RC_ASSERT: it records what it saw (or what was wrong) in Problems (rank_checks.h)
+// and the property asserts afterwards, on the test's thread.
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -38,6 +38,7 @@
 #include "props/backends.h"
 #include "props/generators.h"
 #include "props/harness.h"
+#include "props/rank_checks.h"
 #include "tests/sim_test_util.h"
 #include "tools/host_tensor.h"
 
@@ -47,7 +48,6 @@ namespace {
 using testing::tensorOf;
 using testing::valuesOf;
 using tools::HostTensor;
-using Values = std::vector<double>;
 
 // Default case budgets (README.md, "Budget and soak").
 constexpr int kReconstructionCases = 2000;
@@ -59,88 +59,12 @@ constexpr int kStatisticsCases = 400;
 constexpr int kBypassCases = 1500;
 constexpr int kRunnerBypassCases = 600;
 
-// What rank code found wrong, in arrival order; the property fails with the first.
-struct Problems {
-  std::mutex mu;
-  std::vector<std::string> list;
-  void add(const std::string& what) {
-    std::lock_guard<std::mutex> lock(mu);
-    list.push_back(what);
-  }
-  void check(bool ok, const std::string& what) {
-    if (!ok) add(what);
-  }
-  void assertNone() {
-    for (std::size_t i = 0; i < list.size() && i < 20; ++i) RC_LOG() << list[i] << "\n";
-    if (!list.empty()) RC_FAIL(list.front() + (list.size() > 1 ? " (and " + std::to_string(list.size() - 1) +
-                                                                   " more, logged above)"
-                                                             : std::string()));
-  }
-};
-
-std::string str(const Values& v, std::size_t max = 24) {
-  std::ostringstream os;
-  os.precision(9);
-  os << "[";
-  for (std::size_t i = 0; i < v.size() && i < max; ++i) os << (i ? " " : "") << v[i];
-  return os.str() + (v.size() > max ? " ...]" : "]");
-}
-
-// Equal element for element, with the same sign of zero: the same bits for values of one dtype.
-bool sameBits(const Values& a, const Values& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i)
-    if (!(a[i] == b[i]) || std::signbit(a[i]) != std::signbit(b[i])) return false;
-  return true;
-}
-
 ParallelLayout gtpLayout(int T, int G, int D = 1) {
   ParallelSizes s;
   s.world = T * G * D;
   s.tp = T;
   s.gtpRemat = G;
   return ParallelLayout(s);
-}
-
-// pad_for_alignment for a shard of these TP-local dim-0 sizes: 16 (the default) first, 0 only when
-// every one divides by G (SPEC 4.2: a = 0 asserts divisibility).
-rc::Gen<int> genPadForAlignment(const std::vector<std::int64_t>& dims, int G) {
-  bool divisible = true;
-  for (std::int64_t d : dims) divisible = divisible && d % G == 0;
-  return divisible ? pick<int>({16, 0, 1, 0, 32}) : pick<int>({16, 1, 32});
-}
-
-// The first local row of GTP rank g's shard (S rows) that is padding: rows [g·S, (g+1)·S) of a
-// padded buffer whose real rows are [0, dLog).
-std::int64_t firstPadRow(std::int64_t dLog, std::int64_t rows, int g) {
-  return std::clamp<std::int64_t>(dLog - std::int64_t(g) * rows, 0, rows);
-}
-
-// "" when every element of `v` (a (rows, ·) shard, row-major) from row `from` on is exactly zero.
-std::string padRowsNonZero(const Values& v, std::int64_t rows, std::int64_t from, const std::string& what) {
-  if (rows == 0) return "";
-  const std::int64_t perRow = std::int64_t(v.size()) / rows;
-  for (std::int64_t i = from * perRow; i < std::int64_t(v.size()); ++i)
-    if (v[std::size_t(i)] != 0.0) {
-      std::ostringstream os;
-      os.precision(9);
-      os << what << ": pad element " << i << " (local row " << i / perRow << ", pad rows from " << from << " of "
-         << rows << ") is " << v[std::size_t(i)] << ", not 0";
-      return os.str();
-    }
-  return "";
-}
-
-// Normal values, none exactly zero (so that a zero is always padding), from a seeded engine.
-Values nonZeroNormals(std::uint64_t seed, std::int64_t count) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<double> normal(0.0, 1.0);
-  Values v(static_cast<std::size_t>(count));
-  for (double& x : v) {
-    x = normal(rng);
-    if (std::fabs(x) < 1e-3) x = 1.0;  // also keeps 16-bit values normal
-  }
-  return v;
 }
 
 Shape shapeOf(std::int64_t dim0, const std::vector<std::int64_t>& trailing) {
