@@ -30,18 +30,6 @@ using testing::valuesOf;
 constexpr int kTilingCases = 2000;
 constexpr int kStatisticsCases = 300;
 
-Shape shapeOf(std::int64_t dim0, const std::vector<std::int64_t>& trailing) {
-  std::vector<std::int64_t> dims{dim0};
-  dims.insert(dims.end(), trailing.begin(), trailing.end());
-  return Shape(dims.data(), int(dims.size()));
-}
-
-std::int64_t product(const std::vector<std::int64_t>& v) {
-  std::int64_t p = 1;
-  for (std::int64_t x : v) p *= x;
-  return p;
-}
-
 // One parameter of a drawn model: a weight (TP-sharded along dim 0 and, when G > 1, a GTP_remat
 // shard), a TP-sharded bias (never GTP_remat-sharded) or a replicated one.
 struct ParamSpec {

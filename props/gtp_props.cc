@@ -67,18 +67,6 @@ ParallelLayout gtpLayout(int T, int G, int D = 1) {
   return ParallelLayout(s);
 }
 
-Shape shapeOf(std::int64_t dim0, const std::vector<std::int64_t>& trailing) {
-  std::vector<std::int64_t> dims{dim0};
-  dims.insert(dims.end(), trailing.begin(), trailing.end());
-  return Shape(dims.data(), int(dims.size()));
-}
-
-std::int64_t product(const std::vector<std::int64_t>& v) {
-  std::int64_t p = 1;
-  for (std::int64_t x : v) p *= x;
-  return p;
-}
-
 // ---- Item 7 -----------------------------------------------------------------------------------
 
 // wrapGtp on G ranks: the shard is rows [g·S, (g+1)·S) of the zero-padded weight, attributes are

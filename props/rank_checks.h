@@ -117,4 +117,17 @@ inline Values nonZeroNormals(std::uint64_t seed, std::int64_t count) {
   return v;
 }
 
+// (dim0, trailing...) as a Shape, and the product of a list of extents.
+inline Shape shapeOf(std::int64_t dim0, const std::vector<std::int64_t>& trailing) {
+  std::vector<std::int64_t> dims{dim0};
+  dims.insert(dims.end(), trailing.begin(), trailing.end());
+  return Shape(dims.data(), int(dims.size()));
+}
+
+inline std::int64_t product(const std::vector<std::int64_t>& v) {
+  std::int64_t p = 1;
+  for (std::int64_t x : v) p *= x;
+  return p;
+}
+
 }  // namespace tpsim::props

@@ -28,28 +28,15 @@ namespace {
 using ::testing::HasSubstr;
 using testing::columns;
 using testing::errorOf;
+using testing::maxRelError;
 using testing::rows;
 using testing::runRanks;
 using testing::tensorOf;
 using testing::valuesOf;
+using testing::wave;
 
 using Splits = std::vector<std::int64_t>;
 using Matrix = std::vector<double>;  // row-major host matrix
-
-std::vector<double> wave(std::int64_t n, double phase) {
-  std::vector<double> v(n);
-  for (std::int64_t i = 0; i < n; ++i) v[i] = std::sin(phase + 0.37 * double(i));
-  return v;
-}
-
-double maxRelError(const std::vector<double>& a, const std::vector<double>& b) {
-  double err = 0, scale = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    err = std::max(err, std::fabs(a[i] - b[i]));
-    scale = std::max(scale, std::fabs(b[i]));
-  }
-  return err / scale;
-}
 
 void expectNear(const std::vector<double>& got, const std::vector<double>& want, double tol, const std::string& what) {
   ASSERT_EQ(got.size(), want.size()) << what;

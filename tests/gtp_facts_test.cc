@@ -16,24 +16,11 @@
 namespace tpsim {
 namespace {
 
+using testing::maxRelError;
 using testing::runRanks;
 using testing::tensorOf;
 using testing::valuesOf;
-
-std::vector<double> wave(std::int64_t n, double phase) {
-  std::vector<double> v(n);
-  for (std::int64_t i = 0; i < n; ++i) v[i] = std::sin(phase + 0.37 * double(i));
-  return v;
-}
-
-double maxRelError(const std::vector<double>& a, const std::vector<double>& b) {
-  double err = 0, scale = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    err = std::max(err, std::fabs(a[i] - b[i]));
-    scale = std::max(scale, std::fabs(b[i]));
-  }
-  return err / scale;
-}
+using testing::wave;
 
 // G5: Linear(64 -> 128) over G = 4, bf16, batch 16: output = x·gather(shards)[:128]ᵀ, and dX matches.
 // G7: with an fp32 main_grad and bf16 compute the wgrad that is reduce-scattered is fp32, and with

@@ -25,6 +25,7 @@ using testing::runRanks;
 using testing::table;
 using testing::tensorOf;
 using testing::valuesOf;
+using testing::wave;
 
 // deq(Q(w)) of a row-major (rows, cols) host matrix, blocks of 32 along `axis` (1: rowwise).
 std::vector<double> hostMxfp8(const std::vector<double>& w, std::int64_t rows, std::int64_t cols, int axis) {
@@ -68,12 +69,6 @@ Product hostProduct(const std::vector<double>& a, const std::vector<double>& b, 
 
 std::vector<double> transposed(const std::vector<double>& m, std::int64_t rows, std::int64_t cols) {
   return table(cols, rows, [&](std::int64_t i, std::int64_t j) { return m[j * cols + i]; });
-}
-
-std::vector<double> wave(std::int64_t n, double phase) {
-  std::vector<double> v(n);
-  for (std::int64_t i = 0; i < n; ++i) v[i] = std::sin(phase + 0.37 * double(i));
-  return v;
 }
 
 // An InitMethod that writes f(row, col) into the (rows, cols) master weight.

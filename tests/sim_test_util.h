@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -64,6 +66,23 @@ inline std::vector<double> columns(const std::vector<double>& m, std::int64_t co
   for (std::size_t r = 0; r < m.size() / cols; ++r)
     for (std::int64_t c = c0; c < c1; ++c) out.push_back(m[r * cols + c]);
   return out;
+}
+
+// n samples of a smooth, sign-changing test signal; phase picks which.
+inline std::vector<double> wave(std::int64_t n, double phase) {
+  std::vector<double> v(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) v[i] = std::sin(phase + 0.37 * double(i));
+  return v;
+}
+
+// max|a − b| / max|b|.
+inline double maxRelError(const std::vector<double>& a, const std::vector<double>& b) {
+  double err = 0, scale = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    err = std::max(err, std::fabs(a[i] - b[i]));
+    scale = std::max(scale, std::fabs(b[i]));
+  }
+  return err / scale;
 }
 
 // The message of the InvalidArgument `f` throws, or "no error".
