@@ -1,5 +1,6 @@
 #include "backends/dtype.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "backends/errors.h"
@@ -139,6 +140,15 @@ std::uint8_t toE8m0(double v) {
   TPSIM_CHECK(f == 0.5 && e - 1 >= -127 && e - 1 <= 127, "e8m0: a value must be an exact power of two 2^e with e "
               "in [-127, 127], got ", v);
   return std::uint8_t(e - 1 + 127);
+}
+
+int mxfp8ScaleExponent(double amax) {
+  if (amax == 0) return -127;
+  if (std::isinf(amax)) return 127;
+  // amax = f·2^k with f in [0.5, 1) and 448 = 0.875·2^9: e = k - 9, or k - 8 when f > 0.875.
+  int k;
+  const double f = std::frexp(amax, &k);
+  return std::clamp(k - 9 + (f > 0.875 ? 1 : 0), -127, 127);
 }
 
 }  // namespace tpsim

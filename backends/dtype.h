@@ -57,6 +57,11 @@ std::uint8_t toE4m3(double v);
 float e8m0ToFloat(std::uint8_t bits);
 std::uint8_t toE8m0(double v);
 
+// The E8M0 exponent of an MXFP8 block whose largest magnitude is amax (Transformer Engine's rule,
+// computed exactly): the least e in [-127, 127] with amax <= 448·2^e, so no element saturates.
+// -127 for amax = 0; infinity gives 127. amax must not be NaN (a NaN block has the NaN scale).
+int mxfp8ScaleExponent(double amax);
+
 // One element at `p` of `dtype`, widened to double (exact for every dtype but int64 beyond 2^53).
 double loadAsDouble(DType dtype, const void* p);
 // Stores v into one element at `p` of `dtype`, rounded once (to nearest even; int64 truncates;

@@ -34,6 +34,12 @@ struct ModelParallelConfig {
   WeightFormat weightFormat = WeightFormat::kNative;
 
   int expertTp() const { return expertTensorParallelSize ? expertTensorParallelSize : tensorModelParallelSize; }
+  // use_expert_pgs (SPEC 3.18 step 2): an expert layer's params are reduced over the expert
+  // data-parallel topology (allreduce = false) when its expert grid differs from the dense one.
+  bool useExpertPgs(bool isExpert) const {
+    return isExpert && (expertModelParallelSize > 1 || expertTp() != tensorModelParallelSize ||
+                        expertGtpRematSize != gtpRematSize);
+  }
   // Megatron's config validation: SP needs T > 1; deferral needs PP > 1, fusion and a limit >= 0.
   void validate() const;
 };

@@ -15,27 +15,6 @@ namespace {
 
 constexpr const char* kWhere = "GroupedParallelLinear";
 
-// use_expert_pgs (SPEC 3.18 step 2): expert params reduced over the expert data-parallel topology.
-bool useExpertPgs(const ModelParallelConfig& c, bool isExpert) {
-  return isExpert && (c.expertModelParallelSize > 1 || c.expertTp() != c.tensorModelParallelSize ||
-                      c.expertGtpRematSize != c.gtpRematSize);
-}
-
-// v converted to `dtype` and dense (SPEC 3.14.2 step 1: dY is cast to the input dtype).
-ConstView denseAs(Compute& compute, ConstView v, DType dtype, Tensor& storage) {
-  if (v.dtype() == dtype && v.isContiguous()) return v;
-  storage = compute.empty(v.shape(), dtype);
-  compute.copy(v, storage);
-  return storage;
-}
-
-// The dummy weight gradient that stands for a wgrad already in main_grad (SPEC 3.15, 4.5 step 6).
-Tensor dummyGrad(Compute& compute, const Parameter& w, DType dtype) {
-  Tensor dummy = compute.empty(w.mainGrad.shape(), dtype);
-  if (w.attrs.zeroOutWgrad.value_or(false)) compute.fill(dummy, 0.0);
-  return dummy;
-}
-
 }  // namespace
 
 GroupedParallelLinear::GroupedParallelLinear(LayerContext ctx, const ModelParallelConfig& config,
@@ -54,7 +33,7 @@ GroupedParallelLinear::GroupedParallelLinear(LayerContext ctx, const ModelParall
   kLocal_ = column ? inputSize : divide(inputSize, T, "GroupedParallelLinear: input_size by the TP size");
   nLocal_ = column ? divide(outputSize, T, "GroupedParallelLinear: output_size by the TP size") : outputSize;
   addsBias_ = options_.bias && (column || ctx_.tp.rank() == 0);
-  const bool expertPgs = useExpertPgs(config_, options_.isExpert);
+  const bool expertPgs = config_.useExpertPgs(options_.isExpert);
   Compute& compute = ctx_.compute;
 
   weights_.resize(std::size_t(E));
@@ -179,8 +158,8 @@ Tensor GroupedParallelLinear::backward(ConstView dOutput) {
                 " accumulates into it)");
   Compute& compute = ctx_.compute;
   Tensor dyStorage, xStorage;
-  const ConstView dY = denseAs(compute, dOutput, x.dtype(), dyStorage);  // (M, N_local)
-  const ConstView xd = denseAs(compute, x, x.dtype(), xStorage);         // (M, K_local)
+  const ConstView dY = castTo(compute, dOutput, x.dtype(), dyStorage);  // (M, N_local)
+  const ConstView xd = castTo(compute, x, x.dtype(), xStorage);         // (M, K_local)
   const std::vector<Tensor> gathered = gtp ? gatherWeights() : std::vector<Tensor>();  // again, for dgrad
   const int E = numGemms();
   std::vector<ConstView> xs, dys;  // per expert: (m_i, K_local), (m_i, N_local)
@@ -223,7 +202,7 @@ void GroupedParallelLinear::accumulateWgrads(const std::vector<ConstView>& xs, c
                 " must be fp32 or the activations' ", dtypeName(dtype), ", got ", dtypeName(g));
     if (xs[i].dim(0) > 0) compute.gemm(dys[i].t(), xs[i], w.mainGrad, 1.f, 1.f);  // (N,m)·(m,K), accumulated
     if (w.attrs.gradAddedToMainGrad.has_value()) {
-      w.grad = dummyGrad(compute, w, dtype);
+      w.grad = dummyWgrad(compute, w, dtype);
       w.attrs.gradAddedToMainGrad = true;
     }
   }
@@ -274,7 +253,7 @@ void GroupedParallelLinear::reduceScatterWgrads(const std::vector<ConstView>& xs
                 dtypeName(g), ") cannot hold the ", dtypeName(wire), " reduce-scatter result");
     compute.axpy(1.f, received.view().slice(0, i * S, (i + 1) * S), w.mainGrad);
     if (w.attrs.gradAddedToMainGrad.has_value()) w.attrs.gradAddedToMainGrad = true;
-    w.grad = dummyGrad(compute, w, w.data.dtype());  // synchronous: the dummy goes to autograd
+    w.grad = dummyWgrad(compute, w, w.data.dtype());  // synchronous: the dummy goes to autograd
   }
 }
 

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "backends/errors.h"
+#include "core/linear.h"
 
 namespace tpsim {
 namespace {
@@ -132,9 +133,7 @@ Tensor GtpGradReducer::reduceScatter(Parameter& shard, View dW) {
   }
   if (!options_.async) {
     finalize(*p);
-    Tensor dummy = compute_.empty(shard.mainGrad.shape(), shard.data.dtype());
-    if (shard.attrs.zeroOutWgrad.value_or(false)) compute_.fill(dummy, 0.0);
-    return dummy;
+    return dummyWgrad(compute_, shard, shard.data.dtype());
   }
   std::unique_ptr<Pending> previous = std::move(pending_);
   pending_ = std::move(p);

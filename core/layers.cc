@@ -11,12 +11,6 @@
 namespace tpsim {
 namespace {
 
-// use_expert_pgs (SPEC 3.18 step 2): expert params reduced over the expert data-parallel topology.
-bool useExpertPgs(const ModelParallelConfig& c, bool isExpert) {
-  return isExpert && (c.expertModelParallelSize > 1 || c.expertTp() != c.tensorModelParallelSize ||
-                      c.expertGtpRematSize != c.gtpRematSize);
-}
-
 void checkGtp(const LayerContext& ctx, const char* where) {
   TPSIM_CHECK(!ctx.gtpActive() || ctx.gtpReducer != nullptr, where, ": a GTP_remat group of size ", ctx.gtp->size(),
               " needs LayerContext::gtpReducer to reduce the weight gradients");
@@ -97,7 +91,7 @@ ColumnParallelLinear::ColumnParallelLinear(LayerContext ctx, const ModelParallel
   outputSizePerPartition_ = divide(outputSize, T, "ColumnParallelLinear: output_size by the TP size");
   const bool expertParallel = config_.expertModelParallelSize > 1;
   explicitExpertComm_ = options_.isExpert && (T > 1 || expertParallel);
-  const bool expertPgs = useExpertPgs(config_, options_.isExpert);
+  const bool expertPgs = config_.useExpertPgs(options_.isExpert);
   Compute& compute = ctx_.compute;
   if (!options_.skipWeightParamAllocation) {
     weight_ = makeParameter(compute, options_.name + ".weight", {outputSizePerPartition_, inputSize},
@@ -215,7 +209,7 @@ RowParallelLinear::RowParallelLinear(LayerContext ctx, const ModelParallelConfig
   const int T = ctx_.tp.size();
   inputSizePerPartition_ = divide(inputSize, T, "RowParallelLinear: input_size by the TP size");
   explicitExpertComm_ = options_.isExpert && (T > 1 || config_.expertModelParallelSize > 1);
-  const bool expertPgs = useExpertPgs(config_, options_.isExpert);
+  const bool expertPgs = config_.useExpertPgs(options_.isExpert);
   Compute& compute = ctx_.compute;
   weight_ = makeParameter(compute, options_.name + ".weight", {outputSize, inputSizePerPartition_}, config_.paramsDtype);
   masterWeight_ = initializeWeight(ctx_, config_, weight_, outputSize, inputSize, inputSizePerPartition_, 1,

@@ -21,13 +21,6 @@ ConstView contiguous(Compute& compute, ConstView v, Tensor& storage) {
   return storage;
 }
 
-// v converted to `dtype` (SPEC 3.14.2 step 1: dY is cast to the input dtype), dense.
-ConstView castTo(Compute& compute, ConstView v, DType dtype, Tensor& storage) {
-  if (v.dtype() == dtype) return contiguous(compute, v, storage);
-  storage = compute.empty(v.shape(), dtype);
-  compute.copy(v, storage);
-  return storage;
-}
 
 // AG along dim 0 over `tp`: (s/T, b, K) -> (s, b, K), asynchronously.
 std::unique_ptr<Work> gatherSequence(Compute& compute, Collectives& tp, ConstView local, Tensor& storage,
@@ -52,6 +45,19 @@ void accumulateIntoMainGrad(Compute& compute, Parameter& weight, ConstView dY2, 
 }
 
 }  // namespace
+
+ConstView castTo(Compute& compute, ConstView v, DType dtype, Tensor& storage) {
+  if (v.dtype() == dtype) return contiguous(compute, v, storage);
+  storage = compute.empty(v.shape(), dtype);
+  compute.copy(v, storage);
+  return storage;
+}
+
+Tensor dummyWgrad(Compute& compute, const Parameter& weight, DType dtype) {
+  Tensor dummy = compute.empty(weight.mainGrad.shape(), dtype);
+  if (weight.attrs.zeroOutWgrad.value_or(false)) compute.fill(dummy, 0.0);
+  return dummy;
+}
 
 Tensor linearForward(Compute& compute, ConstView x, ConstView weight, ConstView bias,
                      std::optional<DType> outputDtype) {
@@ -193,8 +199,7 @@ LinearGrads LinearWithGradAccumulation::backward(ConstView dYIn) {
       accumulateIntoMainGrad(compute_, weight, dY2, contiguous(compute_, xTotal, xStorage).flattenTo2d(),
                              "LinearWithGradAccumulation::backward");
     if (weight.attrs.gradAddedToMainGrad.has_value()) {
-      grads.dW = compute_.empty(weight.mainGrad.shape(), dY.dtype());
-      if (weight.attrs.zeroOutWgrad.value_or(false)) compute_.fill(grads.dW, 0.0);
+      grads.dW = dummyWgrad(compute_, weight, dY.dtype());
       grads.dWIsDummy = true;
       weight.attrs.gradAddedToMainGrad = true;
     }

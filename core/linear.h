@@ -35,6 +35,14 @@ Tensor linearForward(Compute& compute, ConstView x, ConstView weight, ConstView 
 // dtype or wider; the accumulator is never rounded to the input dtype.
 void wgradGemm(Compute& compute, View out, ConstView dY, ConstView x);
 
+// v converted to `dtype` and dense; v itself when it already is (SPEC 3.14.2 step 1: dY is cast to
+// the input dtype).
+ConstView castTo(Compute& compute, ConstView v, DType dtype, Tensor& storage);
+
+// The dummy weight gradient that stands for a wgrad already added into main_grad (SPEC 3.15, 4.5
+// step 6): main_grad's shape, `dtype`, zero-filled only when zero_out_wgrad is set.
+Tensor dummyWgrad(Compute& compute, const Parameter& weight, DType dtype);
+
 // What a backward returns for autograd to apply. A dummy weight gradient (3.15) stands for a
 // wgrad already added into main_grad: it is handed on but carries no gradient information.
 struct LinearGrads {

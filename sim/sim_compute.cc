@@ -328,16 +328,6 @@ void checkMxfp8(const char* op, ConstView data, ConstView scales, int axis) {
               ") blocks of a ", data.shape(), " matrix must be ", want, ", got ", scales.str());
 }
 
-// The E8M0 exponent of a block whose largest magnitude is amax > 0: the least e with
-// amax <= 448·2^e. With amax = f·2^k, f in [0.5, 1), and 448 = 0.875·2^9, that is k - 9, or
-// k - 8 when f > 0.875. Infinity saturates to the top exponent.
-int mxfp8Exponent(double amax) {
-  if (std::isinf(amax)) return 127;
-  int k;
-  const double f = std::frexp(amax, &k);
-  return std::clamp(k - 9 + (f > 0.875 ? 1 : 0), -127, 127);
-}
-
 // Calls fn(a, b, first, last) for every block of an (R, C) matrix: block b of row (axis 1) or
 // column (axis 0) a holds the elements [first, last) along `axis`.
 template <typename Fn>
@@ -584,7 +574,7 @@ void SimCompute::quantizeMxfp8(ConstView x, View data, View scales, int axis) {
       for (std::int64_t k = first; k < last; ++k) *static_cast<std::uint8_t*>(data.at(offset(data, a, k))) = 0x7f;
       return;
     }
-    const int e = amax > 0.0 ? mxfp8Exponent(amax) : -127;
+    const int e = mxfp8ScaleExponent(amax);
     *static_cast<std::uint8_t*>(scale) = std::uint8_t(e + 127);
     for (std::int64_t k = first; k < last; ++k) {
       const double v = load<double>(x.at(offset(x, a, k)), x.dtype());

@@ -293,6 +293,18 @@ TEST(Fp8E4m3, RandomValuesMatchReference) {
   }
 }
 
+// The least e with amax <= 448·2^e, clamped to the E8M0 range.
+TEST(Fp8E8m0, Mxfp8ScaleExponent) {
+  EXPECT_EQ(mxfp8ScaleExponent(448.0), 0);
+  EXPECT_EQ(mxfp8ScaleExponent(std::nextafter(448.0, 1e9)), 1);
+  EXPECT_EQ(mxfp8ScaleExponent(1.0), -8);     // 448·2^-9 = 0.875 < 1 <= 448·2^-8
+  EXPECT_EQ(mxfp8ScaleExponent(0.875), -9);
+  EXPECT_EQ(mxfp8ScaleExponent(0.0), -127);
+  EXPECT_EQ(mxfp8ScaleExponent(1e-300), -127);
+  EXPECT_EQ(mxfp8ScaleExponent(1e300), 127);
+  EXPECT_EQ(mxfp8ScaleExponent(std::numeric_limits<double>::infinity()), 127);
+}
+
 TEST(Fp8E8m0, PowersOfTwoOnly) {
   EXPECT_EQ(e8m0ToFloat(127), 1.f);
   EXPECT_EQ(e8m0ToFloat(0), std::ldexp(1.f, -127));

@@ -122,15 +122,6 @@ const HostTensor& need(const TensorMap& m, const std::string& name) {
   return it->second;
 }
 
-// The least e in [-127, 127] with amax <= 448·2^e: with amax = m·2^E, m in [1, 2), that is E - 8,
-// or E - 7 when m > 1.75. 2^-127 for an all-zero block; infinity saturates to 2^127.
-int mxfp8Exponent(double amax) {
-  if (amax == 0) return -127;
-  if (std::isinf(amax)) return 127;
-  const int e = std::ilogb(amax) - 8;
-  return std::clamp(amax > std::ldexp(448.0, e) ? e + 1 : e, -127, 127);
-}
-
 // m (rows, cols) row-major replaced by deq(Q(m)), blocks of 32 along `axis`; a NaN makes its
 // block NaN.
 void fakeQuantize(std::vector<double>& m, std::int64_t rows, std::int64_t cols, int axis) {
@@ -147,7 +138,7 @@ void fakeQuantize(std::vector<double>& m, std::int64_t rows, std::int64_t cols, 
         nan = nan || std::isnan(at(a, k));
         amax = std::max(amax, std::fabs(at(a, k)));
       }
-      const double scale = std::ldexp(1.0, mxfp8Exponent(amax));
+      const double scale = std::ldexp(1.0, mxfp8ScaleExponent(amax));
       for (std::int64_t k = first; k < last; ++k)
         at(a, k) = nan ? std::nan("") : double(e4m3ToFloat(toE4m3(at(a, k) / scale))) * scale;
     }
