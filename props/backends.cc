@@ -15,7 +15,7 @@ std::vector<Backend> makeRegistry() {
   sim.usable = true;
   sim.runLayer = [](const tools::RunConfig& c, const tools::TensorMap& in) { return tools::runSharded(c, in); };
   sim.runRanks = [](int ranks, const std::function<void(RankContext&)>& fn) {
-    sim::WorldOptions o;
+    WorldOptions o;
     o.size = ranks;
     sim::World(o).run(fn);
   };

@@ -34,7 +34,7 @@ rc::Gen<Topology> genTopology() {
 }
 
 void runOn(const Topology& t, const std::function<void(RankContext&, Collectives&)>& fn) {
-  sim::WorldOptions o;
+  WorldOptions o;
   o.size = t.ranks;
   o.threads = t.threads;
   sim::World(o).run([&](RankContext& ctx) {

@@ -851,7 +851,7 @@ TPSIM_PROP(GtpLaws, Fp32AccumulationFlagChangesNothingAtTwoPeersOrFewer, kRunner
     }
     if (r1.trace.size() != r2.trace.size())
       failLayerCase(with, Numerics::kReal, b->name, inputs, "the two runs have different worlds");
-    auto event = [](const std::vector<sim::TraceEvent>& t, std::size_t i) {
+    auto event = [](const std::vector<TraceEvent>& t, std::size_t i) {
       return i < t.size() ? t[i].op + " on " + t[i].group + " (" + t[i].dtype + ", " + std::to_string(t[i].bytes) +
                                 " bytes)"
                           : std::string("nothing");

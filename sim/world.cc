@@ -1,717 +1,81 @@
 #include "sim/world.h"
 
-#include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstring>
-#include <deque>
-#include <exception>
-#include <map>
-#include <mutex>
-#include <thread>
-#include <unordered_map>
-#include <utility>
 
-#include "sim/fiber.h"
 #include "sim/reduce.h"
 #include "sim/sim_compute.h"
 
 namespace tpsim::sim {
-namespace {
 
-using Clock = std::chrono::steady_clock;
-
-enum class OpKind : std::uint8_t { kAllReduce, kAllGather, kReduceScatter, kBroadcast, kAllToAll,
-                                   kBarrier, kSplit };
-
-const char* opName(OpKind kind) {
-  switch (kind) {
-    case OpKind::kAllReduce: return "allReduce";
-    case OpKind::kAllGather: return "allGather";
-    case OpKind::kReduceScatter: return "reduceScatter";
-    case OpKind::kBroadcast: return "broadcast";
-    case OpKind::kAllToAll: return "allToAll";
-    case OpKind::kBarrier: return "barrier";
-    case OpKind::kSplit: return "split";
-  }
-  return "unknown";
-}
-
-// What must agree across the members of a collective for it to be "the same" collective.
-struct Fingerprint {
-  OpKind kind = OpKind::kBarrier;
-  DType dtype = DType::kFloat32;
-  std::int64_t inCount = 0;
-  std::int64_t outCount = 0;
-  ReduceOp reduce = ReduceOp::kSum;
-  int root = 0;
-  std::string label;  // split only
-
-  bool operator==(const Fingerprint& o) const {
-    return kind == o.kind && dtype == o.dtype && inCount == o.inCount && outCount == o.outCount &&
-           reduce == o.reduce && root == o.root && label == o.label;
-  }
-  std::string str() const {
-    const std::string t = std::string(dtypeName(dtype)) + " x";
-    switch (kind) {
-      case OpKind::kAllReduce:
-        return detail::concat("allReduce(", reduceOpName(reduce), ", ", t, inCount, ")");
-      case OpKind::kAllGather: return detail::concat("allGather(", t, inCount, " -> x", outCount, ")");
-      case OpKind::kReduceScatter:
-        return detail::concat("reduceScatter(", reduceOpName(reduce), ", ", t, inCount, " -> x", outCount, ")");
-      case OpKind::kBroadcast: return detail::concat("broadcast(root ", root, ", ", t, outCount, ")");
-      case OpKind::kAllToAll: return detail::concat("allToAll(", t, inCount, ")");
-      case OpKind::kBarrier: return "barrier()";
-      case OpKind::kSplit: return detail::concat("split(\"", label, "\")");
-    }
-    return "unknown";
-  }
-};
-
-// "0-3,5,7": compact rank lists for messages.
-std::string rankList(const std::vector<int>& ranks) {
-  std::string s;
-  for (std::size_t i = 0; i < ranks.size();) {
-    std::size_t j = i;
-    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
-    if (!s.empty()) s += ",";
-    s += std::to_string(ranks[i]);
-    if (j > i) s += (j == i + 1 ? "," : "-") + std::to_string(ranks[j]);
-    i = j + 1;
-  }
-  return s;
-}
-
-struct GroupState {
-  std::vector<int> globalRanks;  // by group rank
-  std::string label;
-  std::unordered_map<std::uint64_t, std::shared_ptr<struct Op>> pending;  // by sequence number
-  std::string name() const { return label + "[" + rankList(globalRanks) + "]"; }
-};
-
-struct RankState;
-
-struct Op {
-  std::shared_ptr<GroupState> group;
-  std::uint64_t seq = 0;
-  Fingerprint fp;
-  std::vector<Fingerprint> issued;  // per group rank, valid where arrived
-  std::vector<char> arrived;        // per group rank
-  int arrivedCount = 0;
-  std::vector<ConstView> in;        // per group rank
-  std::vector<View> out;
-  std::vector<int> splitColor, splitKey;
-  std::vector<std::pair<std::shared_ptr<GroupState>, int>> splitResult;  // per group rank
-  bool done = false;
-  int abandonedBy = -1;             // a rank whose Work died during exception unwinding
-  Clock::time_point firstArrival;
-  Clock::duration timeout{};
-  std::vector<RankState*> waiters;
-
-  std::string describe() const {
-    return detail::concat(fp.str(), " on ", group->name(), " (seq ", seq, ")");
-  }
-};
-
-enum class RankStatus : std::uint8_t { kReady, kRunning, kParked, kFinished };
-
-struct RankState {
-  int rank = 0;
-  int worker = 0;
-  std::unique_ptr<Fiber> fiber;
-  RankStatus status = RankStatus::kReady;
-  Op* parkedOn = nullptr;
-  std::string error;  // what this rank's body threw
-  SimCompute compute;
-  std::unique_ptr<Collectives> world;
-};
-
-struct Worker {
-  std::deque<RankState*> ready;
-  std::atomic<int> readyHint{0};  // ready.size(), readable without the lock for spinning
-  std::condition_variable cv;
-  int unfinished = 0;
-};
-
-// The world's lock is held for microseconds at a time; a contended std::mutex would put the
-// waiter to sleep in the kernel and cost a wake-up several times that. Spin on try_lock first.
-// Tells a hyper-threaded core that this thread is only polling, so its sibling runs at speed.
-inline void cpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
-void lockSpinning(std::unique_lock<std::mutex>& lock) {
-  for (int i = 0; i < 2000; ++i) {
-    if (lock.try_lock()) return;
-    cpuRelax();
-  }
-  lock.lock();
-}
-
-// An idle worker polls this long before it sleeps: a peer's collective usually completes within
-// microseconds, and a condition-variable wake-up across threads costs more than that.
-constexpr auto kSpinBeforeSleep = std::chrono::microseconds(50);
-
-class SimCollectives;
-
-// Everything one run() shares between its ranks, its workers and the watchdog. Held by
-// shared_ptr so that abandoned worker threads keep it alive.
-struct RunState {
-  WorldOptions options;
-  std::function<void(RankContext&)> fn;
-  std::mutex mu;
-  std::condition_variable doneCv;  // run() waits here
-  std::vector<std::unique_ptr<RankState>> ranks;
-  std::vector<Worker> workers;
-  int unfinished = 0;
-  int running = 0;
-  int readyCount = 0;
-  int parked = 0;
-  // The first failure; after it every collective throws on every rank.
-  bool failed = false;
-  CollectiveFailure failureKind = CollectiveFailure::kPeerFailed;
-  std::string failureMessage;
-  int failedRank = -1;  // the rank whose own exception caused a kPeerFailed failure
-  Clock::time_point failTime;
-  std::map<std::pair<GroupState*, std::uint64_t>, std::shared_ptr<Op>> pendingOps;  // for watchdog/deadlock
-  Clock::duration minTimeout;
-  std::vector<std::vector<TraceEvent>> trace;
-  std::vector<char> scratch;  // staging of the collective being completed; guarded by mu
-
-  CollectiveError failureFor(int rank) const {
-    if (failureKind == CollectiveFailure::kPeerFailed && rank == failedRank)
-      return CollectiveError(failureKind, "rank " + std::to_string(rank) + " already failed");
-    return CollectiveError(failureKind, failureMessage);
-  }
-
-  // Caller holds mu. Cancels every pending collective and wakes every parked rank.
-  void fail(CollectiveFailure kind, std::string message, int rank = -1) {
-    if (failed) return;
-    failed = true;
-    failureKind = kind;
-    failureMessage = std::move(message);
-    failedRank = rank;
-    failTime = Clock::now();
-    for (auto& r : ranks)
-      if (r->status == RankStatus::kParked) wake(r.get());
-    for (auto& entry : pendingOps) entry.second->group->pending.clear();  // breaks group <-> op cycles
-    pendingOps.clear();
-    doneCv.notify_all();
-  }
-
-  // Caller holds mu.
-  void wake(RankState* r) {
-    if (r->status != RankStatus::kParked) return;
-    r->status = RankStatus::kReady;
-    r->parkedOn = nullptr;
-    --parked;
-    ++readyCount;
-    Worker& w = workers[r->worker];
-    w.ready.push_back(r);
-    w.readyHint.store(int(w.ready.size()), std::memory_order_relaxed);
-    w.cv.notify_one();
-  }
-
-  std::string rankActivity(int rank) const {
-    const RankState& r = *ranks[rank];
-    switch (r.status) {
-      case RankStatus::kFinished: return "finished";
-      case RankStatus::kParked: return "waits on " + r.parkedOn->describe();
-      default: return "is running (outside collectives)";
-    }
-  }
-
-  std::string missingRanks(const Op& op) const {
-    std::string s;
-    for (std::size_t i = 0; i < op.arrived.size(); ++i) {
-      if (op.arrived[i]) continue;
-      const int g = op.group->globalRanks[i];
-      s += detail::concat("\n    rank ", g, " has not issued it: it ", rankActivity(g));
-    }
-    return s;
-  }
-
-  // Caller holds mu. Called whenever a rank stops running; reports a deadlock at once.
-  void checkDeadlock() {
-    if (failed || running > 0 || readyCount > 0 || parked == 0) return;
-    std::string msg = "sim: deadlock: every live rank is blocked and no pending collective can complete";
-    for (auto& r : ranks) {
-      if (r->status == RankStatus::kParked)
-        msg += detail::concat("\n  rank ", r->rank, " waits on ", r->parkedOn->describe(),
-                              r->parkedOn->abandonedBy >= 0
-                                  ? detail::concat("; rank ", r->parkedOn->abandonedBy,
-                                                   " abandoned it while unwinding an exception")
-                                  : missingRanks(*r->parkedOn));
-      else if (r->status == RankStatus::kFinished)
-        msg += detail::concat("\n  rank ", r->rank, " finished");
-    }
-    fail(CollectiveFailure::kDeadlock, msg);
-  }
-
-  // Caller holds mu. Runs on the watchdog; fails the world when a collective waited too long.
-  void checkTimeouts(Clock::time_point now) {
-    for (auto& [key, op] : pendingOps) {
-      if (now - op->firstArrival <= op->timeout) continue;
-      auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(op->timeout).count();
-      fail(CollectiveFailure::kTimeout,
-           detail::concat("sim: timeout: ", op->describe(), " waited more than ", ms,
-                          " ms for its members", missingRanks(*op),
-                          "\n  (raise WorldOptions::timeout or the collective's timeout option if the "
-                          "rank is merely slow)"));
-      return;
-    }
-  }
-};
-
-// Copies and reductions of one completed collective. Caller holds mu; every member has issued,
-// and none may touch its buffers until wait() returns, so reading and writing them here is safe.
-void complete(Op& op, std::vector<char>& scratch) {
-  const int n = int(op.arrived.size());
-  const Fingerprint& fp = op.fp;
-  const std::size_t esize = dtypeSize(fp.dtype);
-  if (fp.kind != OpKind::kSplit && fp.inCount == 0 && fp.outCount == 0) return;  // barrier, empty buffers
-  switch (fp.kind) {
+// Every member has issued and none may touch its buffers until wait() returns, so reading and
+// writing them here, under the rendezvous lock, is safe.
+TransportToken HostTransport::execute(const Collective& c) {
+  const int n = int(c.globalRanks.size());
+  const std::size_t esize = dtypeSize(c.dtype);
+  if (c.inCount == 0 && c.outCount == 0) return nullptr;  // barrier, empty buffers
+  switch (c.kind) {
     case OpKind::kAllReduce:
     case OpKind::kReduceScatter: {
       std::vector<const void*> inputs(n);
-      for (int r = 0; r < n; ++r) inputs[r] = op.in[r].data();
-      // The run's scratch buffer only grows: a fresh multi-megabyte buffer per collective would
+      for (int r = 0; r < n; ++r) inputs[r] = c.in[r].data();
+      // The scratch buffer only grows: a fresh multi-megabyte buffer per collective would
       // page-fault on every call.
-      if (scratch.size() < std::size_t(fp.inCount) * esize) scratch.resize(std::size_t(fp.inCount) * esize);
-      char* sum = scratch.data();
-      reduceInRankOrder(fp.dtype, fp.reduce, inputs, fp.inCount, sum);
-      const std::size_t blockBytes = std::size_t(fp.outCount) * esize;
+      if (scratch_.size() < std::size_t(c.inCount) * esize) scratch_.resize(std::size_t(c.inCount) * esize);
+      char* sum = scratch_.data();
+      reduceInRankOrder(c.dtype, c.reduce, inputs, c.inCount, sum);
+      const std::size_t blockBytes = std::size_t(c.outCount) * esize;
       for (int r = 0; r < n; ++r) {
-        const char* src = sum + (fp.kind == OpKind::kReduceScatter ? r * blockBytes : 0);
-        std::memcpy(op.out[r].data(), src, blockBytes);
+        const char* src = sum + (c.kind == OpKind::kReduceScatter ? r * blockBytes : 0);
+        std::memcpy(c.out[r].data(), src, blockBytes);
       }
       break;
     }
     case OpKind::kAllGather: {
-      const std::size_t blockBytes = std::size_t(fp.inCount) * esize;
+      const std::size_t blockBytes = std::size_t(c.inCount) * esize;
       for (int r = 0; r < n; ++r)
         for (int q = 0; q < n; ++q) {
-          char* dst = static_cast<char*>(op.out[r].data()) + q * blockBytes;
-          if (dst != op.in[q].data()) std::memmove(dst, op.in[q].data(), blockBytes);
+          char* dst = static_cast<char*>(c.out[r].data()) + q * blockBytes;
+          if (dst != c.in[q].data()) std::memmove(dst, c.in[q].data(), blockBytes);
         }
       break;
     }
     case OpKind::kBroadcast: {
-      const void* src = op.in[fp.root].data();
+      const void* src = c.in[c.root].data();
       for (int r = 0; r < n; ++r)
-        if (op.out[r].data() != src) std::memmove(op.out[r].data(), src, std::size_t(fp.outCount) * esize);
+        if (c.out[r].data() != src) std::memmove(c.out[r].data(), src, std::size_t(c.outCount) * esize);
       break;
     }
     case OpKind::kAllToAll: {
       // An in-place exchange overwrites blocks other ranks still need: stage the inputs first.
-      const std::size_t blockBytes = std::size_t(fp.inCount / n) * esize;
+      const std::size_t blockBytes = std::size_t(c.inCount / n) * esize;
       bool inPlace = false;
-      for (int r = 0; r < n; ++r) inPlace = inPlace || op.in[r].data() == op.out[r].data();
+      for (int r = 0; r < n; ++r) inPlace = inPlace || c.in[r].data() == c.out[r].data();
       std::vector<const char*> src(n);
-      for (int q = 0; q < n; ++q) src[q] = static_cast<const char*>(op.in[q].data());
+      for (int q = 0; q < n; ++q) src[q] = static_cast<const char*>(c.in[q].data());
       if (inPlace) {
-        if (scratch.size() < std::size_t(n) * n * blockBytes) scratch.resize(std::size_t(n) * n * blockBytes);
+        if (scratch_.size() < std::size_t(n) * n * blockBytes) scratch_.resize(std::size_t(n) * n * blockBytes);
         for (int q = 0; q < n; ++q) {
-          std::memcpy(scratch.data() + q * n * blockBytes, src[q], n * blockBytes);
-          src[q] = scratch.data() + q * n * blockBytes;
+          std::memcpy(scratch_.data() + q * n * blockBytes, src[q], n * blockBytes);
+          src[q] = scratch_.data() + q * n * blockBytes;
         }
       }
       for (int r = 0; r < n; ++r)
         for (int q = 0; q < n; ++q)
-          std::memcpy(static_cast<char*>(op.out[r].data()) + q * blockBytes, src[q] + r * blockBytes, blockBytes);
+          std::memcpy(static_cast<char*>(c.out[r].data()) + q * blockBytes, src[q] + r * blockBytes, blockBytes);
       break;
     }
-    case OpKind::kBarrier: break;
-    case OpKind::kSplit: {
-      std::map<int, std::vector<int>> byColor;  // color -> parent ranks
-      for (int r = 0; r < n; ++r)
-        if (op.splitColor[r] >= 0) byColor[op.splitColor[r]].push_back(r);
-      op.splitResult.assign(n, {nullptr, -1});
-      for (auto& [color, members] : byColor) {
-        std::stable_sort(members.begin(), members.end(),
-                         [&](int a, int b) { return op.splitKey[a] < op.splitKey[b]; });
-        auto group = std::make_shared<GroupState>();
-        group->label = fp.label;
-        for (int m : members) group->globalRanks.push_back(op.group->globalRanks[m]);
-        for (std::size_t i = 0; i < members.size(); ++i) op.splitResult[members[i]] = {group, int(i)};
-      }
-      break;
-    }
+    case OpKind::kBarrier:
+    case OpKind::kSplit: break;
   }
+  return nullptr;
 }
 
-class SimWork final : public Work {
- public:
-  SimWork(RunState* run, std::shared_ptr<Op> op, RankState* self) : run_(run), op_(std::move(op)), self_(self) {}
-
-  ~SimWork() override {
-    if (waited_) return;
-    std::lock_guard<std::mutex> lock(run_->mu);
-    if (run_->failed) return;
-    if (std::uncaught_exceptions() > 0) {
-      // The rank is unwinding and its buffers are going away: the collective must never touch
-      // them. The rank's exception reaches the world next and fails it with the real message.
-      if (!op_->done) op_->abandonedBy = self_->rank;
-      return;
-    }
-    run_->fail(CollectiveFailure::kDroppedWork,
-               detail::concat("sim: rank ", self_->rank, " destroyed the Work of ", op_->describe(),
-                              " without wait(); wait on every Work before its buffers are reused"));
-  }
-
-  void wait() override {
-    std::unique_lock<std::mutex> lock(run_->mu, std::defer_lock);
-    lockSpinning(lock);
-    for (;;) {
-      if (op_->done) break;
-      if (run_->failed) {
-        waited_ = true;
-        throw run_->failureFor(self_->rank);
-      }
-      lock.unlock();
-      self_->fiber->suspend(op_.get());
-      lockSpinning(lock);
-    }
-    waited_ = true;
-  }
-
-  bool isCompleted() override {
-    std::lock_guard<std::mutex> lock(run_->mu);
-    return op_->done || run_->failed;
-  }
-
-  const Op& op() const { return *op_; }
-
- private:
-  RunState* run_;
-  std::shared_ptr<Op> op_;
-  RankState* self_;
-  bool waited_ = false;
-};
-
-class SimCollectives final : public Collectives {
- public:
-  // Valid only inside the run() that made it: the run's state owns every rank's communicators.
-  SimCollectives(RunState* run, std::shared_ptr<GroupState> group, int rank, RankState* self)
-      : run_(run), group_(std::move(group)), rank_(rank), self_(self) {}
-
-  using Collectives::allReduce;
-  int rank() const override { return rank_; }
-  int size() const override { return int(group_->globalRanks.size()); }
-  const std::vector<int>& globalRanks() const override { return group_->globalRanks; }
-  const std::string& label() const override { return group_->label; }
-
-  std::unique_ptr<Work> allReduce(ConstView in, View out, const AllReduceOptions& opts) override {
-    checkBuffers("allReduce", in, out);
-    checkReducible("allReduce", in);
-    TPSIM_CHECK(in.numel() == out.numel(), where("allReduce"), ": out must have in's ", in.numel(),
-                " elements, got ", out.str());
-    Fingerprint fp{OpKind::kAllReduce, in.dtype(), in.numel(), out.numel(), opts.op, 0, {}};
-    return issue(fp, in, out, opts.timeout);
-  }
-
-  std::unique_ptr<Work> allGather(ConstView in, View out, const CollectiveOptions& opts) override {
-    checkBuffers("allGather", in, out);
-    TPSIM_CHECK(out.numel() == size() * in.numel(), where("allGather"), ": out must have n·in = ", size(),
-                "·", in.numel(), " elements, got ", out.str());
-    Fingerprint fp{OpKind::kAllGather, in.dtype(), in.numel(), out.numel(), ReduceOp::kSum, 0, {}};
-    return issue(fp, in, out, opts.timeout);
-  }
-
-  std::unique_ptr<Work> reduceScatter(ConstView in, View out, const ReduceScatterOptions& opts) override {
-    checkBuffers("reduceScatter", in, out);
-    checkReducible("reduceScatter", in);
-    TPSIM_CHECK(in.numel() == size() * out.numel(), where("reduceScatter"), ": in must have n·out = ", size(),
-                "·", out.numel(), " elements, got ", in.str(), "; in's dim 0 must divide by the group size");
-    Fingerprint fp{OpKind::kReduceScatter, in.dtype(), in.numel(), out.numel(), opts.op, 0, {}};
-    return issue(fp, in, out, opts.timeout);
-  }
-
-  std::unique_ptr<Work> broadcast(ConstView in, View out, const BroadcastOptions& opts) override {
-    TPSIM_CHECK(opts.root >= 0 && opts.root < size(), where("broadcast"), ": root must be in [0, ", size(),
-                "), got ", opts.root);
-    checkBuffers("broadcast", rank_ == opts.root ? in : ConstView(out), out);
-    TPSIM_CHECK(rank_ != opts.root || in.numel() == out.numel(), where("broadcast"),
-                ": out must have in's ", in.numel(), " elements, got ", out.str());
-    Fingerprint fp{OpKind::kBroadcast, out.dtype(), out.numel(), out.numel(), ReduceOp::kSum, opts.root, {}};
-    return issue(fp, rank_ == opts.root ? in : ConstView(out), out, opts.timeout);
-  }
-
-  std::unique_ptr<Work> allToAll(ConstView in, View out, const CollectiveOptions& opts) override {
-    checkBuffers("allToAll", in, out);
-    TPSIM_CHECK(in.numel() == out.numel() && in.numel() % size() == 0, where("allToAll"),
-                ": in and out must have the same element count, divisible by the group size ", size(),
-                ", got in ", in.str(), ", out ", out.str());
-    Fingerprint fp{OpKind::kAllToAll, in.dtype(), in.numel(), out.numel(), ReduceOp::kSum, 0, {}};
-    return issue(fp, in, out, opts.timeout);
-  }
-
-  std::unique_ptr<Work> barrier(const CollectiveOptions& opts) override {
-    return issue(Fingerprint{}, ConstView(), View(), opts.timeout);
-  }
-
-  std::unique_ptr<Collectives> split(int color, int key, const std::string& label) override {
-    Fingerprint fp;
-    fp.kind = OpKind::kSplit;
-    fp.label = label;
-    auto work = issue(fp, ConstView(), View(), Timeout{0}, color, key);
-    work->wait();
-    auto [group, rank] = static_cast<SimWork&>(*work).op().splitResult[rank_];
-    if (!group) return nullptr;
-    return std::make_unique<SimCollectives>(run_, std::move(group), rank, self_);
-  }
-
- private:
-  std::string where(const char* op) const {
-    return detail::concat(op, " on ", group_->name(), " (rank ", self_->rank, ")");
-  }
-
-  void checkBuffers(const char* op, ConstView in, ConstView out) const {
-    TPSIM_CHECK(in.dtype() == out.dtype(), where(op), ": in and out must share a dtype, got ",
-                dtypeName(in.dtype()), " and ", dtypeName(out.dtype()));
-    TPSIM_CHECK(in.isContiguous(), where(op), ": in must be contiguous, got ", in.str());
-    TPSIM_CHECK(out.isContiguous(), where(op), ": out must be contiguous, got ", out.str());
-    TPSIM_CHECK(in.device() == Device::kHost && out.device() == Device::kHost, where(op),
-                ": buffers must be host memory on the simulator");
-  }
-
-  // fp8 data is only moved: E4M3 values carry separate block scales, so their sum is meaningless.
-  void checkReducible(const char* op, ConstView in) const {
-    TPSIM_CHECK(!isFloat8(in.dtype()), where(op), ": cannot reduce ", dtypeName(in.dtype()),
-                " data; expected fp32, bf16, fp16, fp64 or int64, got ", in.str(),
-                "; fp8 tensors can be all-gathered, broadcast or exchanged, dequantize them to reduce");
-  }
-
-  std::unique_ptr<Work> issue(const Fingerprint& fp, ConstView in, View out, Timeout timeout,
-                              int color = 0, int key = 0) {
-    RunState& run = *run_;
-    std::unique_lock<std::mutex> lock(run.mu, std::defer_lock);
-    lockSpinning(lock);
-    if (run.failed) throw run.failureFor(self_->rank);
-    const std::uint64_t seq = nextSeq_++;
-    const int n = size();
-    std::shared_ptr<Op>& slot = group_->pending[seq];
-    if (!slot) {
-      slot = std::make_shared<Op>();
-      slot->group = group_;
-      slot->seq = seq;
-      slot->fp = fp;
-      slot->issued.resize(n);
-      slot->arrived.assign(n, 0);
-      slot->in.resize(n);
-      slot->out.resize(n);
-      slot->splitColor.resize(n);
-      slot->splitKey.resize(n);
-      slot->firstArrival = Clock::now();
-      slot->timeout = timeout.count() > 0 ? Clock::duration(timeout) : Clock::duration(run.options.timeout);
-      run.minTimeout = std::min(run.minTimeout, slot->timeout);
-      run.pendingOps[{group_.get(), seq}] = slot;
-    }
-    std::shared_ptr<Op> op = slot;
-    op->issued[rank_] = fp;
-    op->arrived[rank_] = 1;
-    if (!(fp == op->fp)) {
-      std::string msg = detail::concat("sim: collective mismatch on ", group_->name(), " at seq ", seq, ":");
-      for (int r = 0; r < n; ++r)
-        if (op->arrived[r])
-          msg += detail::concat("\n  rank ", group_->globalRanks[r], " issued ", op->issued[r].str());
-      msg += "\nevery member must issue the same collectives in the same order";
-      run.fail(CollectiveFailure::kMismatch, msg);
-      throw run.failureFor(self_->rank);
-    }
-    ++op->arrivedCount;
-    op->in[rank_] = in;
-    op->out[rank_] = out;
-    op->splitColor[rank_] = color;
-    op->splitKey[rank_] = key;
-    if (run.options.trace)
-      run.trace[self_->rank].push_back(
-          TraceEvent{opName(fp.kind), group_->name(), seq, dtypeName(fp.dtype),
-                     fp.inCount * std::int64_t(dtypeSize(fp.dtype))});
-    if (op->arrivedCount == n) {
-      group_->pending.erase(seq);
-      run.pendingOps.erase({group_.get(), seq});
-      if (op->abandonedBy < 0) {
-        complete(*op, run.scratch);
-        op->done = true;
-        for (RankState* w : op->waiters) run.wake(w);
-        op->waiters.clear();
-      }
-    }
-    return std::make_unique<SimWork>(run_, op, self_);
-  }
-
-  RunState* run_;
-  std::shared_ptr<GroupState> group_;
-  int rank_;
-  RankState* self_;
-  std::uint64_t nextSeq_ = 0;
-};
-
-// Caller holds mu. Rank r has just stopped running: it finished, or it parks on `op`.
-void afterSwitch(RunState& run, RankState* r, Op* op) {
-  --run.running;
-  if (!op) {
-    r->status = RankStatus::kFinished;
-    --run.unfinished;
-    --run.workers[r->worker].unfinished;
-    if (run.unfinished == 0) run.doneCv.notify_all();
-  } else if (op->done || run.failed) {
-    r->status = RankStatus::kReady;
-    ++run.readyCount;
-    Worker& w = run.workers[r->worker];
-    w.ready.push_back(r);
-    w.readyHint.store(int(w.ready.size()), std::memory_order_relaxed);
-  } else {
-    r->status = RankStatus::kParked;
-    r->parkedOn = op;
-    ++run.parked;
-    op->waiters.push_back(r);
-  }
-  run.checkDeadlock();
+World::World(WorldOptions options)
+    : rendezvous_("sim", options), transport_(std::make_shared<HostTransport>()) {
+  // SimCompute is stateless; one per rank keeps the rendezvous' contract uniform across backends.
+  for (int r = 0; r < rendezvous_.options().size; ++r) computes_.push_back(std::make_shared<SimCompute>());
 }
 
-void workerLoop(std::shared_ptr<RunState> run, int index) {
-  RunState& s = *run;
-  Worker& w = s.workers[index];
-  std::unique_lock<std::mutex> lock(s.mu);
-  while (w.unfinished > 0) {
-    if (w.ready.empty()) {
-      lock.unlock();
-      const auto until = Clock::now() + kSpinBeforeSleep;
-      while (w.readyHint.load(std::memory_order_relaxed) == 0 && Clock::now() < until) cpuRelax();
-      lockSpinning(lock);
-      if (w.ready.empty() && w.unfinished > 0) w.cv.wait(lock);
-      continue;
-    }
-    RankState* r = w.ready.front();
-    w.ready.pop_front();
-    w.readyHint.store(int(w.ready.size()), std::memory_order_relaxed);
-    --s.readyCount;
-    ++s.running;
-    r->status = RankStatus::kRunning;
-    lock.unlock();
-    void* request = r->fiber->resume();
-    if (r->fiber->finished()) r->fiber.reset();  // free the stack outside the lock
-    lockSpinning(lock);
-    afterSwitch(s, r, r->fiber ? static_cast<Op*>(request) : nullptr);
-  }
-}
-
-void rankBody(RunState& run, RankState& r) {
-  try {
-    RankContext ctx{r.compute, *r.world};
-    run.fn(ctx);
-  } catch (const std::exception& e) {
-    std::lock_guard<std::mutex> lock(run.mu);
-    r.error = e.what();
-    run.fail(CollectiveFailure::kPeerFailed,
-             detail::concat("peer rank ", r.rank, " failed: ", e.what()), r.rank);
-  } catch (...) {
-    std::lock_guard<std::mutex> lock(run.mu);
-    r.error = "unknown exception";
-    run.fail(CollectiveFailure::kPeerFailed,
-             detail::concat("peer rank ", r.rank, " failed: unknown exception"), r.rank);
-  }
-}
-
-}  // namespace
-
-struct World::Impl {
-  WorldOptions options;
-  std::vector<std::vector<TraceEvent>> trace;
-};
-
-World::World(WorldOptions options) : impl_(std::make_unique<Impl>()) {
-  TPSIM_CHECK(options.size >= 1, "sim::World: size must be >= 1, got ", options.size);
-  TPSIM_CHECK(options.threads >= 0, "sim::World: threads must be >= 0 (0 = automatic), got ", options.threads);
-  TPSIM_CHECK(options.timeout.count() > 0, "sim::World: timeout must be > 0 ms, got ", options.timeout.count());
-  if (options.threads == 0)
-    options.threads = std::max(1, std::min<int>(options.size, int(std::thread::hardware_concurrency())));
-  options.threads = std::min(options.threads, options.size);
-  if (options.stackBytes == 0) options.stackBytes = Fiber::defaultStackBytes();
-  impl_->options = options;
-}
-
-World::~World() = default;
-
-int World::size() const { return impl_->options.size; }
-
-const std::vector<std::vector<TraceEvent>>& World::trace() const { return impl_->trace; }
-
-void World::run(const std::function<void(RankContext&)>& fn) {
-  const WorldOptions& o = impl_->options;
-  auto run = std::make_shared<RunState>();
-  run->options = o;
-  run->fn = fn;
-  run->minTimeout = o.timeout;
-  run->trace.assign(o.size, {});
-  run->workers = std::vector<Worker>(o.threads);
-  auto worldGroup = std::make_shared<GroupState>();
-  worldGroup->label = "world";
-  for (int r = 0; r < o.size; ++r) worldGroup->globalRanks.push_back(r);
-  for (int r = 0; r < o.size; ++r) {
-    auto state = std::make_unique<RankState>();
-    RankState* s = state.get();
-    s->rank = r;
-    s->worker = r % o.threads;
-    s->world = std::make_unique<SimCollectives>(run.get(), worldGroup, r, s);
-    s->fiber = std::make_unique<Fiber>(o.stackBytes, [runPtr = run.get(), s] { rankBody(*runPtr, *s); });
-    run->workers[s->worker].ready.push_back(s);
-    ++run->workers[s->worker].unfinished;
-    run->ranks.push_back(std::move(state));
-  }
-  run->unfinished = run->readyCount = o.size;
-
-  std::vector<std::thread> threads;
-  for (int w = 0; w < o.threads; ++w) threads.emplace_back(workerLoop, run, w);
-
-  bool abandoned = false;
-  {
-    std::unique_lock<std::mutex> lock(run->mu);
-    while (run->unfinished > 0) {
-      const auto tick = std::clamp<Clock::duration>(run->minTimeout / 4, std::chrono::milliseconds(1),
-                                                    std::chrono::milliseconds(100));
-      run->doneCv.wait_for(lock, tick);
-      const auto now = Clock::now();
-      if (!run->failed) run->checkTimeouts(now);
-      if (run->failed && run->unfinished > 0 && now - run->failTime > Clock::duration(o.timeout)) {
-        abandoned = true;
-        break;
-      }
-    }
-  }
-  for (auto& t : threads) abandoned ? t.detach() : t.join();
-
-  // Worker threads are gone (or detached); what follows reads state no running fiber writes,
-  // except an abandoned rank's, which is read under the lock.
-  std::lock_guard<std::mutex> lock(run->mu);
-  impl_->trace = run->trace;
-  std::vector<std::string> rankErrors(o.size);
-  std::map<std::string, std::vector<int>> byMessage;  // ranks grouped by the error they ended with
-  for (auto& r : run->ranks) {
-    if (r->status != RankStatus::kFinished)
-      rankErrors[r->rank] = detail::concat("rank ", r->rank, " did not return within ", o.timeout.count(),
-                                           " ms after the failure; its thread was abandoned");
-    else
-      rankErrors[r->rank] = r->error;
-    if (!rankErrors[r->rank].empty()) byMessage[rankErrors[r->rank]].push_back(r->rank);
-  }
-  if (!run->failed) return;
-  const bool fromCollective = run->failureKind != CollectiveFailure::kPeerFailed;
-  std::string cause = fromCollective ? run->failureMessage
-                                     : detail::concat("rank ", run->failedRank, " failed: ",
-                                                      run->ranks[run->failedRank]->error);
-  std::string summary;
-  for (const auto& [message, ranks] : byMessage)
-    summary += detail::concat(ranks.size() == 1 ? "\n  rank " : "\n  ranks ", rankList(ranks), ": ",
-                              message == run->failureMessage ? "the error above" : message);
-  throw WorldError(cause + (summary.empty() ? "" : "\nwhat each rank ended with:" + summary), std::move(rankErrors),
-                   fromCollective, run->failureKind);
-}
+void World::run(const std::function<void(RankContext&)>& fn) { rendezvous_.run(fn, computes_, transport_); }
 
 }  // namespace tpsim::sim

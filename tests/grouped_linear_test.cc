@@ -404,7 +404,7 @@ TEST(GroupedLinear, ColumnThenRowOnTheExpertGridMatchesDenseMath) {
 
 struct TracedRun {
   std::vector<std::vector<double>> mainGrads;  // per expert: gathered over G, pad stripped
-  std::vector<std::vector<sim::TraceEvent>> trace;
+  std::vector<std::vector<TraceEvent>> trace;
   int fp32Dispatches = 0;
 };
 
@@ -413,7 +413,7 @@ TracedRun tracedRun(int G, bool fp32Accum) {
   const std::int64_t K = 16, N = 40, M = 16, E = 3;
   const Splits splits = {5, 0, 11};
   const std::int64_t S = gtpRematShardDim0(N, G, 16).rows;
-  sim::WorldOptions wo;
+  WorldOptions wo;
   wo.size = G;
   wo.trace = true;
   sim::World world(wo);
@@ -456,9 +456,9 @@ TracedRun tracedRun(int G, bool fp32Accum) {
 }
 
 // How many collectives of each kind a rank issued on the egtp group.
-std::map<std::string, int> egtpOps(const std::vector<sim::TraceEvent>& events) {
+std::map<std::string, int> egtpOps(const std::vector<TraceEvent>& events) {
   std::map<std::string, int> ops;
-  for (const sim::TraceEvent& ev : events)
+  for (const TraceEvent& ev : events)
     if (ev.group.rfind("egtp[", 0) == 0) ++ops[ev.op];
   return ops;
 }

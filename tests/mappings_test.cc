@@ -371,7 +371,7 @@ TEST(Primitives, KeepTheInputDtype) {
 
 // n == 1: every primitive returns its input's values in new storage and issues no collective.
 TEST(Primitives, SizeOneGroupReturnsACopyWithoutCommunicating) {
-  sim::WorldOptions options;
+  WorldOptions options;
   options.size = 1;
   options.trace = true;
   sim::World world(options);

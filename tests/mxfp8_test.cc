@@ -130,7 +130,7 @@ TEST(GemmWeight, GtpShardEqualsTheUnpaddedQuantization) {
   const auto full = table(dLog, k, [](std::int64_t i, std::int64_t j) {
     return std::ldexp(std::sin(0.3 * double(i * k + j)), int((i + 3 * j) % 11) - 5);
   });
-  sim::WorldOptions options;
+  WorldOptions options;
   options.size = 4;
   options.trace = true;
   sim::World world(options);
@@ -168,7 +168,7 @@ TEST(GemmWeight, GtpShardEqualsTheUnpaddedQuantization) {
   });
   // Per mxfp8 gemmWeight: one gather of S·K = 1280 E4M3 bytes and one of the scales.
   std::vector<std::string> gathers;
-  for (const sim::TraceEvent& e : world.trace()[2])
+  for (const TraceEvent& e : world.trace()[2])
     if (e.op == "allGather") gathers.push_back(e.dtype + ":" + std::to_string(e.bytes));
   const std::vector<std::string> mx = {"fp8e4m3:1280", "e8m0:64", "fp8e4m3:1280", "e8m0:40"};
   std::vector<std::string> want;
@@ -380,7 +380,7 @@ TEST(Mxfp8Layers, GtpOnEqualsGtpOff) {
 // The frozen path keeps the columnwise copy from its forward: backward issues no weight gather,
 // and dX still reads Q_col(W).
 TEST(Mxfp8Layers, FrozenWeightKeepsBothOperands) {
-  sim::WorldOptions options;
+  WorldOptions options;
   options.size = 2;
   options.trace = true;
   sim::World world(options);
@@ -413,7 +413,7 @@ TEST(Mxfp8Layers, FrozenWeightKeepsBothOperands) {
   // The forward gathered data and scales for both copies; the backward gathered nothing; the
   // check's own materialize is the last gather.
   std::vector<std::string> ops;
-  for (const sim::TraceEvent& e : world.trace()[0])
+  for (const TraceEvent& e : world.trace()[0])
     if (e.op == "allGather") ops.push_back(e.op + ":" + e.dtype);
   EXPECT_EQ(ops, (std::vector<std::string>{"allGather:fp8e4m3", "allGather:e8m0", "allGather:fp8e4m3",
                                            "allGather:e8m0", "allGather:fp32"}));

@@ -161,7 +161,7 @@ TEST(ProcessGroups, WorldSizeMustMatchLayout) {
   try {
     testing::runRanks(4, [&](RankContext& ctx) { ProcessGroups groups(ctx.comm, layout); });
     ADD_FAILURE() << "expected a WorldError";
-  } catch (const sim::WorldError& e) {
+  } catch (const WorldError& e) {
     ASSERT_EQ(e.rankErrors().size(), 4u);
     for (const std::string& message : e.rankErrors())
       EXPECT_NE(message.find("must have the layout's world size 8, got 4"), std::string::npos) << message;

@@ -17,7 +17,7 @@
 namespace tpsim::testing {
 
 inline void runRanks(int n, const std::function<void(RankContext&)>& fn, int threads = 0) {
-  sim::WorldOptions o;
+  WorldOptions o;
   o.size = n;
   o.threads = threads;
   sim::World(o).run(fn);

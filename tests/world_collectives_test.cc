@@ -254,7 +254,7 @@ TEST(Collectives, SubGroupsOfSubGroups) {
 }
 
 TEST(Collectives, TraceRecordsWhatEachRankIssued) {
-  sim::WorldOptions o;
+  WorldOptions o;
   o.size = 2;
   o.trace = true;
   sim::World world(o);

@@ -19,24 +19,24 @@ using std::chrono::milliseconds;
 using ::testing::HasSubstr;
 
 struct Outcome {
-  sim::WorldError error;
+  WorldError error;
   milliseconds elapsed;
 };
 
 // Runs fn and returns the WorldError it must throw, with the wall time it took.
-Outcome runExpectingFailure(sim::WorldOptions o, const std::function<void(RankContext&)>& fn) {
+Outcome runExpectingFailure(WorldOptions o, const std::function<void(RankContext&)>& fn) {
   const auto start = Clock::now();
   try {
     sim::World(o).run(fn);
-  } catch (const sim::WorldError& e) {
+  } catch (const WorldError& e) {
     return {e, std::chrono::duration_cast<milliseconds>(Clock::now() - start)};
   }
   ADD_FAILURE() << "run() returned normally";
-  return {sim::WorldError("", {}, false, CollectiveFailure::kPeerFailed), milliseconds(0)};
+  return {WorldError("", {}, false, CollectiveFailure::kPeerFailed), milliseconds(0)};
 }
 
-sim::WorldOptions options(int size, int threads = 0, milliseconds timeout = milliseconds(60'000)) {
-  sim::WorldOptions o;
+WorldOptions options(int size, int threads = 0, milliseconds timeout = milliseconds(60'000)) {
+  WorldOptions o;
   o.size = size;
   o.threads = threads;
   o.timeout = timeout;

@@ -55,7 +55,7 @@ struct BenchConfig {
 
 // Seconds per tiny allReduce on the fiber world (startup cost subtracted).
 double simTinyAllReduce(int n, int threads, int iters) {
-  sim::WorldOptions o;
+  WorldOptions o;
   o.size = n;
   o.threads = threads;
   sim::World world(o);
@@ -161,7 +161,7 @@ long benchBandwidth(const BenchConfig& c) {
       const std::int64_t outCount = bc.op == BwOp::kReduceScatter ? block : count;
       std::vector<double> seconds(n, 0);
       std::vector<long> wrong(n, 0);
-      sim::WorldOptions o;
+      WorldOptions o;
       o.size = n;
       o.threads = c.threads;
       sim::World(o).run([&](RankContext& ctx) {
@@ -294,7 +294,7 @@ double eigenMlp(std::int64_t m, std::int64_t h, std::int64_t f, int reps) {
 
 // Seconds per forward + backward of the block on T simulated ranks with sequence parallelism.
 double simMlp(int T, int threads, std::int64_t m, std::int64_t h, std::int64_t f, int reps) {
-  sim::WorldOptions o;
+  WorldOptions o;
   o.size = T;
   o.threads = threads;
   std::vector<double> seconds(T, 1e30);

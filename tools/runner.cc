@@ -304,7 +304,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
   PerRank per;
   per.results.resize(sizes.world);
   per.shards.resize(sizes.world);
-  sim::WorldOptions wo;
+  WorldOptions wo;
   wo.size = sizes.world;
   wo.threads = c.threads;
   wo.trace = true;

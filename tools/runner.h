@@ -60,7 +60,7 @@ void checkInputs(const RunConfig& config, const TensorMap& inputs);
 struct RunResult {
   TensorMap results;                               // unsharded, named as in reference.h
   std::vector<std::vector<std::string>> shards;    // per rank: "fc1.weight (16, 32) = rows [0, 16) of (64, 32)"
-  std::vector<std::vector<sim::TraceEvent>> trace; // per rank: every collective it issued
+  std::vector<std::vector<TraceEvent>> trace; // per rank: every collective it issued
 };
 
 RunResult runSharded(const RunConfig& config, const TensorMap& inputs);

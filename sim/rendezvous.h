@@ -1,0 +1,96 @@
+// Rendezvous: the part of a world that every backend shares; only the data movement differs.
+//
+// It runs one SPMD function on N ranks (each on a fiber, a few worker threads running whichever
+// fibers are ready), matches the collectives they issue by per-group sequence number, and turns
+// every failure (a mismatch, a deadlock, a failed rank, a timeout, a dropped Work, a transport
+// error) into the same CollectiveError on every rank and a WorldError from run(). It moves no data:
+// once every member of a collective has issued it, a Transport moves (or enqueues) the data.
+// sim::World plugs in host copies and rank-order sums; gpu::World device kernels or NCCL.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backends/collectives.h"
+#include "backends/compute.h"
+#include "backends/world.h"
+
+namespace tpsim::sim {
+
+enum class OpKind : std::uint8_t { kAllReduce, kAllGather, kReduceScatter, kBroadcast, kAllToAll,
+                                   kBarrier, kSplit };
+const char* opName(OpKind kind);
+
+// Whatever a transport attaches to one rank's part of a collective (a CUDA event, say).
+using TransportToken = std::shared_ptr<void>;
+
+// One collective that every member has issued, as its transport sees it. Vectors are indexed by
+// group rank. Buffers follow collectives.h's contracts; the fingerprint checks guarantee that every
+// member passed the same dtype, counts, reduce op and root.
+struct Collective {
+  OpKind kind = OpKind::kBarrier;
+  DType dtype = DType::kFloat32;
+  std::int64_t inCount = 0;   // elements of each member's input
+  std::int64_t outCount = 0;  // elements of each member's output
+  ReduceOp reduce = ReduceOp::kSum;
+  int root = 0;
+  std::vector<int> globalRanks;
+  std::string group;          // "tp[0,1]"
+  std::uint64_t seq = 0;
+  std::vector<ConstView> in;
+  std::vector<View> out;
+  std::vector<TransportToken> issued;  // what Transport::issued returned for each member
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  // Where collective buffers must live; checked when a rank issues.
+  virtual Device device() const = 0;
+  // Rank `globalRank` issues a collective; runs on its fiber. The token reaches execute().
+  virtual TransportToken issued(int globalRank) {
+    (void)globalRank;
+    return nullptr;
+  }
+  // Every member has issued c: move its data, or enqueue the movement after every member's issue
+  // token. Runs once, under the rendezvous lock, on the last member's fiber. The token returned
+  // reaches completed(). A throw fails the world with CollectiveFailure::kBackend.
+  virtual TransportToken execute(const Collective& c) = 0;
+  // c is complete and globalRank's wait() returns next: order the rank's later work after it.
+  virtual void completed(int globalRank, const TransportToken& done) {
+    (void)globalRank;
+    (void)done;
+  }
+  // The world failed: abandon transfers in flight (NCCL: abort the communicators) so that nothing
+  // waits on them. Called once, under the rendezvous lock.
+  virtual void abort() {}
+};
+
+class Rendezvous {
+ public:
+  // `name` prefixes the fabric's messages ("sim: deadlock: ..."). Validates the options.
+  Rendezvous(std::string name, WorldOptions options);
+  ~Rendezvous();
+  Rendezvous(const Rendezvous&) = delete;
+  Rendezvous& operator=(const Rendezvous&) = delete;
+
+  const WorldOptions& options() const;
+
+  // Runs fn on every rank r with computes[r] and a world communicator over `transport`; the
+  // World::run contract (backends/world.h). Shared ownership: a rank abandoned after a failure
+  // may still be using them when run() returns.
+  void run(const std::function<void(RankContext&)>& fn, const std::vector<std::shared_ptr<Compute>>& computes,
+           const std::shared_ptr<Transport>& transport);
+
+  const std::vector<std::vector<TraceEvent>>& trace() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tpsim::sim
