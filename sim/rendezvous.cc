@@ -339,7 +339,7 @@ class SimWork final : public Work {
     waited_ = true;
     const TransportToken doneToken = op_->doneToken;
     lock.unlock();
-    run_->transport->completed(self_->rank, doneToken);
+    if (op_->fp.kind != OpKind::kSplit) run_->transport->completed(self_->rank, doneToken);
   }
 
   bool isCompleted() override {
