@@ -2,37 +2,31 @@
 
 #include <stdexcept>
 
-#include "sim/world.h"
-#include "tpsim_config.h"
+#include "tools/backend.h"
 
 namespace tpsim::props {
 namespace {
 
-std::vector<Backend> makeRegistry() {
-  std::vector<Backend> all;
-  Backend sim;
-  sim.name = "sim";
-  sim.usable = true;
-  sim.runLayer = [](const tools::RunConfig& c, const tools::TensorMap& in) { return tools::runSharded(c, in); };
-  sim.runRanks = [](int ranks, const std::function<void(RankContext&)>& fn) {
+// Each backend runs layer cases through the same runner as `tpsim run --backend NAME`.
+Backend makeBackend(const std::string& name) {
+  Backend b;
+  b.name = name;
+  b.whyNot = tools::backendUnusableReason(name);
+  b.usable = b.whyNot.empty();
+  b.runLayer = [name](const tools::RunConfig& c, const tools::TensorMap& in) {
+    tools::RunConfig onBackend = c;
+    onBackend.backend = name;
+    return tools::runSharded(onBackend, in);
+  };
+  b.runRanks = [name](int ranks, const std::function<void(RankContext&)>& fn) {
     WorldOptions o;
     o.size = ranks;
-    sim::World(o).run(fn);
+    tools::makeWorld(name, o)->run(fn);
   };
-  all.push_back(std::move(sim));
-
-  Backend gpu;
-  gpu.name = "gpu";
-#if TPSIM_HAVE_GPU
-  // The backend is built but has no runner here yet: say so, and let
-  // Backends.EveryBuiltBackendIsUsableOrHasNoDevice fail until it is wired in.
-  gpu.whyNot = "gpu backend built, but props/backends.cc has no runner for it yet";
-#else
-  gpu.whyNot = "gpu backend not built (TPSIM_HAVE_GPU = 0: CMake found no CUDA toolkit and NCCL)";
-#endif
-  all.push_back(std::move(gpu));
-  return all;
+  return b;
 }
+
+std::vector<Backend> makeRegistry() { return {makeBackend("sim"), makeBackend("gpu")}; }
 
 }  // namespace
 

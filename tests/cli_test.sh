@@ -69,7 +69,12 @@ check corrupt-file 2 "expected the .npy magic string" -- "$tpsim" run --layer ml
 check wrong-shape 2 "must be divisible by --tp" -- "$tpsim" run --layer mlp --tp 3 --load "$work/a"
 check bad-flag 2 "unrecognised option '--frob'" -- "$tpsim" run --layer column --frob
 check no-layer 2 "--layer is required" -- "$tpsim" run --tp 2
-check bad-backend 2 "--backend: expected sim" -- "$tpsim" run --layer row --backend gpu
+check bad-backend 2 "--backend: expected sim or gpu, got 'tpu'" -- "$tpsim" run --layer row --backend tpu
+# Without a usable GPU (not built, no driver, no device) --backend gpu is refused with the reason.
+if ! "$tpsim" run --layer row --backend gpu >/dev/null 2>&1; then
+  check gpu-unusable 2 "--backend gpu: cannot run here: " -- "$tpsim" run --layer row --backend gpu
+  check gpu-unusable-demo 2 "--backend gpu: cannot run here: " -- "$tpsim" demo --backend gpu
+fi
 check conflicting 2 "--sequence-parallel: needs --tp > 1" -- "$tpsim" run --layer column --tp 1 --sequence-parallel
 
 echo "$passed passed, $failures failed"

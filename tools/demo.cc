@@ -8,6 +8,7 @@
 #include <iostream>
 #include <map>
 
+#include "tools/backend.h"
 #include "tools/cli.h"
 #include "tools/runner.h"
 
@@ -39,7 +40,9 @@ int demoMain(const std::vector<std::string>& args) {
       ("hidden,k", po::value(&c.inFeatures)->default_value(c.inFeatures), "hidden size h")
       ("ffn-hidden,f", po::value(&c.ffnHidden)->default_value(c.ffnHidden), "ffn hidden size F")
       ("seed", po::value(&c.seed)->default_value(c.seed), "seed of the generated data")
-      ("threads,t", po::value(&c.threads)->default_value(c.threads), "sim worker threads (0 = min(cores, ranks))");
+      ("threads,t", po::value(&c.threads)->default_value(c.threads), "sim worker threads (0 = min(cores, ranks))")
+      ("backend,B", po::value(&c.backend)->default_value(c.backend),
+       "sim | gpu: the simulator, or CUDA devices (exit 2 with the reason where none is usable)");
   po::variables_map vm;
   po::store(po::command_line_parser(args).options(opts).run(), vm);
   po::notify(vm);
@@ -52,8 +55,12 @@ int demoMain(const std::vector<std::string>& args) {
   c.dtype = parseDType(dtype);
   c.sequenceParallel = !noSequenceParallel && c.tp > 1;
   c.validate();
+  if (!isBackendName(c.backend)) throw UsageError{"--backend: expected sim or gpu, got '" + c.backend + "'"};
+  if (const std::string whyNot = backendUnusableReason(c.backend); !whyNot.empty())
+    throw UsageError{"--backend " + c.backend + ": cannot run here: " + whyNot};
 
-  std::printf("# tpsim demo: MLP block y = GeLU(x·W1ᵀ + b1)·W2ᵀ + b2 on %d simulated ranks\n", c.tp * c.gtpRemat);
+  std::printf("# tpsim demo: MLP block y = GeLU(x·W1ᵀ + b1)·W2ᵀ + b2 on %d %s ranks\n", c.tp * c.gtpRemat,
+              c.backend == "sim" ? "simulated" : "GPU");
   std::printf("# fc1 = ColumnParallelLinear(h=%lld -> F=%lld), fc2 = RowParallelLinear(F -> h, input_is_parallel)\n",
               (long long)c.inFeatures, (long long)c.ffnHidden);
   std::printf("# %s\n", c.str().c_str());

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "backends/errors.h"
+#include "tools/backend.h"
 #include "tools/cli.h"
 #include "tpsim_config.h"
 
@@ -20,6 +21,7 @@ const char* kUsage =
     "  demo    an MLP block (column fc1, GeLU, row fc2) at TP=4 with sequence parallelism, verified\n"
     "  run     one layer sharded on your own tensors (.npy) or generated ones, verified\n"
     "  bench   simulator overheads: tiny-collective latency, collective bandwidth, GEMM throughput\n"
+    "  devices the backends this build has (sim, gpu) and whether each can run here, with the reason\n"
     "\n"
     "'tpsim <command> --help' lists a command's options.\n";
 
@@ -37,9 +39,18 @@ int main(int argc, char** argv) {
     if (command == "demo") return tpsim::tools::demoMain(args);
     if (command == "bench") return tpsim::tools::benchMain(args);
     if (command == "run") return tpsim::tools::runMain(args);
+    if (command == "devices") {
+      if (args.size() == 1 && (args[0] == "--help" || args[0] == "-h")) {
+        std::puts("tpsim devices: the backends this build has and whether each can run here (exit 0 either way)");
+        return 0;
+      }
+      if (!args.empty()) throw tpsim::tools::UsageError{"devices takes no arguments, got '" + args[0] + "'"};
+      std::fputs(tpsim::tools::backendReport().c_str(), stdout);
+      return 0;
+    }
     throw tpsim::tools::UsageError{"unknown command '" + command + "'"};
   } catch (const tpsim::tools::UsageError& e) {
-    const bool known = command == "demo" || command == "bench" || command == "run";
+    const bool known = command == "demo" || command == "bench" || command == "run" || command == "devices";
     std::fprintf(stderr, "tpsim%s%s: %s\nTry 'tpsim%s%s --help'\n", known ? " " : "", known ? command.c_str() : "",
                  e.message.c_str(), known ? " " : "", known ? command.c_str() : "");
     return 2;

@@ -76,9 +76,9 @@ double unitRoundoff(DType dtype) {
 
 // A dense result and its bound: (length · u_acc + stages · u_store) · magnitude. The gradual
 // underflow allowance is added once per reference (denseReference).
-Checked checked(std::vector<std::int64_t> shape, DType dtype, const Mat& value, const Mat& magnitude,
+Checked checked(double uAcc, std::vector<std::int64_t> shape, DType dtype, const Mat& value, const Mat& magnitude,
                 std::int64_t length, int stages, DType storeDtype) {
-  const double rel = double(length + 2) * unitRoundoff(DType::kFloat32) + double(stages) * unitRoundoff(storeDtype);
+  const double rel = double(length + 2) * uAcc + double(stages) * unitRoundoff(storeDtype);
   Checked c{HostTensor{std::move(shape), dtype, value.v}, std::vector<double>(value.v.size())};
   for (std::size_t i = 0; i < value.v.size(); ++i) c.bound[i] = rel * magnitude.v[i];
   return c;
@@ -164,16 +164,16 @@ void linearLayer(const ReferenceOptions& o, const HostTensor& x, const HostTenso
   }
   const DType c = o.computeDtype;
   const int reduceStages = o.tp;  // partial sums rounded once each, then added in rank order
-  out[prefix + "output"] = checked(withLast(x.shape, W.rows), o.outputDtype, linear(X, W, b ? &bias : nullptr),
+  out[prefix + "output"] = checked(o.accumulationUnit, withLast(x.shape, W.rows), o.outputDtype, linear(X, W, b ? &bias : nullptr),
                                    linear(aX, aW, b ? &absBias : nullptr), X.cols, 1 + extraStages + reduceStages,
                                    o.outputDtype);
-  out[prefix + "input.grad"] = checked(x.shape, c, matmul(dY, Wd), matmul(adY, aWd), W.rows,
+  out[prefix + "input.grad"] = checked(o.accumulationUnit, x.shape, c, matmul(dY, Wd), matmul(adY, aWd), W.rows,
                                        1 + extraStages + reduceStages, c);
-  out[prefix + "weight.grad"] = checked(wFprop.shape, c, transposeMatmul(dY, X), transposeMatmul(adY, aX), X.rows,
+  out[prefix + "weight.grad"] = checked(o.accumulationUnit, wFprop.shape, c, transposeMatmul(dY, X), transposeMatmul(adY, aX), X.rows,
                                         1 + extraStages, c);
   if (b) {
     Mat db{1, dY.cols, columnSums(dY)}, adb{1, dY.cols, columnSums(adY)};
-    out[prefix + "bias.grad"] = checked(b->shape, c, db, adb, dY.rows, 1 + extraStages + reduceStages, c);
+    out[prefix + "bias.grad"] = checked(o.accumulationUnit, b->shape, c, db, adb, dY.rows, 1 + extraStages + reduceStages, c);
   }
 }
 
@@ -242,8 +242,8 @@ static std::map<std::string, Checked> denseValues(const ReferenceOptions& o, con
           adW.v[std::int64_t(ids.values[i]) * h + j] += std::fabs(dy.values[i * h + j]);
         }
       const Mat eMat = asMat(e);
-      out["output"] = checked(e.shape, e.dtype, eMat, absMat(eMat), 0, 1 + o.tp, e.dtype);
-      out["weight.grad"] = checked(need(in, "weight").shape, e.dtype, dW, adW, std::int64_t(ids.values.size()), 1,
+      out["output"] = checked(o.accumulationUnit, e.shape, e.dtype, eMat, absMat(eMat), 0, 1 + o.tp, e.dtype);
+      out["weight.grad"] = checked(o.accumulationUnit, need(in, "weight").shape, e.dtype, dW, adW, std::int64_t(ids.values.size()), 1,
                                    e.dtype);
       break;
     }

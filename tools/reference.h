@@ -44,6 +44,8 @@ struct ReferenceOptions {
   // (mxfp8Weight); weight gradients are unchanged. stride: the linears' partition stride.
   WeightFormat weightFormat = WeightFormat::kNative;
   int stride = 1;
+  // u_acc: the relative error of one step of a GEMM's fp32 accumulation (tools/backend.h).
+  double accumulationUnit = 0x1p-24;
 };
 
 std::map<std::string, Checked> denseReference(const ReferenceOptions& options, const TensorMap& inputs);

@@ -7,6 +7,7 @@
 #include <iostream>
 
 #include "backends/errors.h"
+#include "tools/backend.h"
 #include "tools/cli.h"
 #include "tools/npy.h"
 #include "tools/runner.h"
@@ -82,7 +83,7 @@ DType parseFloatDtype(const std::string& flag, const std::string& s) {
 
 int runMain(const std::vector<std::string>& args) {
   RunConfig c;
-  std::string layer, dtype = "fp32", outputDtype, mainGradDtype = "fp32", backend = "sim", loadDir, saveDir,
+  std::string layer, dtype = "fp32", outputDtype, mainGradDtype = "fp32", loadDir, saveDir,
       gtpReduce = "mean", weightFormat = "native";
   po::options_description par("Parallelism");
   par.add_options()
@@ -123,7 +124,8 @@ int runMain(const std::vector<std::string>& args) {
       ("vocab,V", po::value(&c.vocab)->default_value(c.vocab), "embedding: vocabulary size V");
   po::options_description run("Run");
   run.add_options()
-      ("backend,B", po::value(&backend)->default_value(backend), "sim (the only backend in this build)")
+      ("backend,B", po::value(&c.backend)->default_value(c.backend),
+       "sim | gpu: the simulator, or CUDA devices (exit 2 with the reason where none is usable)")
       ("seed", po::value(&c.seed)->default_value(c.seed), "seed of the generated data")
       ("threads,t", po::value(&c.threads)->default_value(c.threads), "sim worker threads (0 = min(cores, ranks))")
       ("load", po::value(&loadDir), "read the unsharded tensors from DIR/*.npy")
@@ -150,7 +152,9 @@ int runMain(const std::vector<std::string>& args) {
   if (weightFormat != "native" && weightFormat != "mxfp8")
     throw UsageError{"--weight-format: expected native or mxfp8, got '" + weightFormat + "'"};
   c.weightFormat = parseWeightFormat(weightFormat);
-  if (backend != "sim") throw UsageError{"--backend: expected sim (this build has no gpu backend), got '" + backend + "'"};
+  if (!isBackendName(c.backend)) throw UsageError{"--backend: expected sim or gpu, got '" + c.backend + "'"};
+  if (const std::string whyNot = backendUnusableReason(c.backend); !whyNot.empty())
+    throw UsageError{"--backend " + c.backend + ": cannot run here: " + whyNot};
   c.validate();
 
   std::printf("# tpsim run: %s\n", c.str().c_str());

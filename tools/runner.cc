@@ -10,6 +10,7 @@
 #include "core/gtp.h"
 #include "core/layers.h"
 #include "core/process_groups.h"
+#include "tools/backend.h"
 
 namespace tpsim::tools {
 namespace {
@@ -180,6 +181,7 @@ void RunConfig::validate() const {
 
 std::string RunConfig::str() const {
   std::string s = detail::concat("layer=", layerName(layer), " tp=", tp, " dtype=", dtypeName(dtype));
+  if (backend != "sim") s += " backend=" + backend;
   if (outputDtype) s += detail::concat(" output-dtype=", dtypeName(*outputDtype));
   if (sequenceParallel) s += " sequence-parallel";
   if (bias) s += " bias";
@@ -308,10 +310,10 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
   wo.size = sizes.world;
   wo.threads = c.threads;
   wo.trace = true;
-  sim::World world(wo);
+  const std::unique_ptr<World> world = makeWorld(c.backend, wo);
   const InitMethod unused = initMethodNormal(0.02);  // weights are copied in
   const bool embeddingBatchFirst = c.layer == LayerKind::kEmbedding && !c.reduceScatterEmbeddings;
-  world.run([&](RankContext& ctx) {
+  world->run([&](RankContext& ctx) {
     Compute& compute = ctx.compute;
     const int r = ctx.comm.rank();
     ProcessGroups pg(ctx.comm, layout);
@@ -476,7 +478,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
   // rank t + T·g), then across TP as without GTP_remat.
   RunResult r;
   r.shards = per.shards;
-  r.trace = world.trace();
+  r.trace = world->trace();
   auto peers = [&](const std::string& name, int t) {
     std::vector<HostTensor> out;
     for (int g = 0; g < G; ++g) out.push_back(per.results[t + T * g].at(name));
@@ -570,6 +572,7 @@ ReferenceOptions referenceOptions(const RunConfig& c) {
   o.gtpWireDtype = c.layer == LayerKind::kEmbedding ? c.dtype : c.mainGradDtype;
   o.weightFormat = c.weightFormat;
   o.stride = c.stride;
+  o.accumulationUnit = gemmAccumulationUnit(c.backend);
   return o;
 }
 
@@ -626,6 +629,7 @@ std::string commandLine(const RunConfig& c, const std::string& loadDir) {
     if (c.fp32AccumReduceScatter) s += " --fp32-accum-reduce-scatter";
   }
   if (c.threads != 0) s += detail::concat(" --threads ", c.threads);
+  if (c.backend != "sim") s += " --backend " + c.backend;
   s += detail::concat(" --seed ", c.seed);
   if (!loadDir.empty()) {
     // Single quotes keep a path with spaces or shell characters one word; ' itself becomes '\''.

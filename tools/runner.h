@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "sim/world.h"
+#include "backends/world.h"
 #include "tools/reference.h"
 
 namespace tpsim::tools {
@@ -43,6 +43,7 @@ struct RunConfig {
   // The linears' weights as the GEMMs read them (core/mxfp8.h); not for the embedding.
   WeightFormat weightFormat = WeightFormat::kNative;
   std::uint64_t seed = 1234;
+  std::string backend = "sim";  // tools/backend.h
   int threads = 0;
   // Shapes of generated data (ignored for tensors loaded from files).
   std::int64_t seq = 8, batch = 2, inFeatures = 16, outFeatures = 16, ffnHidden = 64, vocab = 32;

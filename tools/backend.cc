@@ -1,0 +1,48 @@
+#include "tools/backend.h"
+
+#include "sim/world.h"
+#include "tools/cli.h"
+#include "tpsim_config.h"
+#if TPSIM_HAVE_GPU
+#include "gpu/device.h"
+#include "gpu/world.h"
+#endif
+
+namespace tpsim::tools {
+
+bool isBackendName(const std::string& name) { return name == "sim" || name == "gpu"; }
+
+std::string backendUnusableReason(const std::string& name) {
+  if (name == "sim") return "";
+#if TPSIM_HAVE_GPU
+  return gpu::unusableReason();
+#else
+  return "gpu backend not built (TPSIM_HAVE_GPU = 0: CMake found no CUDA toolkit with cuBLASLt and NCCL)";
+#endif
+}
+
+std::unique_ptr<World> makeWorld(const std::string& backend, const WorldOptions& options) {
+  if (!isBackendName(backend)) throw UsageError{"--backend: expected sim or gpu, got '" + backend + "'"};
+  const std::string whyNot = backendUnusableReason(backend);
+  if (!whyNot.empty()) throw UsageError{"--backend " + backend + ": cannot run here: " + whyNot};
+#if TPSIM_HAVE_GPU
+  if (backend == "gpu") return std::make_unique<gpu::World>(options, gpu::worldOptionsFromEnvironment());
+#endif
+  return std::make_unique<sim::World>(options);
+}
+
+std::string backendReport() {
+  std::string s = "sim: usable (host memory, exact collectives, Eigen GEMMs)\n";
+#if TPSIM_HAVE_GPU
+  const std::string whyNot = gpu::unusableReason();
+  s += whyNot.empty() ? "gpu: usable\n" : "gpu: not usable: " + whyNot + "\n";
+  s += gpu::probe().str();
+#else
+  s += "gpu: not usable: " + backendUnusableReason("gpu") + "\n";
+#endif
+  return s;
+}
+
+double gemmAccumulationUnit(const std::string& backend) { return backend == "gpu" ? 0x1p-23 : 0x1p-24; }
+
+}  // namespace tpsim::tools
