@@ -23,7 +23,7 @@ const char* kUsage =
     "  bench   simulator overheads: tiny-collective latency, collective bandwidth, GEMM throughput\n"
     "  devices the backends this build has (sim, gpu) and whether each can run here, with the reason\n"
     "\n"
-    "'tpsim <command> --help' lists a command's options.\n";
+    "'tpsim <command> --help' lists a command's options; 'tpsim --version' the build.\n";
 
 }  // namespace
 
@@ -32,6 +32,11 @@ int main(int argc, char** argv) {
   if (args.empty() || args[0] == "-h" || args[0] == "--help" || args[0] == "help") {
     std::fputs(kUsage, args.empty() ? stderr : stdout);
     return args.empty() ? 2 : 0;
+  }
+  if (args[0] == "--version") {  // what a benchmark figure or a bug report needs to know about this binary
+    std::printf("tpsim %s\nisa: %s\ngpu backend: %s\n", TPSIM_VERSION, TPSIM_ISA,
+                TPSIM_HAVE_GPU ? "built" : "not built");
+    return 0;
   }
   const std::string command = args[0];
   args.erase(args.begin());
