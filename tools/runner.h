@@ -74,7 +74,15 @@ struct Verdict {
   double maxBound = 0;
   std::int64_t outside = 0;  // elements beyond their bound
 };
-std::vector<Verdict> verify(const RunConfig& config, const TensorMap& inputs, const TensorMap& results);
+// How results are checked against the dense reference. kBound: |sharded - dense| within the
+// data-derived bound (reference.h). kExact: every element equal to the dense result rounded once to
+// the result's dtype (max|err| = 0); it holds where each step of the sharded run is exact, e.g. on
+// small-integer data without GeLU (the property suite's exact mode), and is the check that the
+// sharding moves every element to the right place with nothing lost. kNone: nothing is checked.
+enum class VerifyMode { kBound, kExact, kNone };
+// One verdict per result; none for kNone (the reference is not computed).
+std::vector<Verdict> verify(const RunConfig& config, const TensorMap& inputs, const TensorMap& results,
+                            VerifyMode mode = VerifyMode::kBound);
 
 // The reference options of `config`'s run, and its dense reference as verify() checks it: under
 // GTP_remat MEAN every parameter gradient (and its bound) is 1/G of the full batch's.
