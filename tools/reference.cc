@@ -1,8 +1,3 @@
-// GCC 12 reports its own AVX-512 intrinsics, inlined into Eigen's double GEMV, as maybe
-// uninitialized (GCC bug 105593) when built with -march=native.
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
 #include "tools/reference.h"
 
 #include <Eigen/Core>
