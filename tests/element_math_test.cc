@@ -297,7 +297,8 @@ TEST(ElementMath, RandomDoublesToE4m3) {
 // ---- E8M0 and the MXFP8 scale -------------------------------------------------------------------
 
 TEST(ElementMath, EveryE8m0Exponent) {
-  for (unsigned b = 0; b < 255; ++b) EXPECT_TRUE(sameValue(e8m0ToFloat(std::uint8_t(b)), std::ldexp(1.0, int(b) - 127))) << b;
+  for (unsigned b = 0; b < 255; ++b)
+    EXPECT_TRUE(sameValue(e8m0ToFloat(std::uint8_t(b)), std::ldexp(1.0, int(b) - 127))) << b;
   EXPECT_EQ(bitsOf(e8m0ToFloat(0xff)), 0x7fc00000u);
 }
 
@@ -364,6 +365,8 @@ TEST(ElementMath, BodiesRoundEveryOperation) {
   EXPECT_EQ(reduceStep(0.1f, 0.2f), 0.1f + 0.2f);
   EXPECT_EQ(meanFinish(7.f, 3.f), 7.f / 3.f);  // not 7·(1/3), one ulp above
   EXPECT_EQ(meanFinish(7.0, 3.0), 7.0 / 3.0);
+  EXPECT_EQ(reduceStep<std::int64_t>(std::int64_t(1) << 60, 1), (std::int64_t(1) << 60) + 1);  // no rounding
+  EXPECT_EQ(meanFinish<std::int64_t>(-7, 2), -3);  // C++ integer division
 }
 
 }  // namespace
