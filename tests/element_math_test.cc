@@ -46,7 +46,7 @@ constexpr Format kE4m3{4, -6, 448.0, true};
 
 // v (not NaN) rounded to nearest even in `format`: scale the quantum of v's binade to 1, round to
 // an integer, scale back; every step is exact in double.
-double roundTo(double v, Format format) {
+double referenceRound(double v, Format format) {
   if (std::isinf(v)) return format.saturates ? std::copysign(format.maxFinite, v) : v;
   int e;
   std::frexp(std::fabs(v), &e);  // |v| in [2^(e-1), 2^e)
@@ -172,8 +172,8 @@ void checkFloatTo16Bit(float f) {
     EXPECT_EQ(half, ((bitsOf(f) >> 16) & 0x8000u) | 0x7e00u) << std::hexfloat << f;
     return;
   }
-  EXPECT_TRUE(sameValue(bf16Value(bf16), roundTo(f, kBf16))) << "bf16 of " << std::hexfloat << f;
-  EXPECT_TRUE(sameValue(halfValue(half), roundTo(f, kHalf))) << "fp16 of " << std::hexfloat << f;
+  EXPECT_TRUE(sameValue(bf16Value(bf16), referenceRound(f, kBf16))) << "bf16 of " << std::hexfloat << f;
+  EXPECT_TRUE(sameValue(halfValue(half), referenceRound(f, kHalf))) << "fp16 of " << std::hexfloat << f;
 }
 
 TEST(ElementMath, FloatTo16BitAtEveryRoundingBoundary) {
@@ -203,8 +203,8 @@ TEST(ElementMath, ToOddFloatMatchesNextafterAndRoundsOnceTo16Bit) {
     EXPECT_EQ(bitsOf(odd), bitsOf(referenceToOddFloat(v))) << std::hexfloat << v;
     // The reason for rounding to odd: one more rounding to 16 bits equals rounding v directly.
     if (!std::isnan(v)) {
-      EXPECT_TRUE(sameValue(bf16Value(floatToBf16(odd)), roundTo(v, kBf16))) << "bf16 of " << std::hexfloat << v;
-      EXPECT_TRUE(sameValue(halfValue(floatToHalf(odd)), roundTo(v, kHalf))) << "fp16 of " << std::hexfloat << v;
+      EXPECT_TRUE(sameValue(bf16Value(floatToBf16(odd)), referenceRound(v, kBf16))) << "bf16 of " << std::hexfloat << v;
+      EXPECT_TRUE(sameValue(halfValue(floatToHalf(odd)), referenceRound(v, kHalf))) << "fp16 of " << std::hexfloat << v;
     }
     if (HasFailure()) return;
   }
@@ -278,7 +278,7 @@ TEST(ElementMath, ToE4m3AtEveryRoundingBoundary) {
     if (std::isnan(v))
       EXPECT_EQ(code, std::signbit(v) ? 0xff : 0x7f) << std::hexfloat << v;
     else
-      EXPECT_TRUE(sameValue(e4m3Value(code), roundTo(v, kE4m3))) << std::hexfloat << v;
+      EXPECT_TRUE(sameValue(e4m3Value(code), referenceRound(v, kE4m3))) << std::hexfloat << v;
     if (HasFailure()) return;
   }
 }
@@ -289,7 +289,7 @@ TEST(ElementMath, RandomDoublesToE4m3) {
   std::uniform_int_distribution<int> exponent(-14, 10);
   for (int i = 0; i < 1 << 18; ++i) {
     const double v = std::ldexp(mantissa(rng), exponent(rng));
-    EXPECT_TRUE(sameValue(e4m3Value(toE4m3(v)), roundTo(v, kE4m3))) << std::hexfloat << v;
+    EXPECT_TRUE(sameValue(e4m3Value(toE4m3(v)), referenceRound(v, kE4m3))) << std::hexfloat << v;
     if (HasFailure()) return;
   }
 }
