@@ -347,10 +347,12 @@ TEST(ElementMath, UnscaleIsLdexp) {
 // ---- Element bodies -----------------------------------------------------------------------------
 
 // alpha·x = 1 + 2^-11 + 2^-24 exactly in float's case (1 + 2^-26 + 2^-54 in double's). Rounded on
-// its own it loses the last term, so y + alpha·x is 0; a fused multiply-add would keep it.
+// its own it loses the last term, so y + alpha·x is 0; a fused multiply-add would keep it. The
+// operands pass through volatile: constants folded at compile time would round every step anyway.
 template <typename T>
 void checkNoFusedMultiplyAdd(T eps) {
-  const T alpha = 1 + eps, x = 1 + eps, y = -(1 + 2 * eps);
+  volatile T operands[] = {1 + eps, -(1 + 2 * eps)};
+  const T alpha = operands[0], x = operands[0], y = operands[1];
   EXPECT_EQ(axpyBody(y, alpha, x), T(0));
   EXPECT_EQ(sumRowsFinish(y, alpha, x), T(0));
 }
