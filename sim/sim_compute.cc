@@ -13,6 +13,7 @@
 
 #include <Eigen/Core>
 
+#include "backends/element_math.h"
 #include "backends/errors.h"
 
 namespace tpsim::sim {
@@ -134,20 +135,6 @@ void checkHolds(const char* op, const char* dstArg, ConstView dst, const char* s
 
 // ---- Element access -----------------------------------------------------------------------------
 
-// double -> float rounded to odd (truncate, then set the last bit if inexact). Rounding that float
-// to nearest bf16/fp16 (<= 11 significant bits of float's 24) equals rounding the double directly.
-float toOddFloat(double v) {
-  float f = float(v);
-  if (std::isnan(v) || double(f) == v) return f;
-  if (std::fabs(double(f)) > std::fabs(v)) f = std::nextafter(f, 0.f);
-  std::uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  u |= 1u;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-float toOddFloat(float v) { return v; }
-
 template <typename T>
 T load(const void* p, DType dtype) {
   switch (dtype) {
@@ -162,13 +149,14 @@ T load(const void* p, DType dtype) {
   TPSIM_INTERNAL_ASSERT(false, "unknown dtype ", int(dtype));
 }
 
-// Stores v rounded once (to nearest even) to `dtype`.
+// Stores v rounded once (to nearest even) to `dtype`: a double reaches 16 bits through a float
+// rounded to odd, which keeps that second rounding equal to a direct one.
 template <typename T>
 void store(void* p, DType dtype, T v) {
   switch (dtype) {
     case DType::kFloat32: *static_cast<float*>(p) = float(v); return;
-    case DType::kBFloat16: *static_cast<std::uint16_t*>(p) = floatToBf16(toOddFloat(v)); return;
-    case DType::kFloat16: *static_cast<std::uint16_t*>(p) = floatToHalf(toOddFloat(v)); return;
+    case DType::kBFloat16: *static_cast<std::uint16_t*>(p) = floatToBf16(elem::toOddFloat(v)); return;
+    case DType::kFloat16: *static_cast<std::uint16_t*>(p) = floatToHalf(elem::toOddFloat(v)); return;
     case DType::kFloat64: *static_cast<double*>(p) = double(v); return;
     case DType::kInt64:
       // 2^63 is exact in float and double; NaN fails both comparisons.
@@ -397,14 +385,14 @@ void SimCompute::axpy(float alpha, ConstView x, View y) {
   if (denseFp32(x, y)) {
     const float* xp = x.typed<float>();
     float* yp = y.typed<float>();
-    for (std::int64_t i = 0, n = x.numel(); i < n; ++i) yp[i] = yp[i] + alpha * xp[i];
+    for (std::int64_t i = 0, n = x.numel(); i < n; ++i) yp[i] = elem::axpyBody(yp[i], alpha, xp[i]);
     return;
   }
   withAccumType({x.dtype(), y.dtype()}, [&](auto zero) {
     using T = decltype(zero);
     forEach<2>(x.shape(), {x.strides(), y.strides()}, [&](const auto& o) {
       void* yp = y.at(o[1]);
-      store<T>(yp, y.dtype(), load<T>(yp, y.dtype()) + T(alpha) * load<T>(x.at(o[0]), x.dtype()));
+      store<T>(yp, y.dtype(), elem::axpyBody(load<T>(yp, y.dtype()), T(alpha), load<T>(x.at(o[0]), x.dtype())));
     });
   });
 }
@@ -415,7 +403,7 @@ void SimCompute::scale(View y, float alpha) {
     using T = decltype(zero);
     forEach<1>(y.shape(), {y.strides()}, [&](const auto& o) {
       void* yp = y.at(o[0]);
-      store<T>(yp, y.dtype(), T(alpha) * load<T>(yp, y.dtype()));
+      store<T>(yp, y.dtype(), elem::scaleBody(load<T>(yp, y.dtype()), T(alpha)));
     });
   });
 }
@@ -457,14 +445,14 @@ void SimCompute::addBias(ConstView bias, View y) {
     float* yp = y.typed<float>();
     const std::int64_t n = bias.dim(0), rows = n ? y.numel() / n : 0;
     for (std::int64_t r = 0; r < rows; ++r, yp += n)
-      for (std::int64_t j = 0; j < n; ++j) yp[j] = yp[j] + b[j];
+      for (std::int64_t j = 0; j < n; ++j) yp[j] = elem::addBiasBody(yp[j], b[j]);
     return;
   }
   withAccumType({bias.dtype(), y.dtype()}, [&](auto zero) {
     using T = decltype(zero);
     forEach<2>(y.shape(), {y.strides(), rowBroadcast(y, bias.stride(0))}, [&](const auto& o) {
       void* yp = y.at(o[0]);
-      store<T>(yp, y.dtype(), load<T>(yp, y.dtype()) + load<T>(bias.at(o[1]), bias.dtype()));
+      store<T>(yp, y.dtype(), elem::addBiasBody(load<T>(yp, y.dtype()), load<T>(bias.at(o[1]), bias.dtype())));
     });
   });
 }
@@ -480,21 +468,21 @@ void SimCompute::sumRows(ConstView y, View out, float beta) {
     const float* yp = y.typed<float>();
     const std::int64_t rows = n ? y.numel() / n : 0;
     for (std::int64_t r = 0; r < rows; ++r, yp += n)
-      for (std::int64_t j = 0; j < n; ++j) acc[j] += yp[j];
+      for (std::int64_t j = 0; j < n; ++j) acc[j] = elem::sumRowsStep(acc[j], yp[j]);
     float* o = out.typed<float>();
-    for (std::int64_t j = 0; j < n; ++j) o[j] = beta != 0.f ? acc[j] + beta * o[j] : acc[j];
+    for (std::int64_t j = 0; j < n; ++j) o[j] = elem::sumRowsFinish(acc[j], beta, o[j]);
     return;
   }
   withAccumType({y.dtype(), out.dtype()}, [&](auto zero) {
     using T = decltype(zero);
     std::vector<T> acc(std::size_t(n), T(0));  // (N); forEach visits rows in increasing order
-    forEach<2>(y.shape(), {y.strides(), rowBroadcast(y, 1)},
-               [&](const auto& o) { acc[std::size_t(o[1])] += load<T>(y.at(o[0]), y.dtype()); });
+    forEach<2>(y.shape(), {y.strides(), rowBroadcast(y, 1)}, [&](const auto& o) {
+      T& sum = acc[std::size_t(o[1])];
+      sum = elem::sumRowsStep(sum, load<T>(y.at(o[0]), y.dtype()));
+    });
     for (std::int64_t j = 0; j < n; ++j) {
       void* op = out.at(j * out.stride(0));
-      T v = acc[std::size_t(j)];
-      if (beta != 0.f) v += T(beta) * load<T>(op, out.dtype());
-      store<T>(op, out.dtype(), v);
+      store<T>(op, out.dtype(), elem::sumRowsFinish(acc[std::size_t(j)], T(beta), load<T>(op, out.dtype())));
     }
   });
 }
@@ -578,7 +566,7 @@ void SimCompute::quantizeMxfp8(ConstView x, View data, View scales, int axis) {
     *static_cast<std::uint8_t*>(scale) = std::uint8_t(e + 127);
     for (std::int64_t k = first; k < last; ++k) {
       const double v = load<double>(x.at(offset(x, a, k)), x.dtype());
-      *static_cast<std::uint8_t*>(data.at(offset(data, a, k))) = toE4m3(std::ldexp(v, -e));
+      *static_cast<std::uint8_t*>(data.at(offset(data, a, k))) = toE4m3(elem::unscale(v, e));
     }
   });
 }
