@@ -35,12 +35,16 @@ inline const char* ncclResultName(ncclResult_t r) {
 
 }  // namespace tpsim::gpu::detail
 
+// A failed call also sets the thread's last error; it is cleared here so that the next
+// TPSIM_CUDA_CHECK_LAUNCH does not report it again as a launch failure.
 #define TPSIM_CUDA_CHECK(call)                                                                        \
   do {                                                                                                \
     const cudaError_t tpsim_err_ = (call);                                                            \
-    if (tpsim_err_ != cudaSuccess)                                                                    \
+    if (tpsim_err_ != cudaSuccess) {                                                                  \
+      cudaGetLastError();                                                                             \
       ::tpsim::gpu::detail::throwFailure(#call, cudaGetErrorName(tpsim_err_), cudaGetErrorString(tpsim_err_), \
                                          __FILE__, __LINE__);                                         \
+    }                                                                                                 \
   } while (0)
 
 // After a <<<...>>> launch: `what` names the kernel (a string), e.g. TPSIM_CUDA_CHECK_LAUNCH("axpy").
