@@ -22,7 +22,7 @@ else()
     find_library(NCCL_LIBRARY nccl
                  HINTS ${NCCL_ROOT} $ENV{NCCL_ROOT} ${CUDAToolkit_LIBRARY_DIR} ${CUDAToolkit_LIBRARY_ROOT}
                  PATH_SUFFIXES lib lib64)
-    if(NOT NCCL_INCLUDE_DIR OR NOT NCCL_LIBRARY)
+    if(NOT EXISTS "${NCCL_INCLUDE_DIR}/nccl.h" OR NOT NCCL_LIBRARY)
       set(_gpu_reason "CUDA ${CUDAToolkit_VERSION} found but NCCL not found (set NCCL_ROOT)")
     elseif(NOT TARGET CUDA::cublasLt)
       set(_gpu_reason "CUDA ${CUDAToolkit_VERSION} found but cuBLASLt not found")
@@ -39,11 +39,15 @@ if(_gpu_reason STREQUAL "")
   if(NOT DEFINED CMAKE_CUDA_HOST_COMPILER AND NOT DEFINED ENV{CUDAHOSTCXX})
     set(ENV{CUDAHOSTCXX} "${CMAKE_CXX_COMPILER}")
   endif()
+  set(_gpu_host "$ENV{CUDAHOSTCXX}")
+  if(DEFINED CMAKE_CUDA_HOST_COMPILER)
+    set(_gpu_host "${CMAKE_CUDA_HOST_COMPILER}")
+  endif()
   include(CheckLanguage)
   check_language(CUDA)
   if(NOT CMAKE_CUDA_COMPILER)
-    set(_gpu_reason "CUDA ${CUDAToolkit_VERSION} found but nvcc cannot compile with host compiler "
-                    "${CMAKE_CXX_COMPILER} (see CMakeFiles/CMakeError.log; set CMAKE_CUDA_HOST_COMPILER)")
+    string(CONCAT _gpu_reason "CUDA ${CUDAToolkit_VERSION} found but nvcc cannot compile with host compiler "
+                              "${_gpu_host} (see CMakeFiles/CMakeError.log; set CMAKE_CUDA_HOST_COMPILER)")
   endif()
 endif()
 
