@@ -243,7 +243,7 @@ Tensor GpuCompute::contiguous(ConstView v) {
 
 void GpuCompute::checkStorable(const char* op, ConstView x, DType to) {
   if ((to != DType::kInt64 && to != DType::kFloat8E8M0) || x.numel() == 0) return;
-  Tensor first = empty(Shape{1}, DType::kInt64);  // least bad index; all ones = none
+  Tensor first = empty(Shape{1}, DType::kInt64);  // (1) least bad index; all ones = none
   TPSIM_CUDA_CHECK(cudaMemsetAsync(first.data(), 0xff, sizeof(unsigned long long), stream_));
   kern::runFindUnstorable(onDevice(), op, x, to, static_cast<unsigned long long*>(first.data()));
   unsigned long long bad = 0;
@@ -310,7 +310,7 @@ void GpuCompute::copy(ConstView x, View y) {
     const char *from = static_cast<const char*>(x.data()), *to = static_cast<const char*>(y.data());
     if (bytes != 0 && from != to) {
       if (from < to + bytes && to < from + bytes) {  // overlapping: cudaMemcpy's result is undefined
-        Tensor staging = empty(x.shape(), x.dtype());
+        Tensor staging = empty(x.shape(), x.dtype());  // x's shape
         TPSIM_CUDA_CHECK(cudaMemcpyAsync(staging.data(), from, bytes, cudaMemcpyDeviceToDevice, stream_));
         TPSIM_CUDA_CHECK(cudaMemcpyAsync(y.data(), staging.data(), bytes, cudaMemcpyDeviceToDevice, stream_));
       } else {
@@ -369,7 +369,7 @@ void GpuCompute::gemm(ConstView a, ConstView b, View c, float alpha, float beta)
       scale(c, beta);
     return finish("gemm");
   }
-  Tensor aDense, bDense, cDense;  // contiguous copies of operands cuBLASLt cannot read in place
+  Tensor aDense, bDense, cDense;  // (M, K) (K, N) (M, N): copies of operands cuBLASLt cannot read in place
   if (!hasLtLayout(a)) {
     aDense = contiguous(a);
     a = aDense;
@@ -497,7 +497,7 @@ void GpuCompute::scatterAddRows(ConstView grad, ConstView ids, std::int64_t firs
   }
   const kern::ScatterPlan plan = kern::planScatter(flat, first, vocab);
   if (plan.owned == 0) return finish("scatterAddRows");
-  Tensor buffer = empty(Shape{std::int64_t(plan.buffer.size())}, DType::kInt64);
+  Tensor buffer = empty(Shape{std::int64_t(plan.buffer.size())}, DType::kInt64);  // (2·segments + 1 + owned)
   upload(plan.buffer.data(), buffer);
   kern::runScatterAddRows(onDevice(), grad, plan, static_cast<const std::int64_t*>(buffer.data()), table);
   finish("scatterAddRows");

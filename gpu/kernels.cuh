@@ -1,12 +1,9 @@
-// GpuCompute's elementwise kernels: work-item functors, the one kernel that runs them, and the
-// run* functions that pick each Compute op's functor, accumulation type and operands.
-//
-// A functor is a plain struct of pointers, extents and strides; fn(i) does work item i of
-// fn.count(). Every rounding in them is a tpsim::elem function (backends/element_math.h), which
-// SimCompute uses too, in SimCompute's order, so the results are bitwise equal to the simulator's.
-// run* take a launcher: GpuCompute's runs a kernel on its stream, the tests' loops on the host, so
-// the host tests check exactly what the GPU runs. GeLU alone calls erf/exp, whose last bit differs
-// between CUDA and glibc: bounded, not bitwise. Nothing here checks arguments or allocates.
+// GpuCompute's elementwise kernels: work-item functors, the one kernel that runs them, and run*,
+// which pick each op's functor, accumulation type and operands and hand them to a launcher (a
+// kernel on GpuCompute's stream, or a host loop in the tests, which so check what the GPU runs).
+// Every rounding is a tpsim::elem function in SimCompute's order: results are the simulator's bit
+// for bit, but GeLU's (device erf/exp differ from glibc's in the last bit; it is bounded instead).
+// Nothing here checks arguments or allocates.
 #pragma once
 
 #include <algorithm>
@@ -173,6 +170,8 @@ struct Operand {
 };
 
 // ---- Elementwise ops ------------------------------------------------------------------------------
+// Each functor is a plain struct of pointers, extents and strides (a kernel argument); fn(i) does
+// work item i of fn.count().
 
 // y[i] = the element whose bytes are `bits` (fill's value, rounded once on the host).
 struct FillFn {

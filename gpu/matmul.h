@@ -1,11 +1,8 @@
-// GpuCompute's gemm on cuBLASLt: mapping strided tpsim views onto cuBLASLt's column-major
-// operands (mapGemm), and one rank's handle, workspace and plan cache (Matmul).
-//
-// tpsim views are row-major with strides; cuBLASLt reads column-major matrices with a leading
-// dimension. A view with unit stride in mode 1 is a row-major matrix, which cuBLASLt reads as its
-// transpose; unit stride in mode 0 is column-major. mapGemm needs every operand in one of the two
-// (hasLtLayout); GpuCompute copies the others first. It is not a general BLAS wrapper: no batches,
-// no epilogues, no FP8 (MXFP8 GEMM needs compute capability 10.0; tpsim dequantizes first).
+// GpuCompute's gemm on cuBLASLt: mapGemm maps strided tpsim views onto cuBLASLt's column-major
+// operands (unit stride in mode 1 is row-major, read as the transpose; in mode 0 column-major;
+// GpuCompute copies any other operand first), and Matmul holds one rank's handle, workspace and
+// plan cache. Not a general BLAS wrapper: no batches, no epilogues, no FP8 (MXFP8 GEMM needs
+// compute capability 10.0; tpsim dequantizes first).
 #pragma once
 
 #include <cublasLt.h>

@@ -1,10 +1,8 @@
 // Cross-checks of a Compute against SimCompute for the gpu tests: random data valid for each
 // dtype, strided layouts, and one check per elementwise op that runs it on both backends from the
-// same bytes and compares every element of the whole buffer, so writes outside a view fail too.
-//
-// gpu_element_math_test.cu runs the checks on the kernels' functors on the host (no GPU needed),
-// gpu_compute_test.cu on GpuCompute. Results must be bitwise equal (NaN matches any NaN: payloads
-// may differ), except GeLU on the GPU, which is held to a bound (device erf/exp differ from glibc's).
+// same bytes and compares the whole buffer, so writes outside a view fail too. Used on the kernels
+// run on the host (gpu_element_math_test.cu) and on GpuCompute (gpu_compute_test.cu). Bitwise,
+// NaN matching any NaN (payloads may differ), but GeLU on the GPU, which is held to a bound.
 #pragma once
 
 #include <gtest/gtest.h>
