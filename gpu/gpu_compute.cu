@@ -22,7 +22,8 @@ namespace tpsim::gpu {
 
 namespace detail {
 // Where a rank's tensors are freed: `stream` becomes null when its GpuCompute is destroyed, and the
-// tensors still alive are then freed with cudaFree.
+// tensors still alive are then freed on the legacy default stream, which never blocks the host (a
+// cudaFree would wait for the whole device, forever if a kernel is stuck).
 struct StreamOwner {
   int device;
   cudaStream_t stream;
@@ -56,7 +57,7 @@ class Allocations {
     int previous = 0;
     const bool restore = cudaGetDevice(&previous) == cudaSuccess;
     cudaError_t e = cudaSetDevice(owner.device);
-    if (e == cudaSuccess) e = owner.stream ? cudaFreeAsync(p, owner.stream) : cudaFree(p);
+    if (e == cudaSuccess) e = cudaFreeAsync(p, owner.stream ? owner.stream : cudaStreamLegacy);
     if (restore) cudaSetDevice(previous);
     // A deleter cannot throw. A failed free leaves nothing to undo, and a broken context fails the
     // next checked call anyway; clear the error so that it is not blamed on an unrelated launch.
@@ -192,11 +193,14 @@ GpuCompute::GpuCompute(int device) : device_(device), timeoutMs_(timeoutFromEnv(
 }
 
 GpuCompute::~GpuCompute() {
-  // Never throws: let the enqueued work finish (within the deadline), then leave the rank's
-  // remaining tensors to synchronous frees, since their stream goes away.
-  if (cudaSetDevice(device_) == cudaSuccess) pollStream(stream_, timeoutMs_);
+  // Never throws, never hangs: let the enqueued work finish (within the deadline), and hand the
+  // rank's remaining tensors to the legacy default stream, since this stream goes away.
+  const bool drained = cudaSetDevice(device_) == cudaSuccess && pollStream(stream_, timeoutMs_) == cudaSuccess;
   Allocations::instance().orphan(*owner_);
-  matmul_.reset();
+  if (drained)
+    matmul_.reset();
+  else
+    matmul_.release();  // its workspace's cudaFree would wait for the stuck stream: leak it instead
   cudaStreamDestroy(stream_);
   cudaGetLastError();
 }

@@ -132,7 +132,7 @@ Matmul::Matmul() {
 
 Matmul::~Matmul() {
   plans_.clear();
-  cudaFree(workspace_);  // synchronizes with the device: no matmul still reads it
+  cudaFree(workspace_);  // waits for the device: no matmul still reads it
   cublasLtDestroy(handle_);
 }
 

@@ -416,7 +416,7 @@ TEST(GpuComputeSync, SyncModeWaitsAfterEveryOp) {
   EXPECT_EQ(host, std::vector<float>(32, 0.f));
 }
 
-// A tensor may outlive the GpuCompute that made it; it is then freed synchronously.
+// A tensor may outlive the GpuCompute that made it; it is then freed on the legacy default stream.
 TEST(GpuComputeLifetime, TensorsMayOutliveTheirGpuCompute) {
   TPSIM_REQUIRE_DEVICE();
   Tensor t;
