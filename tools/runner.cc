@@ -7,6 +7,7 @@
 
 #include "backends/errors.h"
 #include "core/embedding.h"
+#include "core/grad_stats.h"
 #include "core/gtp.h"
 #include "core/layers.h"
 #include "core/process_groups.h"
@@ -316,9 +317,14 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
     const int r = ctx.comm.rank();
     ProcessGroups pg(ctx.comm, layout);
     const int t = pg.tp().rank(), g = pg.gtpRemat().rank();
-    GtpGradReducer reducer(compute, {c.gtpReduceMean, c.fp32AccumReduceScatter, true});
-    const LayerContext lc{compute, pg.tp(), nullptr, nullptr, &pg.gtpRemat(), &pg.dpCp(), &reducer};
     const ModelParallelConfig mp = layerConfig(c);
+    GtpGradReducer reducer(compute, GtpReduceOptions::fromConfig(mp, true));
+    const LayerContext lc{compute, pg.tp(), nullptr, nullptr, &pg.gtpRemat(), &pg.dpCp(), &reducer};
+    // finalize_model_grads' TP step: the parameters' sequence_parallel tags decide what it sums.
+    auto finalize = [&](std::vector<Parameter*> params) {
+      params.erase(std::remove(params.begin(), params.end(), nullptr), params.end());
+      finalizeSequenceParallelGrads(params, pg.tp(), mp.sequenceParallel);
+    };
     // GTP_remat peers are data parallel: peer g takes batch block g (b is dim 1 of (s, b, ·)).
     auto batch = [&](const HostTensor& h, int dim) { return G > 1 ? chunk(h, dim, g, G) : h; };
     const HostTensor input = batch(in.at("input"), c.layer == LayerKind::kEmbedding ? 0 : 1);
@@ -377,6 +383,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         }
         Tensor dx = layer.backward(dyt, dBias.defined() ? ConstView(dBias) : ConstView());
         reducer.drain();
+        finalize({layer.weight(), layer.bias()});
         put("output", out.output);
         put("input.grad", dx);
         per.put(r, "weight.grad", gradOf(compute, *layer.weight()));
@@ -410,6 +417,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         }
         Tensor dx = layer.backward(dyt, dBias.defined() ? ConstView(dBias) : ConstView());
         reducer.drain();
+        finalize({&layer.weight(), layer.bias()});
         put("output", out.output);
         put("input.grad", dx);
         per.put(r, "weight.grad", gradOf(compute, layer.weight()));
@@ -430,6 +438,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         Tensor y = layer.forward(ids);
         layer.backward(toBackend(compute, c.reduceScatterEmbeddings ? chunk(dyFull, 0, t, T) : dyFull));
         reducer.drain();
+        finalize({&layer.weight()});
         put("output", y);
         per.put(r, "weight.grad", gradOf(compute, layer.weight()));
         break;
@@ -461,6 +470,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         compute.geluBackward(h, dA, dH);
         Tensor dx = fc1.backward(dH);
         reducer.drain();
+        finalize({fc1.weight(), fc1.bias(), &fc2.weight(), fc2.bias()});
         put("output", y);
         put("input.grad", dx);
         per.put(r, "fc1.weight.grad", gradOf(compute, *fc1.weight()));
@@ -533,8 +543,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
       r.results["input.grad"] = c.inputIsParallel ? place(batchT("input.grad", 1), -1, k, c.stride)
                                                   : batchT("input.grad", 1)[0];
       r.results["weight.grad"] = place(shardsT("weight.grad", n), 1, k, c.stride);
-      // Finalize: a sequence-parallel bias's gradient is all-reduced over TP.
-      if (c.bias) r.results["bias.grad"] = sp ? sum(replicatedT("bias.grad")) : replicatedT("bias.grad")[0];
+      if (c.bias) r.results["bias.grad"] = replicatedT("bias.grad")[0];
       break;
     }
     case LayerKind::kEmbedding: {
@@ -550,7 +559,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
       r.results["fc1.weight.grad"] = concat(shardsT("fc1.weight.grad", f / T), 0);
       r.results["fc1.bias.grad"] = concat(replicatedT("fc1.bias.grad"), 0);
       r.results["fc2.weight.grad"] = concat(shardsT("fc2.weight.grad", h), 1);
-      r.results["fc2.bias.grad"] = sp ? sum(replicatedT("fc2.bias.grad")) : replicatedT("fc2.bias.grad")[0];
+      r.results["fc2.bias.grad"] = replicatedT("fc2.bias.grad")[0];
       break;
     }
   }

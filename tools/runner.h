@@ -7,8 +7,9 @@
 // sequence parallelism; under GTP_remat each weight's TP-local rows are padded and split over the
 // G peers, which take one batch block each. Gradients are what an optimizer would read after
 // Megatron's gradient finalization: main_grad under fusion or GTP_remat (stripped of padding),
-// sequence-parallel biases all-reduced over TP, replicated parameters reduced over the GTP_remat
-// peers (MEAN: the full-batch gradient / G, SUM: the full-batch gradient).
+// parameters tagged sequence_parallel all-reduced over TP on the ranks (finalizeSequenceParallelGrads),
+// replicated parameters reduced over the GTP_remat peers (MEAN: the full-batch gradient / G, SUM:
+// the full-batch gradient).
 #pragma once
 
 #include <cstdint>
