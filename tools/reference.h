@@ -44,6 +44,9 @@ struct ReferenceOptions {
   // (mxfp8Weight); weight gradients are unchanged. stride: the linears' partition stride.
   WeightFormat weightFormat = WeightFormat::kNative;
   int stride = 1;
+  // Column with disable_grad_reduce: input.grad is each TP rank's own partial dY_t·W_t (its output
+  // rows, `stride` chunks), stacked (T, …, K), with no reduction among them.
+  bool disableGradReduce = false;
 };
 
 std::map<std::string, Checked> denseReference(const ReferenceOptions& options, const TensorMap& inputs);

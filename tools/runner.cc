@@ -143,6 +143,9 @@ void RunConfig::validate() const {
   TPSIM_CHECK(!outputDtype || layer == LayerKind::kColumn, "--output-dtype: only ColumnParallelLinear has "
               "output_dtype, got --layer ", layerName(layer));
   TPSIM_CHECK(!gatherOutput || layer == LayerKind::kColumn, "--gather-output: applies to --layer column");
+  TPSIM_CHECK(!disableGradReduce || layer == LayerKind::kColumn, "--disable-grad-reduce: applies to --layer column");
+  TPSIM_CHECK(!(disableGradReduce && sequenceParallel), "--disable-grad-reduce: not with --sequence-parallel (the "
+              "input gradient would still be reduce-scattered over TP)");
   TPSIM_CHECK(!inputIsParallel || layer == LayerKind::kRow, "--input-is-parallel: applies to --layer row");
   TPSIM_CHECK(!reduceScatterEmbeddings || layer == LayerKind::kEmbedding,
               "--reduce-scatter-embeddings: applies to --layer embedding");
@@ -188,6 +191,7 @@ std::string RunConfig::str() const {
   if (inputIsParallel) s += " input-is-parallel";
   if (reduceScatterEmbeddings) s += " reduce-scatter-embeddings";
   if (skipBiasAdd) s += " skip-bias-add";
+  if (disableGradReduce) s += " disable-grad-reduce";
   if (stride > 1) s += detail::concat(" stride=", stride);
   if (gradAccumulationFusion) s += detail::concat(" grad-accumulation-fusion main-grad-dtype=", dtypeName(mainGradDtype));
   if (weightFormat != WeightFormat::kNative) s += detail::concat(" weight-format=", weightFormatName(weightFormat));
@@ -358,6 +362,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         o.stride = c.stride;
         o.skipBiasAdd = c.skipBiasAdd;
         o.outputDtype = c.outputDtype;
+        o.disableGradReduce = c.disableGradReduce;
         o.name = "column";
         const HostTensor& w = in.at("weight");
         ColumnParallelLinear layer(lc, mp, w.shape[1], w.shape[0], unused, o);
@@ -521,6 +526,12 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
     auto perT = batchT(name, batchDim);
     return splitOverTp ? concat(perT, 0) : perT[0];
   };
+  // Each TP rank's own activation, stacked along a new dim 0.
+  auto stacked = [&](const std::string& name) {
+    auto perT = batchT(name, batchDim);
+    for (HostTensor& h : perT) h.shape.insert(h.shape.begin(), 1);
+    return concat(perT, 0);
+  };
   switch (c.layer) {
     case LayerKind::kColumn: {
       const std::int64_t n = in.at("weight").shape[0];
@@ -532,7 +543,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         for (int t = 0; t < T; ++t) outputs.push_back(chunk(gathered, -1, t, T));
       }
       r.results["output"] = place(outputs, -1, n, c.stride);
-      r.results["input.grad"] = activation("input.grad", sp);
+      r.results["input.grad"] = c.disableGradReduce ? stacked("input.grad") : activation("input.grad", sp);
       r.results["weight.grad"] = place(shardsT("weight.grad", n / T), 0, n, c.stride);
       if (c.bias) r.results["bias.grad"] = place(replicatedT("bias.grad"), 0, n, c.stride);
       break;
@@ -579,6 +590,7 @@ ReferenceOptions referenceOptions(const RunConfig& c) {
   o.gtpWireDtype = c.layer == LayerKind::kEmbedding ? c.dtype : c.mainGradDtype;
   o.weightFormat = c.weightFormat;
   o.stride = c.stride;
+  o.disableGradReduce = c.disableGradReduce;
   return o;
 }
 
@@ -622,6 +634,7 @@ std::string commandLine(const RunConfig& c, const std::string& loadDir) {
   if (c.inputIsParallel) s += " --input-is-parallel";
   if (c.reduceScatterEmbeddings) s += " --reduce-scatter-embeddings";
   if (c.skipBiasAdd) s += " --skip-bias-add";
+  if (c.disableGradReduce) s += " --disable-grad-reduce";
   if (c.stride != 1) s += detail::concat(" --stride ", c.stride);
   s += detail::concat(" --dtype ", dtypeName(c.dtype));
   if (c.outputDtype) s += detail::concat(" --output-dtype ", dtypeName(*c.outputDtype));

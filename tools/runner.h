@@ -31,6 +31,9 @@ struct RunConfig {
   bool inputIsParallel = false;
   bool reduceScatterEmbeddings = false;
   bool skipBiasAdd = false;
+  // Column: no TP reduction of dX; input.grad is then every rank's partial dY_t·W_t, stacked
+  // (T, s, b, K).
+  bool disableGradReduce = false;
   int stride = 1;
   DType dtype = DType::kFloat32;
   std::optional<DType> outputDtype;
