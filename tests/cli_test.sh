@@ -44,6 +44,11 @@ check mxfp8-pad 2 "--pad-for-alignment: expected a positive multiple of 32 for -
 check mxfp8-embedding 2 "--weight-format mxfp8: applies to --layer column, row or mlp" -- \
   "$tpsim" run --layer embedding --weight-format mxfp8
 check run-rs-embeddings 0 "sharded results agree" -- "$tpsim" run --layer embedding --tp 2 --reduce-scatter-embeddings
+# Each rank's partial input gradient, stacked (T, s, b, K), checked against the partial products.
+check run-disable-grad-reduce 0 "(4, 8, 2, 16)" -- "$tpsim" run --layer column --tp 4 --bias --disable-grad-reduce
+check disable-grad-reduce-sp 2 "--disable-grad-reduce: not with --sequence-parallel" -- \
+  "$tpsim" run --layer column --tp 2 --sequence-parallel --disable-grad-reduce
+check run-help 0 "--disable-grad-reduce" -- "$tpsim" run --help
 
 # Save generated inputs and results, replay from the files: identical results, byte for byte.
 check save 0 "saved to $work/a" -- "$tpsim" run --layer mlp --tp 4 --sequence-parallel --dtype bf16 --save "$work/a"

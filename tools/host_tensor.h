@@ -32,7 +32,8 @@ HostTensor chunk(const HostTensor& t, int dim, int index, int parts);
 HostTensor concat(const std::vector<HostTensor>& parts, int dim);
 // Swaps dims 0 and 1: (b, s, h) <-> (s, b, h).
 HostTensor swap01(const HostTensor& t);
-// Elementwise sum of equally shaped tensors (the TP all-reduce finalize applies to SP biases).
+// Elementwise sum of equally shaped tensors (finalize's reduction of replicated parameters over the
+// GTP_remat peers).
 HostTensor sum(const std::vector<HostTensor>& parts);
 
 Tensor toBackend(Compute& compute, const HostTensor& t);

@@ -84,6 +84,16 @@ Checked checked(double uAcc, std::vector<std::int64_t> shape, DType dtype, const
   return c;
 }
 
+// The rows (or columns) of a dim of `total` that TP rank t owns: chunks t, t + T, ... of
+// total/(T·stride), in order (SPEC 3.11).
+std::vector<std::int64_t> ownedIndices(std::int64_t total, int tp, int stride, int t) {
+  const std::int64_t chunk = total / (std::int64_t(tp) * stride);
+  std::vector<std::int64_t> owned;
+  for (int j = 0; j < stride; ++j)
+    for (std::int64_t i = 0; i < chunk; ++i) owned.push_back((t + std::int64_t(j) * tp) * chunk + i);
+  return owned;
+}
+
 // Half the smallest subnormal: the absolute error of one rounding near zero.
 double halfSubnormal(DType dtype) {
   switch (dtype) {
@@ -163,18 +173,41 @@ void linearLayer(const ReferenceOptions& o, const HostTensor& x, const HostTenso
     absBias = absMat(asMat(*b)).v;
   }
   const DType c = o.computeDtype;
+  const double u = o.accumulationUnit;
   const int reduceStages = o.tp;  // partial sums rounded once each, then added in rank order
-  out[prefix + "output"] = checked(o.accumulationUnit, withLast(x.shape, W.rows), o.outputDtype, linear(X, W, b ? &bias : nullptr),
+  out[prefix + "output"] = checked(u, withLast(x.shape, W.rows), o.outputDtype, linear(X, W, b ? &bias : nullptr),
                                    linear(aX, aW, b ? &absBias : nullptr), X.cols, 1 + extraStages + reduceStages,
                                    o.outputDtype);
-  out[prefix + "input.grad"] = checked(o.accumulationUnit, x.shape, c, matmul(dY, Wd), matmul(adY, aWd), W.rows,
+  out[prefix + "input.grad"] = checked(u, x.shape, c, matmul(dY, Wd), matmul(adY, aWd), W.rows,
                                        1 + extraStages + reduceStages, c);
-  out[prefix + "weight.grad"] = checked(o.accumulationUnit, wFprop.shape, c, transposeMatmul(dY, X), transposeMatmul(adY, aX), X.rows,
+  out[prefix + "weight.grad"] = checked(u, wFprop.shape, c, transposeMatmul(dY, X), transposeMatmul(adY, aX), X.rows,
                                         1 + extraStages, c);
   if (b) {
     Mat db{1, dY.cols, columnSums(dY)}, adb{1, dY.cols, columnSums(adY)};
-    out[prefix + "bias.grad"] = checked(o.accumulationUnit, b->shape, c, db, adb, dY.rows, 1 + extraStages + reduceStages, c);
+    out[prefix + "bias.grad"] = checked(u, b->shape, c, db, adb, dY.rows, 1 + extraStages + reduceStages, c);
   }
+}
+
+// A column layer's input gradient under disable_grad_reduce: for each TP rank t, dY over its
+// output rows times those rows of W, one GEMM rounded once, stacked (T, …, K).
+Checked partialDgrads(const ReferenceOptions& o, const HostTensor& x, const HostTensor& wDgrad, const HostTensor& dy) {
+  const Mat W = asMat(wDgrad), dY = asMat(dy);
+  std::vector<std::int64_t> shape = x.shape;
+  shape.insert(shape.begin(), o.tp);
+  Checked all{HostTensor{shape, o.computeDtype, {}}, {}};
+  for (int t = 0; t < o.tp; ++t) {
+    const std::vector<std::int64_t> rows = ownedIndices(W.rows, o.tp, o.stride, t);
+    const std::int64_t n = std::int64_t(rows.size());
+    Mat dYt{dY.rows, n, {}}, Wt{n, W.cols, {}};
+    for (std::int64_t i = 0; i < dY.rows; ++i)
+      for (std::int64_t j : rows) dYt.v.push_back(dY.v[i * dY.cols + j]);
+    for (std::int64_t j : rows) Wt.v.insert(Wt.v.end(), W.v.begin() + j * W.cols, W.v.begin() + (j + 1) * W.cols);
+    const Checked part = checked(o.accumulationUnit, x.shape, o.computeDtype, matmul(dYt, Wt),
+                                 matmul(absMat(dYt), absMat(Wt)), n, 1, o.computeDtype);
+    all.value.values.insert(all.value.values.end(), part.value.values.begin(), part.value.values.end());
+    all.bound.insert(all.bound.end(), part.bound.begin(), part.bound.end());
+  }
+  return all;
 }
 
 }  // namespace
@@ -221,8 +254,10 @@ static std::map<std::string, Checked> denseValues(const ReferenceOptions& o, con
       auto b = in.find("bias");
       const HostTensor& w = need(in, "weight");
       const int splitDim = o.kind == LayerKind::kColumn ? 0 : 1;
-      linearLayer(o, need(in, "input"), gemmOperand(o, w, 1, splitDim), gemmOperand(o, w, 0, splitDim),
-                  b == in.end() ? nullptr : &b->second, need(in, "grad_output"), "", out, 0);
+      const HostTensor wDgrad = gemmOperand(o, w, 0, splitDim);
+      linearLayer(o, need(in, "input"), gemmOperand(o, w, 1, splitDim), wDgrad, b == in.end() ? nullptr : &b->second,
+                  need(in, "grad_output"), "", out, 0);
+      if (o.disableGradReduce) out["input.grad"] = partialDgrads(o, need(in, "input"), wDgrad, need(in, "grad_output"));
       break;
     }
     case LayerKind::kEmbedding: {
@@ -243,7 +278,8 @@ static std::map<std::string, Checked> denseValues(const ReferenceOptions& o, con
         }
       const Mat eMat = asMat(e);
       out["output"] = checked(o.accumulationUnit, e.shape, e.dtype, eMat, absMat(eMat), 0, 1 + o.tp, e.dtype);
-      out["weight.grad"] = checked(o.accumulationUnit, need(in, "weight").shape, e.dtype, dW, adW, std::int64_t(ids.values.size()), 1,
+      out["weight.grad"] = checked(o.accumulationUnit, need(in, "weight").shape, e.dtype, dW, adW,
+                                   std::int64_t(ids.values.size()), 1,
                                    e.dtype);
       break;
     }
@@ -307,13 +343,10 @@ static std::map<std::string, Checked> denseValues(const ReferenceOptions& o, con
 HostTensor mxfp8Weight(const HostTensor& w, int axis, int splitDim, int tp, int stride, DType dtype) {
   TPSIM_CHECK(w.shape.size() == 2, "mxfp8Weight: the weight must be (N, K), got ", w.shapeStr());
   const std::int64_t rows = w.shape[0], cols = w.shape[1], total = w.shape[splitDim];
-  const std::int64_t chunk = total / (std::int64_t(tp) * stride), local = chunk * stride;
+  const std::int64_t local = total / (std::int64_t(tp) * stride) * stride;
   std::vector<double> out = w.values;
   for (int t = 0; t < tp; ++t) {
-    // Rank t's rows (or columns): chunks t, t + T, ... in order (SPEC 3.11).
-    std::vector<std::int64_t> owned;
-    for (int j = 0; j < stride; ++j)
-      for (std::int64_t i = 0; i < chunk; ++i) owned.push_back((t + std::int64_t(j) * tp) * chunk + i);
+    const std::vector<std::int64_t> owned = ownedIndices(total, tp, stride, t);
     const std::int64_t lr = splitDim == 0 ? local : rows, lc = splitDim == 0 ? cols : local;
     auto global = [&](std::int64_t r, std::int64_t c) {
       return std::size_t(splitDim == 0 ? owned[r] * cols + c : r * cols + owned[c]);

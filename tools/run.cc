@@ -106,6 +106,8 @@ int runMain(const std::vector<std::string>& args) {
       ("reduce-scatter-embeddings", po::bool_switch(&c.reduceScatterEmbeddings),
        "embedding: reduce-scatter the output along the sequence")
       ("skip-bias-add", po::bool_switch(&c.skipBiasAdd), "column/row: return the bias instead of adding it")
+      ("disable-grad-reduce", po::bool_switch(&c.disableGradReduce),
+       "column: no TP reduction of the input gradient; input.grad is each rank's partial, (T, s, b, K)")
       ("stride", po::value(&c.stride)->default_value(c.stride), "column/row: interleaved partition stride")
       ("dtype,d", po::value(&dtype)->default_value(dtype), "fp32 | bf16 | fp16: params and activations")
       ("output-dtype", po::value(&outputDtype), "column: output dtype when it differs from --dtype")

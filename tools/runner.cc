@@ -7,6 +7,7 @@
 
 #include "backends/errors.h"
 #include "core/embedding.h"
+#include "core/grad_stats.h"
 #include "core/gtp.h"
 #include "core/layers.h"
 #include "core/process_groups.h"
@@ -143,6 +144,9 @@ void RunConfig::validate() const {
   TPSIM_CHECK(!outputDtype || layer == LayerKind::kColumn, "--output-dtype: only ColumnParallelLinear has "
               "output_dtype, got --layer ", layerName(layer));
   TPSIM_CHECK(!gatherOutput || layer == LayerKind::kColumn, "--gather-output: applies to --layer column");
+  TPSIM_CHECK(!disableGradReduce || layer == LayerKind::kColumn, "--disable-grad-reduce: applies to --layer column");
+  TPSIM_CHECK(!(disableGradReduce && sequenceParallel), "--disable-grad-reduce: not with --sequence-parallel (the "
+              "input gradient would still be reduce-scattered over TP)");
   TPSIM_CHECK(!inputIsParallel || layer == LayerKind::kRow, "--input-is-parallel: applies to --layer row");
   TPSIM_CHECK(!reduceScatterEmbeddings || layer == LayerKind::kEmbedding,
               "--reduce-scatter-embeddings: applies to --layer embedding");
@@ -189,6 +193,7 @@ std::string RunConfig::str() const {
   if (inputIsParallel) s += " input-is-parallel";
   if (reduceScatterEmbeddings) s += " reduce-scatter-embeddings";
   if (skipBiasAdd) s += " skip-bias-add";
+  if (disableGradReduce) s += " disable-grad-reduce";
   if (stride > 1) s += detail::concat(" stride=", stride);
   if (gradAccumulationFusion) s += detail::concat(" grad-accumulation-fusion main-grad-dtype=", dtypeName(mainGradDtype));
   if (weightFormat != WeightFormat::kNative) s += detail::concat(" weight-format=", weightFormatName(weightFormat));
@@ -318,9 +323,14 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
     const int r = ctx.comm.rank();
     ProcessGroups pg(ctx.comm, layout);
     const int t = pg.tp().rank(), g = pg.gtpRemat().rank();
-    GtpGradReducer reducer(compute, {c.gtpReduceMean, c.fp32AccumReduceScatter, true});
-    const LayerContext lc{compute, pg.tp(), nullptr, nullptr, &pg.gtpRemat(), &pg.dpCp(), &reducer};
     const ModelParallelConfig mp = layerConfig(c);
+    GtpGradReducer reducer(compute, GtpReduceOptions::fromConfig(mp, true));
+    const LayerContext lc{compute, pg.tp(), nullptr, nullptr, &pg.gtpRemat(), &pg.dpCp(), &reducer};
+    // finalize_model_grads' TP step: the parameters' sequence_parallel tags decide what it sums.
+    auto finalize = [&](std::vector<Parameter*> params) {
+      params.erase(std::remove(params.begin(), params.end(), nullptr), params.end());
+      finalizeSequenceParallelGrads(params, pg.tp(), mp.sequenceParallel);
+    };
     // GTP_remat peers are data parallel: peer g takes batch block g (b is dim 1 of (s, b, ·)).
     auto batch = [&](const HostTensor& h, int dim) { return G > 1 ? chunk(h, dim, g, G) : h; };
     const HostTensor input = batch(in.at("input"), c.layer == LayerKind::kEmbedding ? 0 : 1);
@@ -354,6 +364,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         o.stride = c.stride;
         o.skipBiasAdd = c.skipBiasAdd;
         o.outputDtype = c.outputDtype;
+        o.disableGradReduce = c.disableGradReduce;
         o.name = "column";
         const HostTensor& w = in.at("weight");
         ColumnParallelLinear layer(lc, mp, w.shape[1], w.shape[0], unused, o);
@@ -379,6 +390,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         }
         Tensor dx = layer.backward(dyt, dBias.defined() ? ConstView(dBias) : ConstView());
         reducer.drain();
+        finalize({layer.weight(), layer.bias()});
         put("output", out.output);
         put("input.grad", dx);
         per.put(r, "weight.grad", gradOf(compute, *layer.weight()));
@@ -412,6 +424,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         }
         Tensor dx = layer.backward(dyt, dBias.defined() ? ConstView(dBias) : ConstView());
         reducer.drain();
+        finalize({&layer.weight(), layer.bias()});
         put("output", out.output);
         put("input.grad", dx);
         per.put(r, "weight.grad", gradOf(compute, layer.weight()));
@@ -432,6 +445,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         Tensor y = layer.forward(ids);
         layer.backward(toBackend(compute, c.reduceScatterEmbeddings ? chunk(dyFull, 0, t, T) : dyFull));
         reducer.drain();
+        finalize({&layer.weight()});
         put("output", y);
         per.put(r, "weight.grad", gradOf(compute, layer.weight()));
         break;
@@ -463,6 +477,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         compute.geluBackward(h, dA, dH);
         Tensor dx = fc1.backward(dH);
         reducer.drain();
+        finalize({fc1.weight(), fc1.bias(), &fc2.weight(), fc2.bias()});
         put("output", y);
         put("input.grad", dx);
         per.put(r, "fc1.weight.grad", gradOf(compute, *fc1.weight()));
@@ -513,6 +528,12 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
     auto perT = batchT(name, batchDim);
     return splitOverTp ? concat(perT, 0) : perT[0];
   };
+  // Each TP rank's own activation, stacked along a new dim 0.
+  auto stacked = [&](const std::string& name) {
+    auto perT = batchT(name, batchDim);
+    for (HostTensor& h : perT) h.shape.insert(h.shape.begin(), 1);
+    return concat(perT, 0);
+  };
   switch (c.layer) {
     case LayerKind::kColumn: {
       const std::int64_t n = in.at("weight").shape[0];
@@ -524,7 +545,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         for (int t = 0; t < T; ++t) outputs.push_back(chunk(gathered, -1, t, T));
       }
       r.results["output"] = place(outputs, -1, n, c.stride);
-      r.results["input.grad"] = activation("input.grad", sp);
+      r.results["input.grad"] = c.disableGradReduce ? stacked("input.grad") : activation("input.grad", sp);
       r.results["weight.grad"] = place(shardsT("weight.grad", n / T), 0, n, c.stride);
       if (c.bias) r.results["bias.grad"] = place(replicatedT("bias.grad"), 0, n, c.stride);
       break;
@@ -535,8 +556,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
       r.results["input.grad"] = c.inputIsParallel ? place(batchT("input.grad", 1), -1, k, c.stride)
                                                   : batchT("input.grad", 1)[0];
       r.results["weight.grad"] = place(shardsT("weight.grad", n), 1, k, c.stride);
-      // Finalize: a sequence-parallel bias's gradient is all-reduced over TP.
-      if (c.bias) r.results["bias.grad"] = sp ? sum(replicatedT("bias.grad")) : replicatedT("bias.grad")[0];
+      if (c.bias) r.results["bias.grad"] = replicatedT("bias.grad")[0];
       break;
     }
     case LayerKind::kEmbedding: {
@@ -552,7 +572,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
       r.results["fc1.weight.grad"] = concat(shardsT("fc1.weight.grad", f / T), 0);
       r.results["fc1.bias.grad"] = concat(replicatedT("fc1.bias.grad"), 0);
       r.results["fc2.weight.grad"] = concat(shardsT("fc2.weight.grad", h), 1);
-      r.results["fc2.bias.grad"] = sp ? sum(replicatedT("fc2.bias.grad")) : replicatedT("fc2.bias.grad")[0];
+      r.results["fc2.bias.grad"] = replicatedT("fc2.bias.grad")[0];
       break;
     }
   }
@@ -573,6 +593,7 @@ ReferenceOptions referenceOptions(const RunConfig& c) {
   o.weightFormat = c.weightFormat;
   o.stride = c.stride;
   o.accumulationUnit = gemmAccumulationUnit(c.backend);
+  o.disableGradReduce = c.disableGradReduce;
   return o;
 }
 
@@ -616,6 +637,7 @@ std::string commandLine(const RunConfig& c, const std::string& loadDir) {
   if (c.inputIsParallel) s += " --input-is-parallel";
   if (c.reduceScatterEmbeddings) s += " --reduce-scatter-embeddings";
   if (c.skipBiasAdd) s += " --skip-bias-add";
+  if (c.disableGradReduce) s += " --disable-grad-reduce";
   if (c.stride != 1) s += detail::concat(" --stride ", c.stride);
   s += detail::concat(" --dtype ", dtypeName(c.dtype));
   if (c.outputDtype) s += detail::concat(" --output-dtype ", dtypeName(*c.outputDtype));

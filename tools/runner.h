@@ -7,8 +7,9 @@
 // sequence parallelism; under GTP_remat each weight's TP-local rows are padded and split over the
 // G peers, which take one batch block each. Gradients are what an optimizer would read after
 // Megatron's gradient finalization: main_grad under fusion or GTP_remat (stripped of padding),
-// sequence-parallel biases all-reduced over TP, replicated parameters reduced over the GTP_remat
-// peers (MEAN: the full-batch gradient / G, SUM: the full-batch gradient).
+// parameters tagged sequence_parallel all-reduced over TP on the ranks (finalizeSequenceParallelGrads),
+// replicated parameters reduced over the GTP_remat peers (MEAN: the full-batch gradient / G, SUM:
+// the full-batch gradient).
 #pragma once
 
 #include <cstdint>
@@ -30,6 +31,9 @@ struct RunConfig {
   bool inputIsParallel = false;
   bool reduceScatterEmbeddings = false;
   bool skipBiasAdd = false;
+  // Column: no TP reduction of dX; input.grad is then every rank's partial dY_t·W_t, stacked
+  // (T, s, b, K).
+  bool disableGradReduce = false;
   int stride = 1;
   DType dtype = DType::kFloat32;
   std::optional<DType> outputDtype;
