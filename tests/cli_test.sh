@@ -79,7 +79,13 @@ check bad-backend 2 "--backend: expected sim or gpu, got 'tpu'" -- "$tpsim" run 
 if ! "$tpsim" run --layer row --backend gpu >/dev/null 2>&1; then
   check gpu-unusable 2 "--backend gpu: cannot run here: " -- "$tpsim" run --layer row --backend gpu
   check gpu-unusable-demo 2 "--backend gpu: cannot run here: " -- "$tpsim" demo --backend gpu
+  check gpu-unusable-bench 2 "--backend gpu: cannot run here: " -- "$tpsim" bench --backend gpu
 fi
+check bench-bad-backend 2 "--backend: expected sim or gpu, got 'tpu'" -- "$tpsim" bench --backend tpu
+check bench-gpu-what 2 "--what: with --backend gpu expected layers, fabric or all, got 'latency'" -- \
+  "$tpsim" bench --backend gpu -W latency
+check bench-gpu-tp 2 "--mlp-tp: every TP size must be <= 64 and divide --tokens and --ffn" -- \
+  "$tpsim" bench --backend gpu --mlp-tp 3
 check conflicting 2 "--sequence-parallel: needs --tp > 1" -- "$tpsim" run --layer column --tp 1 --sequence-parallel
 
 echo "$passed passed, $failures failed"

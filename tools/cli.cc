@@ -52,4 +52,10 @@ long long parseSize(const std::string& option, const std::string& text) {
   return v * scale;
 }
 
+std::string sizeText(long long bytes) {
+  for (auto [scale, suffix] : {std::pair{1LL << 30, "G"}, {1LL << 20, "M"}, {1LL << 10, "K"}})
+    if (bytes != 0 && bytes % scale == 0) return std::to_string(bytes / scale) + suffix;
+  return std::to_string(bytes);
+}
+
 }  // namespace tpsim::tools

@@ -23,5 +23,7 @@ int runMain(const std::vector<std::string>& args);
 std::vector<int> parseIntList(const std::string& option, const std::string& text);
 // "128", "64K", "16M", "1G" -> bytes. Throws UsageError naming `option`.
 long long parseSize(const std::string& option, const std::string& text);
+// parseSize's inverse: 268435456 -> "256M", 1536 -> "1536".
+std::string sizeText(long long bytes);
 
 }  // namespace tpsim::tools

@@ -20,7 +20,8 @@ const char* kUsage =
     "commands:\n"
     "  demo    an MLP block (column fc1, GeLU, row fc2) at TP=4 with sequence parallelism, verified\n"
     "  run     one layer sharded on your own tensors (.npy) or generated ones, verified\n"
-    "  bench   simulator overheads: tiny-collective latency, collective bandwidth, GEMM throughput\n"
+    "  bench   simulator overheads: tiny-collective latency, collective bandwidth, GEMM throughput;\n"
+    "          with --backend gpu: the layers against cuBLASLt and PyTorch, DeviceFabric bandwidth\n"
     "  devices the backends this build has (sim, gpu) and whether each can run here, with the reason\n"
     "\n"
     "'tpsim <command> --help' lists a command's options.\n";
