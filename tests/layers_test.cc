@@ -177,7 +177,7 @@ std::vector<std::vector<std::string>> opsOf(const sim::World& world) {
   std::vector<std::vector<std::string>> ops;
   for (const auto& events : world.trace()) {
     ops.emplace_back();
-    for (const sim::TraceEvent& e : events) ops.back().push_back(e.op);
+    for (const TraceEvent& e : events) ops.back().push_back(e.op);
   }
   return ops;
 }
@@ -194,7 +194,7 @@ TEST(ColumnParallelLinear, DisableGradReduceReturnsEachRanksPartialDgrad) {
                                             << (disable ? " disable_grad_reduce" : ""));
           const std::int64_t s = 3, b = 2, k = 6, n = 2 * T, m = s * b, nl = n / T;
           const Dense d = dense(m, k, n);
-          sim::WorldOptions wo;
+          WorldOptions wo;
           wo.size = T;
           wo.trace = true;
           sim::World world(wo);
@@ -242,7 +242,7 @@ TEST(Layers, ExpertLayersLeaveTheCommunicationToTheCaller) {
     SCOPED_TRACE(sp ? "sequence_parallel" : "no sequence_parallel");
     const std::int64_t s = 2, b = 2, k = 4, n = 4, m = s * b, half = 2;
     const Dense d = dense(m, k, n);
-    sim::WorldOptions wo;
+    WorldOptions wo;
     wo.size = T;
     wo.trace = true;
     sim::World world(wo);

@@ -137,7 +137,7 @@ TEST(Runner, DisableGradReduceReturnsEachRanksPartialInputGradient) {
         }
         EXPECT_LT(worst, (dt == DType::kFloat32 ? 1e-5 : 3e-2) * scale) << c.str();
         for (const auto& events : r.trace)
-          for (const sim::TraceEvent& e : events)
+          for (const TraceEvent& e : events)
             if (e.group.rfind("tp[", 0) == 0) {
               EXPECT_TRUE(e.op != "allReduce" && e.op != "reduceScatter") << c.str() << ": " << e.op << " on " << e.group;
             }
