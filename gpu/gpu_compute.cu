@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "backends/compute_checks.h"
 #include "backends/errors.h"
 #include "gpu/check.h"
 #include "gpu/kernels.cuh"
@@ -114,32 +115,11 @@ cudaError_t pollStream(cudaStream_t stream, long long timeoutMs) {
 
 // ---- Checks (SimCompute's, with CUDA memory for host memory) --------------------------------------
 
-void checkCuda(const char* op, const char* arg, ConstView v) {
-  TPSIM_CHECK(v.device() == Device::kCuda, op, ": ", arg, " must be CUDA memory, got ", v.str(), " on ",
-              deviceName(v.device()));
-}
-
+using compute_checks::checkHolds;
+using compute_checks::checkSameShape;
+void checkCuda(const char* op, const char* arg, ConstView v) { compute_checks::checkDevice(Device::kCuda, op, arg, v); }
 void checkFloating(const char* op, const char* arg, ConstView v) {
-  checkCuda(op, arg, v);
-  TPSIM_CHECK(isFloating(v.dtype()), op, ": ", arg, " must be fp32, bf16, fp16 or fp64, got ", v.str(),
-              isFloat8(v.dtype()) ? "; fp8 is a storage type, dequantizeMxfp8 it first" : "");
-}
-
-void checkSameShape(const char* op, const char* arg, ConstView v, const char* refArg, ConstView ref) {
-  TPSIM_CHECK(v.shape() == ref.shape(), op, ": ", arg, " must have ", refArg, "'s shape ", ref.shape(),
-              ", got ", v.str());
-}
-
-// True when `wide` holds every value of `narrow` exactly: same dtype, or 16-bit -> fp32 -> fp64.
-bool holds(DType wide, DType narrow) {
-  if (wide == narrow) return true;
-  if (wide == DType::kFloat64) return narrow == DType::kFloat32 || is16Bit(narrow);
-  return wide == DType::kFloat32 && is16Bit(narrow);
-}
-
-void checkHolds(const char* op, const char* dstArg, ConstView dst, const char* srcArg, ConstView src) {
-  TPSIM_CHECK(holds(dst.dtype(), src.dtype()), op, ": ", dstArg, " must have ", srcArg, "'s dtype ",
-              dtypeName(src.dtype()), " or a wider one, got ", dst.str());
+  compute_checks::checkFloating(Device::kCuda, op, arg, v);
 }
 
 void checkIds(const char* op, ConstView ids) {
@@ -148,15 +128,7 @@ void checkIds(const char* op, ConstView ids) {
 }
 
 void checkMxfp8(const char* op, ConstView data, ConstView scales, int axis) {
-  TPSIM_CHECK(axis == 0 || axis == 1, op, ": axis must be 0 (columnwise) or 1 (rowwise), got ", axis);
-  checkCuda(op, "data", data);
-  checkCuda(op, "scales", scales);
-  TPSIM_CHECK(data.dtype() == DType::kFloat8E4M3, op, ": data must be fp8e4m3, got ", data.str());
-  TPSIM_CHECK(scales.dtype() == DType::kFloat8E8M0, op, ": scales must be e8m0, got ", scales.str());
-  const std::int64_t r = data.dim(0), c = data.dim(1), blk = kern::kMxBlock;
-  const Shape want = axis == 1 ? Shape{r, (c + blk - 1) / blk} : Shape{(r + blk - 1) / blk, c};
-  TPSIM_CHECK(scales.shape() == want, op, ": scales of ", axis == 1 ? "rowwise" : "columnwise", " (axis ", axis,
-              ") blocks of a ", data.shape(), " matrix must be ", want, ", got ", scales.str());
+  compute_checks::checkMxfp8(Device::kCuda, op, data, scales, axis);
 }
 
 std::string unstorableMessage(const char* op, DType to, double v) {

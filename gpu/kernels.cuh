@@ -14,16 +14,17 @@
 #include <utility>
 #include <vector>
 
+#include "backends/compute_checks.h"
 #include "backends/dtype.h"
 #include "backends/element_math.h"
 #include "backends/view.h"
 
 namespace tpsim::gpu::kern {
 
-constexpr int kRank = 4;                                // views have at most four modes
-constexpr std::int64_t kMxBlock = 32;                   // MXFP8 block length
-constexpr double kSqrtHalf = 0.70710678118654752440;    // 1/√2, as SimCompute
-constexpr double kInvSqrt2Pi = 0.39894228040143267794;  // 1/√(2π), as SimCompute
+constexpr int kRank = 4;                                        // views have at most four modes
+constexpr std::int64_t kMxBlock = compute_checks::kMxfp8Block;  // MXFP8 block length
+constexpr double kSqrtHalf = 0.70710678118654752440;            // 1/√2, as SimCompute
+constexpr double kInvSqrt2Pi = 0.39894228040143267794;          // 1/√(2π), as SimCompute
 
 // ---- Element access -----------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@
 
 #include <Eigen/Core>
 
+#include "backends/compute_checks.h"
 #include "backends/element_math.h"
 #include "backends/errors.h"
 
@@ -104,33 +105,11 @@ bool denseFp32(const Views&... views) {
 
 // ---- Checks -------------------------------------------------------------------------------------
 
-void checkHost(const char* op, const char* arg, ConstView v) {
-  TPSIM_CHECK(v.device() == Device::kHost, op, ": ", arg, " must be host memory, got ", v.str(), " on ",
-              deviceName(v.device()));
-}
-
+using compute_checks::checkHolds;
+using compute_checks::checkSameShape;
+void checkHost(const char* op, const char* arg, ConstView v) { compute_checks::checkDevice(Device::kHost, op, arg, v); }
 void checkFloating(const char* op, const char* arg, ConstView v) {
-  checkHost(op, arg, v);
-  TPSIM_CHECK(isFloating(v.dtype()), op, ": ", arg, " must be fp32, bf16, fp16 or fp64, got ", v.str(),
-              isFloat8(v.dtype()) ? "; fp8 is a storage type, dequantizeMxfp8 it first" : "");
-}
-
-void checkSameShape(const char* op, const char* arg, ConstView v, const char* refArg, ConstView ref) {
-  TPSIM_CHECK(v.shape() == ref.shape(), op, ": ", arg, " must have ", refArg, "'s shape ", ref.shape(),
-              ", got ", v.str());
-}
-
-// True when `wide` holds every value of `narrow` exactly: same dtype, or 16-bit -> fp32 -> fp64.
-bool holds(DType wide, DType narrow) {
-  if (wide == narrow) return true;
-  if (wide == DType::kFloat64) return narrow == DType::kFloat32 || is16Bit(narrow);
-  return wide == DType::kFloat32 && is16Bit(narrow);
-}
-
-// Accumulations (axpy, scatterAddRows) may widen but never narrow.
-void checkHolds(const char* op, const char* dstArg, ConstView dst, const char* srcArg, ConstView src) {
-  TPSIM_CHECK(holds(dst.dtype(), src.dtype()), op, ": ", dstArg, " must have ", srcArg, "'s dtype ",
-              dtypeName(src.dtype()), " or a wider one, got ", dst.str());
+  compute_checks::checkFloating(Device::kHost, op, arg, v);
 }
 
 // ---- Element access -----------------------------------------------------------------------------
@@ -301,20 +280,7 @@ void gemmAs(ConstView a, ConstView b, View c, float alpha, float beta) {
 
 // ---- MXFP8 --------------------------------------------------------------------------------------
 
-constexpr std::int64_t kMxBlock = 32;
-
-// Checks the (R, C) data and the shape of its block scales for `axis`.
-void checkMxfp8(const char* op, ConstView data, ConstView scales, int axis) {
-  TPSIM_CHECK(axis == 0 || axis == 1, op, ": axis must be 0 (columnwise) or 1 (rowwise), got ", axis);
-  checkHost(op, "data", data);
-  checkHost(op, "scales", scales);
-  TPSIM_CHECK(data.dtype() == DType::kFloat8E4M3, op, ": data must be fp8e4m3, got ", data.str());
-  TPSIM_CHECK(scales.dtype() == DType::kFloat8E8M0, op, ": scales must be e8m0, got ", scales.str());
-  const std::int64_t r = data.dim(0), c = data.dim(1);
-  const Shape want = axis == 1 ? Shape{r, (c + kMxBlock - 1) / kMxBlock} : Shape{(r + kMxBlock - 1) / kMxBlock, c};
-  TPSIM_CHECK(scales.shape() == want, op, ": scales of ", axis == 1 ? "rowwise" : "columnwise", " (axis ", axis,
-              ") blocks of a ", data.shape(), " matrix must be ", want, ", got ", scales.str());
-}
+constexpr std::int64_t kMxBlock = compute_checks::kMxfp8Block;
 
 // Calls fn(a, b, first, last) for every block of an (R, C) matrix: block b of row (axis 1) or
 // column (axis 0) a holds the elements [first, last) along `axis`.
@@ -542,7 +508,7 @@ void SimCompute::quantizeMxfp8(ConstView x, View data, View scales, int axis) {
   checkFloating("quantizeMxfp8", "x", x);
   TPSIM_CHECK(x.rank() == 2, "quantizeMxfp8: x must be a matrix (R, C), got ", x.str());
   checkSameShape("quantizeMxfp8", "data", data, "x", x);
-  checkMxfp8("quantizeMxfp8", data, scales, axis);
+  compute_checks::checkMxfp8(Device::kHost, "quantizeMxfp8", data, scales, axis);
   // Element k of the block (a, b): row-major (a, k) for rowwise blocks, (k, a) for columnwise ones.
   auto offset = [axis](ConstView v, std::int64_t a, std::int64_t k) {
     return axis == 1 ? a * v.stride(0) + k * v.stride(1) : k * v.stride(0) + a * v.stride(1);
@@ -574,7 +540,7 @@ void SimCompute::quantizeMxfp8(ConstView x, View data, View scales, int axis) {
 void SimCompute::dequantizeMxfp8(ConstView data, ConstView scales, int axis, View y) {
   checkFloating("dequantizeMxfp8", "y", y);
   TPSIM_CHECK(data.rank() == 2, "dequantizeMxfp8: data must be a matrix (R, C), got ", data.str());
-  checkMxfp8("dequantizeMxfp8", data, scales, axis);
+  compute_checks::checkMxfp8(Device::kHost, "dequantizeMxfp8", data, scales, axis);
   checkSameShape("dequantizeMxfp8", "y", y, "data", data);
   // Both factors fit double exactly (4 significant bits times a power of two), so the product is
   // exact and the store below is the only rounding.
