@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The tpsim command line as outside harnesses drive it: exit codes (0 ok, 1 check failed, 2 bad
-# flags or input files), the --save/--load round trip
+# The tpsim command line as outside harnesses drive it: exit codes (0 ok, 1 a result outside its
+# bound, 2 bad flags, input files, sizes or paths, 3 the world failed), the --save/--load round trip
 # (a replay reproduces every result bit for bit), and the errors for bad files and flags.
 # usage: cli_test.sh path/to/tpsim
 set -uo pipefail
@@ -87,6 +87,25 @@ check bench-gpu-what 2 "--what: with --backend gpu expected layers, fabric or al
 check bench-gpu-tp 2 "--mlp-tp: every TP size must be <= 64 and divide --tokens and --ffn" -- \
   "$tpsim" bench --backend gpu --mlp-tp 3
 check conflicting 2 "--sequence-parallel: needs --tp > 1" -- "$tpsim" run --layer column --tp 1 --sequence-parallel
+
+# Exit codes: only a result outside its bound exits 1; input, configuration and I/O errors exit 2.
+check help-exit-codes 0 "3  the simulated world failed" -- "$tpsim" --help
+check run-help-exit-codes 0 "2  bad input" -- "$tpsim" run --help
+ln -s "$work/loop" "$work/loop"
+check load-symlink-loop 2 "tpsim run: '$work/loop': expected a usable path, got 'Too many levels of symbolic links'" -- \
+  "$tpsim" run --layer column --load "$work/loop"
+touch "$work/plain"
+check save-unusable 2 "'$work/plain/out'" -- "$tpsim" run --layer column --save "$work/plain/out"
+check out-of-memory 2 "out of memory: the run needs more than this machine has; its size comes from --seq" -- \
+  "$tpsim" run --layer column --seq 1000000000000 --batch 1
+check gtp-split 2 "the TP-local rows N / --tp = 2 must be divisible by --gtp-remat (with --pad-for-alignment 0) = 4" \
+  -- "$tpsim" run --layer column --tp 1 --gtp-remat 4 --batch 4 --out-features 2 --pad-for-alignment 0
+# The tools' own messages start with "tpsim run: "; main does not repeat it.
+check no-double-prefix 2 "tpsim run: the ffn hidden size F" -- "$tpsim" run --layer mlp --tp 3 --load "$work/a"
+if grep -qF "tpsim run: tpsim run:" <<<"$("$tpsim" run --layer mlp --tp 3 --load "$work/a" 2>&1)"; then
+  echo "FAIL no-double-prefix: 'tpsim run: tpsim run:'"
+  failures=$((failures + 1))
+fi
 
 echo "$passed passed, $failures failed"
 [ "$failures" -eq 0 ]

@@ -4,6 +4,13 @@
 
 namespace tpsim::tools {
 
+const char kExitCodes[] =
+    "exit codes:\n"
+    "  0  the sharded results agree with the unsharded computation\n"
+    "  1  a result is outside its bound (or not finite)\n"
+    "  2  bad input: flags, files, sizes, out of memory, or a path that cannot be read or written\n"
+    "  3  the simulated world failed (a rank or a collective), or tpsim's own error\n";
+
 std::vector<int> parseIntList(const std::string& option, const std::string& text) {
   auto toInt = [&](const std::string& s) {
     std::size_t used = 0;

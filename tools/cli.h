@@ -2,7 +2,7 @@
 //
 // Each subcommand parses its own options (Boost.Program_options) into a plain config struct
 // before doing any work, prints its effective configuration first, and returns the process exit
-// code: 0 ok, 1 a check failed, 2 usage error.
+// code (kExitCodes).
 #pragma once
 
 #include <string>
@@ -14,6 +14,9 @@ namespace tpsim::tools {
 struct UsageError {
   std::string message;
 };
+
+// The exit codes of every command, for the --help texts: a contract for outside harnesses.
+extern const char kExitCodes[];
 
 int demoMain(const std::vector<std::string>& args);
 int benchMain(const std::vector<std::string>& args);

@@ -47,7 +47,7 @@ int demoMain(const std::vector<std::string>& args) {
   po::store(po::command_line_parser(args).options(opts).run(), vm);
   po::notify(vm);
   if (vm.count("help")) {
-    std::cout << opts << "\n";
+    std::cout << opts << "\n" << kExitCodes;
     return 0;
   }
   if (dtype != "fp32" && dtype != "bf16" && dtype != "fp16")

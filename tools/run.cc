@@ -138,7 +138,7 @@ int runMain(const std::vector<std::string>& args) {
   po::store(po::command_line_parser(args).options(all).run(), vm);
   po::notify(vm);
   if (vm.count("help")) {
-    std::cout << all << "\n";
+    std::cout << all << "\n" << kExitCodes;
     return 0;
   }
   if (layer.empty()) throw UsageError{"--layer is required: column, row, embedding or mlp"};

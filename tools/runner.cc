@@ -255,6 +255,12 @@ void checkInputs(const RunConfig& c, const TensorMap& in) {
     TPSIM_CHECK(v % by == 0, "tpsim run: ", what, " = ", v, " must be divisible by ", why, " = ", by);
   };
   const int T = c.tp;
+  // Each GTP_remat peer keeps dim 0 / G rows of a TP-local weight; checked here, before the ranks
+  // would each fail on it.
+  auto gtpSplits = [&](const std::string& what, std::int64_t dim0) {
+    if (c.gtpRemat > 1 && c.padForAlignment == 0)
+      divisible(what, dim0, c.gtpRemat, "--gtp-remat (with --pad-for-alignment 0)");
+  };
   const HostTensor& input = need(in, "input");
   if (c.layer == LayerKind::kEmbedding) {
     TPSIM_CHECK(input.dtype == DType::kInt64 && input.shape.size() == 2, "tpsim run: input.npy of the embedding "
@@ -262,6 +268,7 @@ void checkInputs(const RunConfig& c, const TensorMap& in) {
     const HostTensor& w = need(in, "weight");
     TPSIM_CHECK(w.shape.size() == 2, "tpsim run: weight.npy must be (V, h), got ", w.shapeStr());
     divisible("the vocabulary size V (weight.npy dim 0)", w.shape[0], T, "--tp");
+    gtpSplits("the TP-local rows V / --tp", w.shape[0] / T);
     for (std::size_t i = 0; i < input.values.size(); ++i)
       TPSIM_CHECK(input.values[i] >= 0 && input.values[i] < double(w.shape[0]), "tpsim run: input.npy holds id ",
                   std::int64_t(input.values[i]), " at flat position ", i, ", outside [0, V=", w.shape[0], ")");
@@ -286,6 +293,8 @@ void checkInputs(const RunConfig& c, const TensorMap& in) {
     expectShape("fc2.weight", {k, f});
     expectShape("fc2.bias", {k});
     divisible("the ffn hidden size F (fc1.weight.npy dim 0)", f, T, "--tp");
+    gtpSplits("fc1's TP-local rows F / --tp", f / T);
+    gtpSplits("fc2's rows h (fc2.weight.npy dim 0)", k);
     expectShape("grad_output", {s, b, k});
     return;
   }
@@ -296,6 +305,8 @@ void checkInputs(const RunConfig& c, const TensorMap& in) {
   if (c.bias) expectShape("bias", {n});
   if (c.layer == LayerKind::kColumn) divisible("N (weight.npy dim 0)", n, std::int64_t(T) * c.stride, "--tp x --stride");
   if (c.layer == LayerKind::kRow) divisible("K (weight.npy dim 1)", k, std::int64_t(T) * c.stride, "--tp x --stride");
+  gtpSplits(c.layer == LayerKind::kColumn ? "the TP-local rows N / --tp" : "N (weight.npy dim 0)",
+            c.layer == LayerKind::kColumn ? n / T : n);
   expectShape("grad_output", {s, b, n});
 }
 
