@@ -107,5 +107,15 @@ if grep -qF "tpsim run: tpsim run:" <<<"$("$tpsim" run --layer mlp --tp 3 --load
   failures=$((failures + 1))
 fi
 
+# Flags mean what they say: a stray word is not silently dropped, a seed is not wrapped, an empty
+# path is not "no path".
+check bias-false 2 "got the stray argument 'false'" -- "$tpsim" run --layer column --bias false
+check stray-demo 2 "tpsim demo: expected only options" -- "$tpsim" demo extra
+check stray-bench 2 "got the stray argument 'extra'" -- "$tpsim" bench extra
+check negative-seed 2 "--seed: expected an integer in 0..2^64-1, got '-1'" -- "$tpsim" run --layer column --seed -1
+check negative-seed-demo 2 "--seed: expected an integer in 0..2^64-1, got '-5'" -- "$tpsim" demo --seed -5
+check empty-load 2 "--load: expected a directory, got an empty path" -- "$tpsim" run --layer column --load ""
+check empty-save 2 "--save: expected a directory, got an empty path" -- "$tpsim" run --layer column --save ""
+
 echo "$passed passed, $failures failed"
 [ "$failures" -eq 0 ]

@@ -25,7 +25,7 @@ int demoMain(const std::vector<std::string>& args) {
   c.inFeatures = 16;
   c.ffnHidden = 64;
   c.gtpRemat = 2;
-  std::string dtype = "fp32";
+  std::string dtype = "fp32", seed;
   bool noSequenceParallel = false;
   po::options_description opts("tpsim demo [options]");
   opts.add_options()
@@ -39,13 +39,11 @@ int demoMain(const std::vector<std::string>& args) {
       ("batch,b", po::value(&c.batch)->default_value(c.batch), "micro-batch b")
       ("hidden,k", po::value(&c.inFeatures)->default_value(c.inFeatures), "hidden size h")
       ("ffn-hidden,f", po::value(&c.ffnHidden)->default_value(c.ffnHidden), "ffn hidden size F")
-      ("seed", po::value(&c.seed)->default_value(c.seed), "seed of the generated data")
+      ("seed", po::value(&seed)->default_value(std::to_string(c.seed)), "seed of the generated data")
       ("threads,t", po::value(&c.threads)->default_value(c.threads), "sim worker threads (0 = min(cores, ranks))")
       ("backend,B", po::value(&c.backend)->default_value(c.backend),
        "sim | gpu: the simulator, or CUDA devices (exit 2 with the reason where none is usable)");
-  po::variables_map vm;
-  po::store(po::command_line_parser(args).options(opts).run(), vm);
-  po::notify(vm);
+  const po::variables_map vm = parseOptions(args, opts);
   if (vm.count("help")) {
     std::cout << opts << "\n" << kExitCodes;
     return 0;
@@ -53,6 +51,7 @@ int demoMain(const std::vector<std::string>& args) {
   if (dtype != "fp32" && dtype != "bf16" && dtype != "fp16")
     throw UsageError{"--dtype: expected fp32, bf16 or fp16, got '" + dtype + "'"};
   c.dtype = parseDType(dtype);
+  c.seed = parseSeed(seed);
   c.sequenceParallel = !noSequenceParallel && c.tp > 1;
   c.validate();
   if (!isBackendName(c.backend)) throw UsageError{"--backend: expected sim or gpu, got '" + c.backend + "'"};

@@ -84,7 +84,7 @@ DType parseFloatDtype(const std::string& flag, const std::string& s) {
 int runMain(const std::vector<std::string>& args) {
   RunConfig c;
   std::string layer, dtype = "fp32", outputDtype, mainGradDtype = "fp32", loadDir, saveDir,
-      gtpReduce = "mean", weightFormat = "native";
+      gtpReduce = "mean", weightFormat = "native", seed;
   po::options_description par("Parallelism");
   par.add_options()
       ("help,h", "show this help")
@@ -128,20 +128,23 @@ int runMain(const std::vector<std::string>& args) {
   run.add_options()
       ("backend,B", po::value(&c.backend)->default_value(c.backend),
        "sim | gpu: the simulator, or CUDA devices (exit 2 with the reason where none is usable)")
-      ("seed", po::value(&c.seed)->default_value(c.seed), "seed of the generated data")
+      ("seed", po::value(&seed)->default_value(std::to_string(c.seed)), "seed of the generated data")
       ("threads,t", po::value(&c.threads)->default_value(c.threads), "sim worker threads (0 = min(cores, ranks))")
       ("load", po::value(&loadDir), "read the unsharded tensors from DIR/*.npy")
       ("save", po::value(&saveDir), "write the unsharded results (and generated inputs) to DIR/*.npy");
   po::options_description all("tpsim run --layer KIND [options]");
   all.add(par).add(lay).add(size).add(run);
-  po::variables_map vm;
-  po::store(po::command_line_parser(args).options(all).run(), vm);
-  po::notify(vm);
+  const po::variables_map vm = parseOptions(args, all);
   if (vm.count("help")) {
     std::cout << all << "\n" << kExitCodes;
     return 0;
   }
   if (layer.empty()) throw UsageError{"--layer is required: column, row, embedding or mlp"};
+  c.seed = parseSeed(seed);
+  // An empty path would silently mean "no --load" or "no --save".
+  for (const char* flag : {"load", "save"})
+    if (vm.count(flag) && vm[flag].as<std::string>().empty())
+      throw UsageError{std::string("--") + flag + ": expected a directory, got an empty path"};
   c.layer = parseLayer(layer);
   c.dtype = parseFloatDtype("dtype", dtype);
   if (!outputDtype.empty()) c.outputDtype = parseFloatDtype("output-dtype", outputDtype);
