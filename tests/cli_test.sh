@@ -117,5 +117,33 @@ check negative-seed-demo 2 "--seed: expected an integer in 0..2^64-1, got '-5'" 
 check empty-load 2 "--load: expected a directory, got an empty path" -- "$tpsim" run --layer column --load ""
 check empty-save 2 "--save: expected a directory, got an empty path" -- "$tpsim" run --layer column --save ""
 
+# Zero and overflowing sizes: a clear error naming the file or the flags, not SIGFPE or SIGSEGV.
+empty_npy() {  # empty_npy FILE SHAPE: a float32 .npy with no elements, SHAPE a Python tuple
+  local dict="{'descr': '<f4', 'fortran_order': False, 'shape': $2, }"
+  local len=$(((${#dict} + 11 + 63) / 64 * 64 - 10))
+  printf '\x93NUMPY\x01\x00\x'"$(printf %02x $((len % 256)))"'\x'"$(printf %02x $((len / 256)))"'%-*s\n' \
+    $((len - 1)) "$dict" >"$1"
+}
+"$tpsim" run --layer column --save "$work/col" >/dev/null
+mkdir -p "$work/zero"
+cp "$work/col/input.npy" "$work/col/grad_output.npy" "$work/zero/"
+empty_npy "$work/zero/weight.npy" "(0, 16)"
+check zero-rows 2 "tpsim run: weight.npy: expected every dim >= 1, got shape (0, 16)" -- \
+  "$tpsim" run --layer column --load "$work/zero"
+# Shapes consistent with N = 0 (the dense reference divided by it).
+empty_npy "$work/zero/grad_output.npy" "(8, 2, 0)"
+check zero-output 2 "grad_output.npy: expected every dim >= 1, got shape (8, 2, 0)" -- \
+  "$tpsim" run --layer column --load "$work/zero"
+"$tpsim" run --layer embedding --save "$work/emb" >/dev/null
+mkdir -p "$work/zero-vocab"
+cp "$work/emb/"*.npy "$work/zero-vocab/"
+empty_npy "$work/zero-vocab/weight.npy" "(0, 16)"
+check zero-vocab 2 "tpsim run: weight.npy: expected every dim >= 1, got shape (0, 16)" -- \
+  "$tpsim" run --layer embedding --load "$work/zero-vocab"
+check seq-overflow 2 "--seq x --batch x --in-features: expected sizes whose product fits in 64 bits" -- \
+  "$tpsim" run --layer column --seq 4611686018427387904 --batch 4
+check gtp-overflow 2 "--gtp-remat: expected G >= 1 with --tp x --gtp-remat <= 64, got 1073741824 with --tp 4" -- \
+  "$tpsim" run --layer column --tp 4 --gtp-remat 1073741824
+
 echo "$passed passed, $failures failed"
 [ "$failures" -eq 0 ]

@@ -131,7 +131,8 @@ Tensor sumRowsOf(Compute& compute, ConstView y, DType dtype) {
 
 void RunConfig::validate() const {
   TPSIM_CHECK(tp >= 1 && tp <= 64, "--tp: expected 1..64, got ", tp);
-  TPSIM_CHECK(gtpRemat >= 1 && tp * gtpRemat <= 64, "--gtp-remat: expected G >= 1 with --tp x --gtp-remat <= 64, got ",
+  // G <= 64 / T rather than T x G <= 64, which can overflow.
+  TPSIM_CHECK(gtpRemat >= 1 && gtpRemat <= 64 / std::max(tp, 1), "--gtp-remat: expected G >= 1 with --tp x --gtp-remat <= 64, got ",
               gtpRemat, " with --tp ", tp);
   TPSIM_CHECK(padForAlignment >= 0, "--pad-for-alignment: expected >= 0, got ", padForAlignment);
   TPSIM_CHECK(gtpRemat == 1 || mainGradDtype == DType::kFloat32 || mainGradDtype == dtype,
@@ -214,6 +215,27 @@ TensorMap generateInputs(const RunConfig& c) {
     return makeHost(std::move(shape), c.dtype, std::move(v));
   };
   const std::int64_t s = c.seq, b = c.batch, k = c.inFeatures, n = c.outFeatures;
+  // Every generated tensor's bytes as doubles, checked once, so the products below cannot wrap.
+  auto fits = [](std::vector<std::int64_t> dims, const std::string& flags) {
+    std::int64_t n = sizeof(double);
+    for (std::int64_t d : dims) n = checkedMul(n, d, flags);
+  };
+  switch (c.layer) {
+    case LayerKind::kColumn:
+    case LayerKind::kRow:
+      fits({s, b, k}, "--seq x --batch x --in-features");
+      fits({s, b, n}, "--seq x --batch x --out-features");
+      fits({n, k}, "--out-features x --in-features");
+      break;
+    case LayerKind::kEmbedding:
+      fits({s, b, n}, "--seq x --batch x --out-features");
+      fits({c.vocab, n}, "--vocab x --out-features");
+      break;
+    case LayerKind::kMlp:
+      fits({s, b, k}, "--seq x --batch x --in-features");
+      fits({c.ffnHidden, k}, "--ffn-hidden x --in-features");
+      break;
+  }
   TensorMap m;
   switch (c.layer) {
     case LayerKind::kColumn:
@@ -255,6 +277,10 @@ void checkInputs(const RunConfig& c, const TensorMap& in) {
     TPSIM_CHECK(v % by == 0, "tpsim run: ", what, " = ", v, " must be divisible by ", why, " = ", by);
   };
   const int T = c.tp;
+  // Empty tensors are refused: the layers and the reference divide by these sizes.
+  for (const auto& [name, t] : in)
+    TPSIM_CHECK(std::all_of(t.shape.begin(), t.shape.end(), [](std::int64_t d) { return d >= 1; }), "tpsim run: ",
+                name, ".npy: expected every dim >= 1, got shape ", t.shapeStr());
   // Each GTP_remat peer keeps dim 0 / G rows of a TP-local weight; checked here, before the ranks
   // would each fail on it.
   auto gtpSplits = [&](const std::string& what, std::int64_t dim0) {
