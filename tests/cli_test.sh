@@ -145,5 +145,25 @@ check seq-overflow 2 "--seq x --batch x --in-features: expected sizes whose prod
 check gtp-overflow 2 "--gtp-remat: expected G >= 1 with --tp x --gtp-remat <= 64, got 1073741824 with --tp 4" -- \
   "$tpsim" run --layer column --tp 4 --gtp-remat 1073741824
 
+# No hang: --load reads regular files only (opening a FIFO waits for a writer), and --stride
+# cannot exceed the rows it splits.
+mkdir -p "$work/fifo" "$work/fifo-link"
+cp "$work/col/"*.npy "$work/fifo/"
+cp "$work/col/"*.npy "$work/fifo-link/"
+rm "$work/fifo/input.npy" "$work/fifo-link/input.npy"
+mkfifo "$work/fifo/input.npy"
+ln -s "$work/fifo/input.npy" "$work/fifo-link/input.npy"
+check load-fifo 2 "input.npy': expected a regular file, got a FIFO" -- \
+  timeout 20 "$tpsim" run --layer column --load "$work/fifo"
+check load-link-to-fifo 2 "input.npy': expected a regular file, got a FIFO" -- \
+  timeout 20 "$tpsim" run --layer column --load "$work/fifo-link"
+check load-link-to-device 2 "weight.npy': expected a regular file, got a device or other special file" -- \
+  bash -c 'cp -r "$1/col" "$1/dev" && ln -sf /dev/null "$1/dev/weight.npy" && exec "$2" run --layer column --load "$1/dev"' \
+  _ "$work" "$tpsim"
+check stride-too-large 2 "--stride: expected at most N / --tp = 8, got 100000000" -- \
+  "$tpsim" run --layer column --stride 100000000
+check stride-too-large-row 2 "--stride: expected at most K / --tp = 4, got 5" -- \
+  "$tpsim" run --layer row --tp 4 --input-is-parallel --stride 5
+
 echo "$passed passed, $failures failed"
 [ "$failures" -eq 0 ]
