@@ -165,5 +165,28 @@ check stride-too-large 2 "--stride: expected at most N / --tp = 8, got 100000000
 check stride-too-large-row 2 "--stride: expected at most K / --tp = 4, got 5" -- \
   "$tpsim" run --layer row --tp 4 --input-is-parallel --stride 5
 
+# --save: checked before the run, all outputs or none, symlinks at output names replaced, not followed.
+check save-is-file 2 "--save: expected a directory or a path where one can be created, got '$work/plain'" -- \
+  "$tpsim" run --layer column --save "$work/plain"
+if grep -qF "collectives" <<<"$("$tpsim" run --layer column --save "$work/plain" 2>&1)"; then
+  echo "FAIL save-is-file: the run started"
+  failures=$((failures + 1))
+fi
+mkdir -p "$work/blocked/output.npy"
+check save-none 2 "--save: expected $work/blocked/output.npy to be absent or a regular file" -- \
+  "$tpsim" run --layer column --save "$work/blocked"
+if [ "$(ls -A "$work/blocked")" != "output.npy" ]; then
+  echo "FAIL save-none: a failed --save left $(ls -A "$work/blocked")"
+  failures=$((failures + 1))
+fi
+mkdir -p "$work/linked"
+echo keep >"$work/outside"
+ln -s "$work/outside" "$work/linked/output.npy"
+check save-symlink 0 "saved to $work/linked" -- "$tpsim" run --layer column --save "$work/linked"
+if [ "$(cat "$work/outside")" != keep ] || [ -L "$work/linked/output.npy" ] || [ -n "$(ls -A "$work/linked" | grep partial)" ]; then
+  echo "FAIL save-symlink: wrote through the symlink, kept it, or left a temporary file"
+  failures=$((failures + 1))
+fi
+
 echo "$passed passed, $failures failed"
 [ "$failures" -eq 0 ]

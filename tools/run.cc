@@ -54,18 +54,45 @@ TensorMap load(const RunConfig& c, const std::string& dir) {
   return m;
 }
 
+// --save DIR, before the run: an existing directory, or one created now.
+void prepareSaveDir(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  TPSIM_CHECK(!ec && std::filesystem::is_directory(dir), "--save: expected a directory or a path where one can be "
+              "created, got '", dir, "' (", ec ? ec.message() : "not a directory", ")");
+}
+
+// All the outputs or none: each is written under a temporary name in DIR, and only when all are
+// complete renamed into place. rename() replaces a symlink at an output name rather than
+// following it, so nothing outside DIR is written.
 void save(const std::string& dir, const TensorMap& tensors) {
-  std::filesystem::create_directories(dir);
+  namespace fs = std::filesystem;
+  std::vector<std::pair<fs::path, fs::path>> files;  // (temporary, final)
   for (const auto& [name, t] : tensors) {
-    const std::string file = (std::filesystem::path(dir) / (name + ".npy")).string();
-    if (t.dtype == DType::kInt64) {
-      std::vector<std::int64_t> v(t.values.begin(), t.values.end());
-      writeNpy(file, DType::kInt64, t.shape, v.data());
-    } else {
-      std::vector<float> v(t.values.begin(), t.values.end());
-      writeNpy(file, DType::kFloat32, t.shape, v.data());
-    }
+    const fs::path file = fs::path(dir) / (name + ".npy");
+    const fs::file_type type = fs::symlink_status(file).type();
+    TPSIM_CHECK(type == fs::file_type::not_found || type == fs::file_type::regular || type == fs::file_type::symlink,
+                "--save: expected ", file.string(), " to be absent or a regular file, got another kind of file");
+    files.push_back({fs::path(dir) / ("." + name + ".npy.partial"), file});
   }
+  try {
+    for (const auto& [tmp, file] : files) {
+      fs::remove(tmp);  // a symlink left at the temporary name must not be written through
+      const HostTensor& t = tensors.at(file.stem().string());
+      if (t.dtype == DType::kInt64) {
+        std::vector<std::int64_t> v(t.values.begin(), t.values.end());
+        writeNpy(tmp.string(), DType::kInt64, t.shape, v.data());
+      } else {
+        std::vector<float> v(t.values.begin(), t.values.end());
+        writeNpy(tmp.string(), DType::kFloat32, t.shape, v.data());
+      }
+    }
+  } catch (...) {
+    std::error_code ignored;
+    for (const auto& [tmp, file] : files) fs::remove(tmp, ignored);
+    throw;
+  }
+  for (const auto& [tmp, file] : files) fs::rename(tmp, file);
 }
 
 LayerKind parseLayer(const std::string& s) {
@@ -162,6 +189,7 @@ int runMain(const std::vector<std::string>& args) {
     throw UsageError{"--backend " + c.backend + ": cannot run here: " + whyNot};
   c.validate();
 
+  if (!saveDir.empty()) prepareSaveDir(saveDir);
   std::printf("# tpsim run: %s\n", c.str().c_str());
   const TensorMap inputs = loadDir.empty() ? generateInputs(c) : load(c, loadDir);
   std::printf("# inputs (%s):", loadDir.empty() ? "generated" : loadDir.c_str());
@@ -181,8 +209,9 @@ int runMain(const std::vector<std::string>& args) {
                 (long long)v.outside, v.outside == 0 ? "OK" : "FAIL");
   }
   if (!saveDir.empty()) {
-    save(saveDir, result.results);
-    if (loadDir.empty()) save(saveDir, inputs);
+    TensorMap outputs = result.results;
+    if (loadDir.empty()) outputs.insert(inputs.begin(), inputs.end());
+    save(saveDir, outputs);
     std::printf("\nsaved to %s\n", saveDir.c_str());
   }
   std::printf("\n%s\n", ok ? "sharded results agree with the unsharded computation" : "MISMATCH");
