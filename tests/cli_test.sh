@@ -188,5 +188,26 @@ if [ "$(cat "$work/outside")" != keep ] || [ -L "$work/linked/output.npy" ] || [
   failures=$((failures + 1))
 fi
 
+# NaN and Inf: refused in the inputs, reported with their count and place in the results.
+npy() {  # npy FILE SHAPE BYTES: a float32 .npy, BYTES its data as printf escapes
+  local dict="{'descr': '<f4', 'fortran_order': False, 'shape': $2, }"
+  local len=$(((${#dict} + 11 + 63) / 64 * 64 - 10))
+  printf '\x93NUMPY\x01\x00\x'"$(printf %02x $((len % 256)))"'\x'"$(printf %02x $((len / 256)))"'%-*s\n'"$3" \
+    $((len - 1)) "$dict" >"$1"
+}
+one='\x00\x00\x80\x3f' big='\xe6\xb1\x61\x7f' nan='\x00\x00\xc0\x7f'  # 1, 3e38, NaN
+mkdir -p "$work/nan" "$work/inf"
+npy "$work/nan/input.npy" "(1, 1, 2)" "$one$nan"
+npy "$work/nan/weight.npy" "(2, 2)" "$one$one$one$one"
+npy "$work/nan/grad_output.npy" "(1, 1, 2)" "$one$one"
+check nan-input 2 "tpsim run: input.npy: expected finite values, got 1 NaN or Inf, the first at flat index 1" -- \
+  "$tpsim" run --layer column --tp 1 --load "$work/nan"
+npy "$work/inf/input.npy" "(1, 1, 2)" "$big$big"
+npy "$work/inf/weight.npy" "(2, 2)" "$big$big$big$big"
+npy "$work/inf/grad_output.npy" "(1, 1, 2)" "$one$one"
+check inf-result 1 "output: 2 NaN or Inf values, the first at flat index 0" -- \
+  "$tpsim" run --layer column --tp 1 --load "$work/inf"
+check inf-result-column 1 "NON-FINITE" -- "$tpsim" run --layer column --tp 1 --load "$work/inf"
+
 echo "$passed passed, $failures failed"
 [ "$failures" -eq 0 ]

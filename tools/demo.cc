@@ -89,11 +89,14 @@ int demoMain(const std::vector<std::string>& args) {
   std::printf("# bound: (reduction length · 2^-24 + rounding stages · u(dtype)) · (the same math on |values|)\n");
   std::printf("%-18s %-14s %12s %12s %9s  %s\n", "tensor", "shape", "max|err|", "bound", "#outside", "result");
   bool ok = true;
+  std::string notes;
   for (const Verdict& v : verify(c, inputs, r.results)) {
     ok = ok && v.outside == 0;
     std::printf("%-18s %-14s %12.3e %12.3e %9lld  %s\n", v.name.c_str(), v.shape.c_str(), v.maxError, v.maxBound,
-                (long long)v.outside, v.outside == 0 ? "OK" : "FAIL");
+                (long long)v.outside, verdictResult(v).c_str());
+    notes += nonFiniteNote(v);
   }
+  if (!notes.empty()) std::printf("\n%s", notes.c_str());
   std::printf("\n%s\n", ok ? "every output and gradient agrees with the unsharded MLP" : "MISMATCH");
   return ok ? 0 : 1;
 }

@@ -203,11 +203,14 @@ int runMain(const std::vector<std::string>& args) {
 
   std::printf("%-18s %-16s %12s %12s %9s  %s\n", "tensor", "shape", "max|err|", "bound", "#outside", "result");
   bool ok = true;
+  std::string notes;
   for (const Verdict& v : verify(c, inputs, result.results)) {
     ok = ok && v.outside == 0;
     std::printf("%-18s %-16s %12.3e %12.3e %9lld  %s\n", v.name.c_str(), v.shape.c_str(), v.maxError, v.maxBound,
-                (long long)v.outside, v.outside == 0 ? "OK" : "FAIL");
+                (long long)v.outside, verdictResult(v).c_str());
+    notes += nonFiniteNote(v);
   }
+  if (!notes.empty()) std::printf("\n%s", notes.c_str());
   if (!saveDir.empty()) {
     TensorMap outputs = result.results;
     if (loadDir.empty()) outputs.insert(inputs.begin(), inputs.end());

@@ -281,6 +281,13 @@ void checkInputs(const RunConfig& c, const TensorMap& in) {
   for (const auto& [name, t] : in)
     TPSIM_CHECK(std::all_of(t.shape.begin(), t.shape.end(), [](std::int64_t d) { return d >= 1; }), "tpsim run: ",
                 name, ".npy: expected every dim >= 1, got shape ", t.shapeStr());
+  // Non-finite inputs would only surface as a result outside its bound.
+  for (const auto& [name, t] : in) {
+    const auto bad = std::count_if(t.values.begin(), t.values.end(), [](double x) { return !std::isfinite(x); });
+    const auto first = std::find_if(t.values.begin(), t.values.end(), [](double x) { return !std::isfinite(x); });
+    TPSIM_CHECK(bad == 0, "tpsim run: ", name, ".npy: expected finite values, got ", bad, " NaN or Inf, the first at "
+                "flat index ", first - t.values.begin());
+  }
   // Each GTP_remat peer keeps dim 0 / G rows of a TP-local weight; checked here, before the ranks
   // would each fail on it.
   auto gtpSplits = [&](const std::string& what, std::int64_t dim0) {
@@ -661,13 +668,22 @@ std::vector<Verdict> verify(const RunConfig& c, const TensorMap& inputs, const T
     Verdict v{name, got.shapeStr()};
     for (std::size_t i = 0; i < got.values.size(); ++i) {
       const double err = std::fabs(got.values[i] - ref.value.values[i]);
-      v.maxError = std::max(v.maxError, err);
+      if (std::isnan(err) || err > v.maxError) v.maxError = err;  // once NaN, max|err| stays NaN
       v.maxBound = std::max(v.maxBound, ref.bound[i]);
       v.outside += !(err <= ref.bound[i]);
+      if (!std::isfinite(got.values[i]) && v.nonFinite++ == 0) v.firstNonFinite = std::int64_t(i);
     }
     out.push_back(v);
   }
   return out;
+}
+
+std::string verdictResult(const Verdict& v) { return v.nonFinite ? "NON-FINITE" : v.outside == 0 ? "OK" : "FAIL"; }
+
+std::string nonFiniteNote(const Verdict& v) {
+  if (v.nonFinite == 0) return "";
+  return detail::concat(v.name, ": ", v.nonFinite, " NaN or Inf values, the first at flat index ", v.firstNonFinite,
+                        "\n");
 }
 
 std::string commandLine(const RunConfig& c, const std::string& loadDir) {
