@@ -399,9 +399,7 @@ int benchMain(const std::vector<std::string>& args) {
                   std::to_string(g.steps)).c_str());
   po::options_description all("tpsim bench [options]");
   all.add(run).add(size);
-  po::variables_map vm;
-  po::store(po::command_line_parser(args).options(all).run(), vm);
-  po::notify(vm);
+  const po::variables_map vm = parseOptions(args, all);
   if (vm.count("help")) {
     std::cout << all << "\n";
     return 0;

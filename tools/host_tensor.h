@@ -21,6 +21,10 @@ struct HostTensor {
   std::string shapeStr() const;  // "(8, 2, 16)"
 };
 
+// a · b for sizes derived from flags or file headers. Throws InvalidArgument naming `what` (the
+// flags or file they come from) when either is negative or the product does not fit in int64.
+std::int64_t checkedMul(std::int64_t a, std::int64_t b, const std::string& what);
+
 // Rounds every value to `dtype` (bf16/fp16/fp8e4m3 round to nearest even, fp8e4m3 saturates, int64
 // must be integral, e8m0 must be a power of two).
 HostTensor makeHost(std::vector<std::int64_t> shape, DType dtype, std::vector<double> values);

@@ -131,7 +131,8 @@ Tensor sumRowsOf(Compute& compute, ConstView y, DType dtype) {
 
 void RunConfig::validate() const {
   TPSIM_CHECK(tp >= 1 && tp <= 64, "--tp: expected 1..64, got ", tp);
-  TPSIM_CHECK(gtpRemat >= 1 && tp * gtpRemat <= 64, "--gtp-remat: expected G >= 1 with --tp x --gtp-remat <= 64, got ",
+  // G <= 64 / T rather than T x G <= 64, which can overflow.
+  TPSIM_CHECK(gtpRemat >= 1 && gtpRemat <= 64 / std::max(tp, 1), "--gtp-remat: expected G >= 1 with --tp x --gtp-remat <= 64, got ",
               gtpRemat, " with --tp ", tp);
   TPSIM_CHECK(padForAlignment >= 0, "--pad-for-alignment: expected >= 0, got ", padForAlignment);
   TPSIM_CHECK(gtpRemat == 1 || mainGradDtype == DType::kFloat32 || mainGradDtype == dtype,
@@ -214,6 +215,27 @@ TensorMap generateInputs(const RunConfig& c) {
     return makeHost(std::move(shape), c.dtype, std::move(v));
   };
   const std::int64_t s = c.seq, b = c.batch, k = c.inFeatures, n = c.outFeatures;
+  // Every generated tensor's bytes as doubles, checked once, so the products below cannot wrap.
+  auto fits = [](std::vector<std::int64_t> dims, const std::string& flags) {
+    std::int64_t n = sizeof(double);
+    for (std::int64_t d : dims) n = checkedMul(n, d, flags);
+  };
+  switch (c.layer) {
+    case LayerKind::kColumn:
+    case LayerKind::kRow:
+      fits({s, b, k}, "--seq x --batch x --in-features");
+      fits({s, b, n}, "--seq x --batch x --out-features");
+      fits({n, k}, "--out-features x --in-features");
+      break;
+    case LayerKind::kEmbedding:
+      fits({s, b, n}, "--seq x --batch x --out-features");
+      fits({c.vocab, n}, "--vocab x --out-features");
+      break;
+    case LayerKind::kMlp:
+      fits({s, b, k}, "--seq x --batch x --in-features");
+      fits({c.ffnHidden, k}, "--ffn-hidden x --in-features");
+      break;
+  }
   TensorMap m;
   switch (c.layer) {
     case LayerKind::kColumn:
@@ -255,6 +277,23 @@ void checkInputs(const RunConfig& c, const TensorMap& in) {
     TPSIM_CHECK(v % by == 0, "tpsim run: ", what, " = ", v, " must be divisible by ", why, " = ", by);
   };
   const int T = c.tp;
+  // Empty tensors are refused: the layers and the reference divide by these sizes.
+  for (const auto& [name, t] : in)
+    TPSIM_CHECK(std::all_of(t.shape.begin(), t.shape.end(), [](std::int64_t d) { return d >= 1; }), "tpsim run: ",
+                name, ".npy: expected every dim >= 1, got shape ", t.shapeStr());
+  // Non-finite inputs would only surface as a result outside its bound.
+  for (const auto& [name, t] : in) {
+    const auto bad = std::count_if(t.values.begin(), t.values.end(), [](double x) { return !std::isfinite(x); });
+    const auto first = std::find_if(t.values.begin(), t.values.end(), [](double x) { return !std::isfinite(x); });
+    TPSIM_CHECK(bad == 0, "tpsim run: ", name, ".npy: expected finite values, got ", bad, " NaN or Inf, the first at "
+                "flat index ", first - t.values.begin());
+  }
+  // Each GTP_remat peer keeps dim 0 / G rows of a TP-local weight; checked here, before the ranks
+  // would each fail on it.
+  auto gtpSplits = [&](const std::string& what, std::int64_t dim0) {
+    if (c.gtpRemat > 1 && c.padForAlignment == 0)
+      divisible(what, dim0, c.gtpRemat, "--gtp-remat (with --pad-for-alignment 0)");
+  };
   const HostTensor& input = need(in, "input");
   if (c.layer == LayerKind::kEmbedding) {
     TPSIM_CHECK(input.dtype == DType::kInt64 && input.shape.size() == 2, "tpsim run: input.npy of the embedding "
@@ -262,6 +301,7 @@ void checkInputs(const RunConfig& c, const TensorMap& in) {
     const HostTensor& w = need(in, "weight");
     TPSIM_CHECK(w.shape.size() == 2, "tpsim run: weight.npy must be (V, h), got ", w.shapeStr());
     divisible("the vocabulary size V (weight.npy dim 0)", w.shape[0], T, "--tp");
+    gtpSplits("the TP-local rows V / --tp", w.shape[0] / T);
     for (std::size_t i = 0; i < input.values.size(); ++i)
       TPSIM_CHECK(input.values[i] >= 0 && input.values[i] < double(w.shape[0]), "tpsim run: input.npy holds id ",
                   std::int64_t(input.values[i]), " at flat position ", i, ", outside [0, V=", w.shape[0], ")");
@@ -286,6 +326,8 @@ void checkInputs(const RunConfig& c, const TensorMap& in) {
     expectShape("fc2.weight", {k, f});
     expectShape("fc2.bias", {k});
     divisible("the ffn hidden size F (fc1.weight.npy dim 0)", f, T, "--tp");
+    gtpSplits("fc1's TP-local rows F / --tp", f / T);
+    gtpSplits("fc2's rows h (fc2.weight.npy dim 0)", k);
     expectShape("grad_output", {s, b, k});
     return;
   }
@@ -294,8 +336,11 @@ void checkInputs(const RunConfig& c, const TensorMap& in) {
   const std::int64_t n = w.shape[0];
   expectShape("weight", {n, k});
   if (c.bias) expectShape("bias", {n});
+  // Dims are >= 1 (above), so divisibility by --tp x --stride also keeps --stride within the dim.
   if (c.layer == LayerKind::kColumn) divisible("N (weight.npy dim 0)", n, std::int64_t(T) * c.stride, "--tp x --stride");
   if (c.layer == LayerKind::kRow) divisible("K (weight.npy dim 1)", k, std::int64_t(T) * c.stride, "--tp x --stride");
+  gtpSplits(c.layer == LayerKind::kColumn ? "the TP-local rows N / --tp" : "N (weight.npy dim 0)",
+            c.layer == LayerKind::kColumn ? n / T : n);
   expectShape("grad_output", {s, b, n});
 }
 
@@ -620,13 +665,22 @@ std::vector<Verdict> verify(const RunConfig& c, const TensorMap& inputs, const T
     Verdict v{name, got.shapeStr()};
     for (std::size_t i = 0; i < got.values.size(); ++i) {
       const double err = std::fabs(got.values[i] - ref.value.values[i]);
-      v.maxError = std::max(v.maxError, err);
+      if (std::isnan(err) || err > v.maxError) v.maxError = err;  // once NaN, max|err| stays NaN
       v.maxBound = std::max(v.maxBound, ref.bound[i]);
       v.outside += !(err <= ref.bound[i]);
+      if (!std::isfinite(got.values[i]) && v.nonFinite++ == 0) v.firstNonFinite = std::int64_t(i);
     }
     out.push_back(v);
   }
   return out;
+}
+
+std::string verdictResult(const Verdict& v) { return v.nonFinite ? "NON-FINITE" : v.outside == 0 ? "OK" : "FAIL"; }
+
+std::string nonFiniteNote(const Verdict& v) {
+  if (v.nonFinite == 0) return "";
+  return detail::concat(v.name, ": ", v.nonFinite, " NaN or Inf values, the first at flat index ", v.firstNonFinite,
+                        "\n");
 }
 
 std::string commandLine(const RunConfig& c, const std::string& loadDir) {

@@ -77,8 +77,15 @@ struct Verdict {
   double maxError = 0;
   double maxBound = 0;
   std::int64_t outside = 0;  // elements beyond their bound
+  // NaN or Inf in the sharded result, counted apart.
+  std::int64_t nonFinite = 0;
+  std::int64_t firstNonFinite = -1;  // flat index
 };
 std::vector<Verdict> verify(const RunConfig& config, const TensorMap& inputs, const TensorMap& results);
+// The table's result column ("OK", "FAIL", "NON-FINITE"), and for a result holding NaN or Inf the
+// line that says how many and where the first is ("" otherwise).
+std::string verdictResult(const Verdict& v);
+std::string nonFiniteNote(const Verdict& v);
 
 // The reference options of `config`'s run, and its dense reference as verify() checks it: under
 // GTP_remat MEAN every parameter gradient (and its bound) is 1/G of the full batch's.
