@@ -44,6 +44,26 @@ inline void checkHolds(const char* op, const char* dstArg, ConstView dst, const 
               dtypeName(src.dtype()), " or a wider one, got ", dst.str());
 }
 
+// gemm's operands: a (M, K) floating, b (K, N) of a's dtype, c (M, N) of a's dtype or fp32 for
+// 16-bit a and b.
+inline void checkGemm(Device device, ConstView a, ConstView b, ConstView c) {
+  checkFloating(device, "gemm", "a", a);
+  checkDevice(device, "gemm", "b", b);
+  checkDevice(device, "gemm", "c", c);
+  TPSIM_CHECK(a.rank() == 2, "gemm: a must be a matrix (M, K), got ", a.str());
+  const std::int64_t m = a.dim(0), k = a.dim(1);
+  TPSIM_CHECK(b.dtype() == a.dtype(), "gemm: b must have a's dtype ", dtypeName(a.dtype()), ", got ",
+              b.str());
+  TPSIM_CHECK(b.rank() == 2 && b.dim(0) == k, "gemm: b must be (K=", k, ", N), got ", b.str());
+  const std::int64_t n = b.dim(1);
+  TPSIM_CHECK(c.rank() == 2 && c.dim(0) == m && c.dim(1) == n, "gemm: c must be (M=", m, ", N=", n, "), got ",
+              c.str());
+  const bool wideOut = is16Bit(a.dtype()) && c.dtype() == DType::kFloat32;
+  TPSIM_CHECK(c.dtype() == a.dtype() || wideOut, "gemm: c must have a's dtype ", dtypeName(a.dtype()),
+              is16Bit(a.dtype()) ? " or fp32" : "", ", got ", c.str(),
+              "; for another output dtype, gemm into a temporary and copy()");
+}
+
 // The (R, C) fp8e4m3 data and the shape of its e8m0 block scales for `axis`.
 inline void checkMxfp8(Device device, const char* op, ConstView data, ConstView scales, int axis) {
   TPSIM_CHECK(axis == 0 || axis == 1, op, ": axis must be 0 (columnwise) or 1 (rowwise), got ", axis);

@@ -321,21 +321,8 @@ void GpuCompute::scale(View y, float alpha) {
 // ---- gemm ---------------------------------------------------------------------------------------
 
 void GpuCompute::gemm(ConstView a, ConstView b, View c, float alpha, float beta) {
-  checkFloating("gemm", "a", a);
-  checkCuda("gemm", "b", b);
-  checkCuda("gemm", "c", c);
-  TPSIM_CHECK(a.rank() == 2, "gemm: a must be a matrix (M, K), got ", a.str());
-  const std::int64_t m = a.dim(0), k = a.dim(1);
-  TPSIM_CHECK(b.dtype() == a.dtype(), "gemm: b must have a's dtype ", dtypeName(a.dtype()), ", got ",
-              b.str());
-  TPSIM_CHECK(b.rank() == 2 && b.dim(0) == k, "gemm: b must be (K=", k, ", N), got ", b.str());
-  const std::int64_t n = b.dim(1);
-  TPSIM_CHECK(c.rank() == 2 && c.dim(0) == m && c.dim(1) == n, "gemm: c must be (M=", m, ", N=", n, "), got ",
-              c.str());
-  const bool wideOut = is16Bit(a.dtype()) && c.dtype() == DType::kFloat32;
-  TPSIM_CHECK(c.dtype() == a.dtype() || wideOut, "gemm: c must have a's dtype ", dtypeName(a.dtype()),
-              is16Bit(a.dtype()) ? " or fp32" : "", ", got ", c.str(),
-              "; for another output dtype, gemm into a temporary and copy()");
+  compute_checks::checkGemm(Device::kCuda, a, b, c);
+  const std::int64_t m = a.dim(0), k = a.dim(1), n = b.dim(1);
   enter();
   if (m == 0 || n == 0) return finish("gemm");
   if (k == 0) {  // c = beta·c, on the device; beta == 0 ignores the old c, NaN included

@@ -377,21 +377,7 @@ void SimCompute::scale(View y, float alpha) {
 // ---- gemm ---------------------------------------------------------------------------------------
 
 void SimCompute::gemm(ConstView a, ConstView b, View c, float alpha, float beta) {
-  checkFloating("gemm", "a", a);
-  checkHost("gemm", "b", b);
-  checkHost("gemm", "c", c);
-  TPSIM_CHECK(a.rank() == 2, "gemm: a must be a matrix (M, K), got ", a.str());
-  const std::int64_t m = a.dim(0), k = a.dim(1);
-  TPSIM_CHECK(b.dtype() == a.dtype(), "gemm: b must have a's dtype ", dtypeName(a.dtype()), ", got ",
-              b.str());
-  TPSIM_CHECK(b.rank() == 2 && b.dim(0) == k, "gemm: b must be (K=", k, ", N), got ", b.str());
-  const std::int64_t n = b.dim(1);
-  TPSIM_CHECK(c.rank() == 2 && c.dim(0) == m && c.dim(1) == n, "gemm: c must be (M=", m, ", N=", n, "), got ",
-              c.str());
-  const bool wideOut = is16Bit(a.dtype()) && c.dtype() == DType::kFloat32;
-  TPSIM_CHECK(c.dtype() == a.dtype() || wideOut, "gemm: c must have a's dtype ", dtypeName(a.dtype()),
-              is16Bit(a.dtype()) ? " or fp32" : "", ", got ", c.str(),
-              "; for another output dtype, gemm into a temporary and copy()");
+  compute_checks::checkGemm(Device::kHost, a, b, c);
   if (a.dtype() == DType::kFloat64)
     gemmAs<double>(a, b, c, alpha, beta);
   else
