@@ -1,7 +1,7 @@
 #include "backends/dtype.h"
 
-#include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "backends/errors.h"
 
@@ -66,73 +66,6 @@ void storeFromDouble(DType dtype, double v, void* p) {
   TPSIM_INTERNAL_ASSERT(false, "unknown dtype ", int(dtype));
 }
 
-float halfToFloat(std::uint16_t h) {
-  const std::uint32_t sign = std::uint32_t(h & 0x8000u) << 16;
-  const std::uint32_t exp = (h >> 10) & 0x1fu;
-  const std::uint32_t mant = h & 0x3ffu;
-  std::uint32_t u;
-  if (exp == 0x1f) {
-    u = sign | 0x7f800000u | (mant << 13);  // inf / NaN
-  } else if (exp != 0) {
-    u = sign | ((exp + 112) << 23) | (mant << 13);
-  } else if (mant == 0) {
-    u = sign;
-  } else {  // subnormal: value = mant * 2^-24
-    float f = std::ldexp(float(mant), -24);
-    std::memcpy(&u, &f, sizeof u);
-    u |= sign;
-  }
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-std::uint16_t floatToHalf(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  const std::uint16_t sign = std::uint16_t((u >> 16) & 0x8000u);
-  const std::uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return sign | 0x7e00u;     // NaN
-  if (abs >= 0x477ff000u) return sign | 0x7c00u;    // rounds to >= 65520: inf
-  if (abs < 0x38800000u) {                          // below 2^-14: subnormal or zero
-    // Scale so the subnormal unit 2^-24 becomes 1, then round to nearest even in float.
-    float a;
-    std::memcpy(&a, &abs, sizeof a);
-    return sign | std::uint16_t(std::nearbyint(a * 16777216.0f));
-  }
-  // Normal: rebias exponent, round mantissa from 23 to 10 bits to nearest even.
-  std::uint32_t v = abs - (112u << 23);
-  v += 0xfffu + ((v >> 13) & 1u);
-  return sign | std::uint16_t(v >> 13);
-}
-
-// Every step below scales by powers of two or rounds a small integer, so it is exact in double.
-std::uint8_t toE4m3(double v) {
-  const std::uint8_t sign = std::signbit(v) ? 0x80 : 0x00;
-  if (std::isnan(v)) return sign | 0x7f;
-  const double a = std::fabs(v);
-  if (a >= 448.0) return sign | 0x7e;                    // saturate, infinity included
-  if (a < 0x1p-6) return sign | std::uint8_t(std::nearbyint(a * 512.0));  // subnormal unit 2^-9; 8 is 2^-6
-  int e;
-  std::frexp(a, &e);                                     // a = f·2^e, f in [0.5, 1)
-  const int exponent = e - 1;                            // a = m·2^exponent, m in [1, 2)
-  const double q = std::nearbyint((std::ldexp(a, -exponent) - 1.0) * 8.0);  // 3 mantissa bits, may carry
-  return sign | std::uint8_t(((exponent + 7) << 3) + int(q));
-}
-
-float e4m3ToFloat(std::uint8_t bits) {
-  const float sign = (bits & 0x80) ? -1.f : 1.f;
-  const int exp = (bits >> 3) & 0xf, mant = bits & 0x7;
-  if (exp == 0xf && mant == 0x7) return std::nanf("");
-  if (exp == 0) return sign * std::ldexp(float(mant), -9);
-  return sign * std::ldexp(float(8 + mant), exp - 10);
-}
-
-float e8m0ToFloat(std::uint8_t bits) {
-  if (bits == 0xff) return std::nanf("");
-  return std::ldexp(1.f, int(bits) - 127);
-}
-
 std::uint8_t toE8m0(double v) {
   if (std::isnan(v)) return 0xff;
   int e = 0;
@@ -140,15 +73,6 @@ std::uint8_t toE8m0(double v) {
   TPSIM_CHECK(f == 0.5 && e - 1 >= -127 && e - 1 <= 127, "e8m0: a value must be an exact power of two 2^e with e "
               "in [-127, 127], got ", v);
   return std::uint8_t(e - 1 + 127);
-}
-
-int mxfp8ScaleExponent(double amax) {
-  if (amax == 0) return -127;
-  if (std::isinf(amax)) return 127;
-  // amax = f·2^k with f in [0.5, 1) and 448 = 0.875·2^9: e = k - 9, or k - 8 when f > 0.875.
-  int k;
-  const double f = std::frexp(amax, &k);
-  return std::clamp(k - 9 + (f > 0.875 ? 1 : 0), -127, 127);
 }
 
 }  // namespace tpsim

@@ -9,8 +9,9 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 #include <string>
+
+#include "backends/element_math.h"
 
 namespace tpsim {
 
@@ -28,39 +29,27 @@ inline bool isFloat8(DType dtype) { return dtype == DType::kFloat8E4M3 || dtype 
 inline bool isFloating(DType dtype) { return dtype != DType::kInt64 && !isFloat8(dtype); }
 inline bool is16Bit(DType dtype) { return dtype == DType::kBFloat16 || dtype == DType::kFloat16; }
 
-inline float bf16ToFloat(std::uint16_t bits) {
-  std::uint32_t u = std::uint32_t(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline std::uint16_t floatToBf16(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return std::uint16_t((u >> 16) | 0x40);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);                                               // nearest even
-  return std::uint16_t(u >> 16);
-}
-
-float halfToFloat(std::uint16_t bits);
-std::uint16_t floatToHalf(float f);
+// The scalar conversions are element_math.h's, so that the GPU kernels compute the same bits.
+using elem::bf16ToFloat;
+using elem::floatToBf16;
+using elem::floatToHalf;
+using elem::halfToFloat;
 
 // E4M3FN. The conversion takes a double so fp64 sources round once; it rounds to nearest even and
 // saturates: every finite or infinite magnitude above 448 becomes ±448 (CUDA's __NV_SATFINITE).
 // NaN stays NaN (0x7F, or 0xFF when negative).
-float e4m3ToFloat(std::uint8_t bits);
-std::uint8_t toE4m3(double v);
+using elem::e4m3ToFloat;
+using elem::toE4m3;
 
 // E8M0: exact powers of two only. toE8m0 maps NaN to 0xFF and throws InvalidArgument for any other
 // value that is not 2^e with e in [-127, 127] (no rounding: a scale is chosen, never approximated).
-float e8m0ToFloat(std::uint8_t bits);
+using elem::e8m0ToFloat;
 std::uint8_t toE8m0(double v);
 
 // The E8M0 exponent of an MXFP8 block whose largest magnitude is amax (Transformer Engine's rule,
 // computed exactly): the least e in [-127, 127] with amax <= 448·2^e, so no element saturates.
 // -127 for amax = 0; infinity gives 127. amax must not be NaN (a NaN block has the NaN scale).
-int mxfp8ScaleExponent(double amax);
+using elem::mxfp8ScaleExponent;
 
 // One element at `p` of `dtype`, widened to double (exact for every dtype but int64 beyond 2^53).
 double loadAsDouble(DType dtype, const void* p);

@@ -103,6 +103,9 @@ TPSIM_HD inline double div(double a, double b) {
   return a / b;
 #endif
 }
+// int64 collectives reduce with the same bodies: exact sums, means truncated toward zero.
+TPSIM_HD inline std::int64_t add(std::int64_t a, std::int64_t b) { return a + b; }
+TPSIM_HD inline std::int64_t div(std::int64_t a, std::int64_t b) { return a / b; }
 
 TPSIM_HD inline bool isNan(float f) { return (bitsOf(f) & 0x7fffffffu) > 0x7f800000u; }
 TPSIM_HD inline bool isNan(double d) { return (bitsOf(d) & 0x7fffffffffffffffull) > 0x7ff0000000000000ull; }
@@ -212,7 +215,8 @@ TPSIM_HD inline int mxfp8ScaleExponent(double amax) {
   return e < -127 ? -127 : (e > 127 ? 127 : e);
 }
 
-// x / 2^e, exact: the element of an MXFP8 block with scale exponent e, before E4M3 rounding.
+// x / 2^e: the element of an MXFP8 block with scale exponent e, before E4M3 rounding. Exact but
+// for fp64 quotients below 2^-1022, rounded once there, far below E4M3's smallest value.
 TPSIM_HD inline double unscale(double x, int e) { return mul(x, pow2(-e)); }
 
 // ---- Element bodies of the Compute ops (compute.h), in the accumulation type T ------------------

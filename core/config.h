@@ -24,7 +24,8 @@ struct ModelParallelConfig {
   bool deferEmbeddingWgradCompute = false;
   int wgradDeferralLimit = 0;
   bool deterministicMode = false;
-  // GTP_remat (SPEC 4.2, 4.5, 4.6).
+  // GTP_remat (SPEC 4.2, 4.5, 4.6). The wgrad reducer reads the last two through
+  // GtpReduceOptions::fromConfig (core/gtp.h); the layers read the padding.
   int gtpPadForAlignment = 16;                 // a: pad dim 0 to a multiple of a·G; 0 = no padding
   bool calculatePerTokenLoss = false;          // false: the GTP wgrad reduce-scatter is a MEAN
   bool gtpReduceScatterWithFp32Accumulation = false;

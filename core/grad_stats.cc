@@ -39,6 +39,16 @@ T sumOver(Compute& compute, Collectives& group, T local, DType dtype) {
 
 }  // namespace
 
+void finalizeSequenceParallelGrads(const std::vector<Parameter*>& params, Collectives& tp, bool sequenceParallel) {
+  if (!sequenceParallel || tp.size() == 1) return;
+  for (Parameter* p : params) {
+    if (!p->requiresGrad || !p->attrs.sequenceParallel.value_or(false)) continue;
+    TPSIM_CHECK(p->hasMainGrad() || p->hasGrad(), "finalizeSequenceParallelGrads: ", p->name,
+                " is tagged sequence_parallel but has neither main_grad nor grad");
+    tp.allReduce(p->hasMainGrad() ? View(p->mainGrad) : View(p->grad))->wait();
+  }
+}
+
 void finalizeReplicatedGrads(const std::vector<Parameter*>& params, Collectives* gtp, Collectives* egtp, bool mean) {
   for (Parameter* p : params) {
     if (isGtpShard(*p)) continue;

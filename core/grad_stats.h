@@ -1,5 +1,6 @@
-// Gradient statistics that do not depend on the topology (SPEC 4.7): the finalize step of
-// replicated parameters under GTP_remat, and the L2 grad norm and zero count over a world, with
+// Gradient statistics that do not depend on the topology (SPEC 4.7): the finalize steps of
+// sequence-parallel parameters (over TP) and of replicated parameters under GTP_remat, and the L2
+// grad norm and zero count over a world, with
 // Megatron's duplicate filters and padding corrections so that every (TP, GTP_remat, DP)
 // factorization of one model and one batch reports the same numbers.
 //
@@ -18,6 +19,12 @@
 #include "core/parameter.h"
 
 namespace tpsim {
+
+// finalize_model_grads for sequence-parallel params (SPEC 3.19 step 6): when `sequenceParallel`
+// (the config's) is set, each trainable parameter tagged sequence_parallel has its main_grad (or
+// grad) summed over TP. The tag decides, as in Megatron: RowParallelLinear's bias carries it because
+// each rank's gradient covers only its own sequence slice.
+void finalizeSequenceParallelGrads(const std::vector<Parameter*>& params, Collectives& tp, bool sequenceParallel);
 
 // finalize_model_grads for replicated params under GTP_remat: each non-shard parameter's
 // main_grad is all-reduced over its GTP group (the EGTP group for allreduce = false), averaged

@@ -100,6 +100,10 @@ struct GtpGradReducer::Pending {
   std::unique_ptr<Work> work;
 };
 
+GtpReduceOptions GtpReduceOptions::fromConfig(const ModelParallelConfig& config, bool async) {
+  return {!config.calculatePerTokenLoss, config.gtpReduceScatterWithFp32Accumulation, async};
+}
+
 GtpGradReducer::GtpGradReducer(Compute& compute, GtpReduceOptions options) : compute_(compute), options_(options) {}
 
 GtpGradReducer::~GtpGradReducer() = default;

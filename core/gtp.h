@@ -13,6 +13,7 @@
 
 #include "backends/collectives.h"
 #include "backends/compute.h"
+#include "core/config.h"
 #include "core/parameter.h"
 
 namespace tpsim {
@@ -52,6 +53,11 @@ struct GtpReduceOptions {
   bool mean = true;               // MEAN (pre-scale 1/G) unless calculate_per_token_loss: SUM
   bool fp32AccumReduceScatter = false;  // all-to-all + fp32 sum; bypassed at G <= 2 (4.6)
   bool async = false;             // defer each finalize to the next weight's reduce-scatter
+
+  // The reduction the config asks for: SUM under calculate_per_token_loss, else MEAN, and the
+  // fp32-accumulation variant under gtp_reduce_scatter_with_fp32_accumulation. `async` is the
+  // caller's scheduling choice, not the config's.
+  static GtpReduceOptions fromConfig(const ModelParallelConfig& config, bool async);
 };
 
 // The weight-gradient reduce-scatter of every GTP shard of one rank (SPEC 4.5). Call drain()

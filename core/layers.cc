@@ -112,6 +112,13 @@ ColumnParallelLinear::ColumnParallelLinear(LayerContext ctx, const ModelParallel
   // Megatron warns and turns sequence parallelism off on a group of one.
   sequenceParallel_ = config_.sequenceParallel && T > 1;
   allreduceDgrad_ = T > 1 && !sequenceParallel_ && !options_.disableGradReduce;
+  // Megatron reduce-scatters dX under sequence parallelism whatever disable_grad_reduce says (the
+  // (s/T, b, K) input gradient exists only as that reduction), so a caller that then reduces dX
+  // itself, as the flag asks, would reduce it twice.
+  TPSIM_CHECK(!(options_.disableGradReduce && sequenceParallel_ && !explicitExpertComm_), where,
+              ": disable_grad_reduce = True with sequence_parallel = True: the input gradient would still be "
+              "reduce-scattered over TP; turn sequence_parallel off in this layer's config (the caller gathers "
+              "the sequence and reduces dX) or disable_grad_reduce off");
   if (config_.deferEmbeddingWgradCompute)
     TPSIM_CHECK(options_.embeddingActivationBuffer && options_.gradOutputBuffer, where,
                 ": defer_embedding_wgrad_compute needs both embedding_activation_buffer and grad_output_buffer; ",

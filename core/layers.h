@@ -51,6 +51,8 @@ struct ColumnParallelOptions {
   std::vector<Tensor>* embeddingActivationBuffer = nullptr;  // wgrad deferral (3.20)
   std::vector<Tensor>* gradOutputBuffer = nullptr;
   bool isExpert = false;
+  // No TP reduction of dX at all (T > 1): backward returns this rank's partial dY_t·W_t and the
+  // caller reduces it. Rejected under sequence parallelism.
   bool disableGradReduce = false;
   std::optional<DType> outputDtype;
   std::string name = "column";

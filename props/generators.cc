@@ -93,6 +93,7 @@ rc::Gen<RunConfig> genRunConfig(const std::vector<LayerKind>& kinds, rc::Gen<int
       c.gatherOutput = !c.sequenceParallel && *flag();
       c.skipBiasAdd = c.bias && !c.gatherOutput && *flag();
       c.outputDtype = *pick<std::optional<DType>>({std::nullopt, DType::kFloat32, DType::kBFloat16, DType::kFloat16});
+      c.disableGradReduce = !c.sequenceParallel && *pick<bool>({false, false, true});
     }
     if (c.layer == LayerKind::kRow) {
       c.inputIsParallel = c.sequenceParallel || *flag();
@@ -337,7 +338,7 @@ rc::Gen<InvalidRunConfig> genInvalidRunConfig() {
   return rc::gen::exec([]() -> InvalidRunConfig {
     const std::vector<K> linear = {K::kColumn, K::kRow}, notColumn = {K::kRow, K::kEmbedding, K::kMlp},
                          spKinds = {K::kColumn, K::kRow, K::kMlp};
-    switch (*pickIndex(18)) {
+    switch (*pickIndex(20)) {
       case 0: {
         RunConfig c = *genRunConfig(kAllKinds);
         c.tp = *pick<int>({0, -1, 65, 128});
@@ -347,7 +348,7 @@ rc::Gen<InvalidRunConfig> genInvalidRunConfig() {
         RunConfig c = *genRunConfig(spKinds, genTpAbove1());
         c.tp = 1;
         c.sequenceParallel = true;
-        c.gatherOutput = false;
+        c.gatherOutput = c.disableGradReduce = false;
         if (c.layer == K::kRow) c.inputIsParallel = true;
         return {c, "--sequence-parallel: needs --tp > 1, got --tp 1"};
       }
@@ -396,7 +397,7 @@ rc::Gen<InvalidRunConfig> genInvalidRunConfig() {
       case 10: {
         RunConfig c = *genRunConfig({K::kColumn}, genTpAbove1());
         c.sequenceParallel = c.gatherOutput = true;
-        c.skipBiasAdd = false;
+        c.skipBiasAdd = c.disableGradReduce = false;
         return {c, "--gather-output: not with --sequence-parallel"};
       }
       case 11: {
@@ -434,6 +435,17 @@ rc::Gen<InvalidRunConfig> genInvalidRunConfig() {
         return {c, std::string("--main-grad-dtype bf16: needs --dtype bf16 (the 16-bit fused kernel), got --dtype ") +
                        dtypeName(c.dtype)};
       }
+      case 17: {
+        RunConfig c = *genRunConfig(notColumn);
+        c.disableGradReduce = true;
+        return {c, "--disable-grad-reduce: applies to --layer column"};
+      }
+      case 18: {
+        RunConfig c = *genRunConfig({K::kColumn}, genTpAbove1());
+        c.sequenceParallel = c.disableGradReduce = true;
+        c.gatherOutput = false;
+        return {c, "--disable-grad-reduce: not with --sequence-parallel"};
+      }
       default: {
         RunConfig c = *genRunConfig(kAllKinds);
         const std::int64_t bad = *pick<std::int64_t>({0, -1, -7});
@@ -468,7 +480,7 @@ rc::Gen<InvalidRunInputs> genInvalidRunInputs() {
       case 2: {  // sequence parallelism: s not divisible by T
         RunConfig c = *genRunConfig({K::kColumn, K::kRow, K::kMlp}, genTpAbove1());
         c.sequenceParallel = true;
-        c.gatherOutput = false;
+        c.gatherOutput = c.disableGradReduce = false;
         if (c.layer == K::kRow) c.inputIsParallel = true;
         c.seq = *nonMultiple(c.tp);
         return {c, realInputs(c), "tpsim run: the sequence length s (input.npy dim 0) = " + str(c.seq) +

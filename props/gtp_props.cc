@@ -316,8 +316,9 @@ TPSIM_PROP(GtpLaws, IdenticalDataOnEveryPeerGivesTheGtpOffRun, kTransparencyCase
         failLayerCase(c, numerics, b->name, inputs, name + ": missing from the G = " + std::to_string(G) + " run");
       const HostTensor &m = im->second, &s = is->second;
       if (!isParameterGradient(name)) {  // output, input.grad: the G = 1 result on every peer, bitwise
+        // input.grad: (s, b, K), or (T, s, b, K) with --disable-grad-reduce.
         const HostTensor want = tools::concat(std::vector<HostTensor>(std::size_t(G), t1),
-                                              name == "output" ? batchDim(c, "grad_output") : 1);
+                                              name == "output" ? batchDim(c, "grad_output") : c.disableGradReduce ? 2 : 1);
         for (const auto& [mode, got] : {std::pair<const char*, const HostTensor*>{"MEAN", &m}, {"SUM", &s}})
           if (got->shape != want.shape || !sameBits(got->values, want.values))
             failLayerCase(c, numerics, b->name, inputs,
@@ -555,6 +556,7 @@ struct StatisticsCase {
   std::int64_t s, samples, k, f;  // samples: the global batch B
   std::vector<bool> deadFeature;  // input features that are always zero: whole zero columns of fc1's wgrad
   bool mean, async, fp32Accum;
+  bool sequenceParallel = false;  // at T > 1: each TP rank holds s/T of the sequence
   int a;
   std::uint64_t seed;
 
@@ -575,7 +577,9 @@ struct StatisticsCase {
 // tests/grad_stats_test.cc sets it up: data-parallel position q = g + G·d takes samples
 // [q·b, (q+1)·b) of the global batch; under MEAN each position's loss is the mean over its own
 // samples, DP means main_grad over D, the GTP reduce-scatter and finalizeReplicatedGrads mean over
-// G; under SUM (per-token loss) dY is divided by B and every reduction sums. Statistics over the
+// G; under SUM (per-token loss) dY is divided by B and every reduction sums. Under sequence
+// parallelism each TP rank takes its s/T slice of the sequence, and finalizeSequenceParallelGrads
+// sums the row bias's slice gradients over TP by its tag. Statistics over the
 // model-parallel group tp-gtp_remat-pp with the duplicate filters, before and after stamping
 // gtp_pad_zeros; then, every main_grad zeroed, the zero count is the number of distinct elements
 // the statistics count.
@@ -591,6 +595,7 @@ GradStatistics gradStatistics(const Backend& backend, const StatisticsCase& c, i
     Generator g1(c.seed), g2(c.seed + 1);
     ModelParallelConfig config;
     config.tensorModelParallelSize = T;
+    config.sequenceParallel = c.sequenceParallel && T > 1;
     config.gtpRematSize = G;
     config.gtpPadForAlignment = c.a;
     config.useCpuInitialization = true;
@@ -613,24 +618,26 @@ GradStatistics gradStatistics(const Backend& backend, const StatisticsCase& c, i
     // MEAN: each position's loss is the mean over its b samples, and the reductions average the
     // D·G positions; SUM: the loss is already the global mean (c.dy divides by B).
     const double scale = c.mean ? double(c.samples) / double(b) : 1.0;
-    Values x(static_cast<std::size_t>(c.s * b * c.k)), dy(static_cast<std::size_t>(c.s * b * c.k));
-    for (std::int64_t i = 0; i < c.s; ++i)
+    const std::int64_t sl = config.sequenceParallel ? c.s / T : c.s, i0 = config.sequenceParallel ? pg.tp().rank() * sl : 0;
+    Values x(static_cast<std::size_t>(sl * b * c.k)), dy(static_cast<std::size_t>(sl * b * c.k));
+    for (std::int64_t i = 0; i < sl; ++i)
       for (std::int64_t j = 0; j < b; ++j)
         for (std::int64_t k = 0; k < c.k; ++k) {
           const std::int64_t sample = q * b + j, at = (i * b + j) * c.k + k;
-          x[std::size_t(at)] = c.x(i, sample, k);
-          dy[std::size_t(at)] = c.dy(i, sample, k) * scale;
+          x[std::size_t(at)] = c.x(i0 + i, sample, k);
+          dy[std::size_t(at)] = c.dy(i0 + i, sample, k) * scale;
         }
-    Tensor input = tensorOf(compute, DType::kFloat32, x, Shape{c.s, b, c.k});
+    Tensor input = tensorOf(compute, DType::kFloat32, x, Shape{sl, b, c.k});
     Tensor hidden = fc1.forward(input).output;
     fc2.forward(hidden);
-    Tensor dHidden = fc2.backward(tensorOf(compute, DType::kFloat32, dy, Shape{c.s, b, c.k}));
+    Tensor dHidden = fc2.backward(tensorOf(compute, DType::kFloat32, dy, Shape{sl, b, c.k}));
     fc1.backward(dHidden);
     reducer.drain();
     for (Parameter* p : params)
       if (!isGtpShard(*p)) compute.axpy(1.f, p->grad, p->mainGrad);
     for (Parameter* p : params)
       pg.dp().allReduce(p->mainGrad, AllReduceOptions{c.mean ? ReduceOp::kMean : ReduceOp::kSum})->wait();
+    finalizeSequenceParallelGrads(params, pg.tp(), config.sequenceParallel);
     finalizeReplicatedGrads(params, &pg.gtpRemat(), nullptr, c.mean);
     const DuplicateFilter filter{&pg.tp(), nullptr, &pg.gtpRemat(), nullptr};
     Collectives& stats = pg.modelParallel();
@@ -703,7 +710,8 @@ TPSIM_PROP(GtpLaws, GradNormAndZeroCountAreTheSameForEveryFactorization, kStatis
     if (T * G * d <= 16) ds.push_back(d);
   const int D = *pick(ds);
   StatisticsCase c;
-  c.s = *pick<std::int64_t>({2, 1, 3});
+  c.sequenceParallel = T > 1 && *flag();
+  c.s = *pick<std::int64_t>({2, 1, 3}) * (c.sequenceParallel ? T : 1);
   c.samples = G * D * *pick<std::int64_t>({1, 2});
   c.k = *pick<std::int64_t>({3, 1, 2, 5, 8});
   std::int64_t f0 = *pick<std::int64_t>({2, 1, 3, 5});
@@ -718,13 +726,14 @@ TPSIM_PROP(GtpLaws, GradNormAndZeroCountAreTheSameForEveryFactorization, kStatis
   RC_TAG(G > 1 ? "GTP_remat" : "no GTP_remat");
   RC_LOG() << "T=" << T << " G=" << G << " D=" << D << " s=" << c.s << " B=" << c.samples << " K=" << c.k
            << " F=" << c.f << " a=" << c.a << (c.mean ? " MEAN" : " SUM") << (c.async ? " async" : " sync")
-           << (c.fp32Accum ? " fp32-accum" : "") << "\n";
+           << (c.fp32Accum ? " fp32-accum" : "") << (c.sequenceParallel ? " sequence-parallel" : "") << "\n";
   // The distinct gradient elements of the model: both weights and both biases, unpadded.
   const std::int64_t distinct = 2 * c.k * c.f + c.f + c.k;
   std::int64_t padElements = 0;  // per TP slice: fc1 pads (F/T + pad)·K, fc2 pads (K + pad)·F/T
   if (G > 1)
     padElements = T * gtpRematShardDim0(f0, G, c.a).padLength * c.k + gtpRematShardDim0(c.k, G, c.a).padLength * c.f;
-  const std::int64_t longest = std::max({c.s * c.samples, c.k, c.f}) + G * D;
+  // Sequence parallelism adds the T partial sums of the row bias gradient.
+  const std::int64_t longest = std::max({c.s * c.samples, c.k, c.f}) + G * D + (c.sequenceParallel ? T : 0);
   for (const Backend* b : usableBackends()) {
     const GradStatistics reference = gradStatistics(*b, c, 1, 1, 1);
     const GradStatistics got = gradStatistics(*b, c, T, G, D);

@@ -162,7 +162,8 @@ TPSIM_PROP(LayerLaws, MlpBlockEqualsTheDenseMlpWithinTheBound, kMlpCases) {
 
 // The same exact case gives bitwise the same results at T = k (and G GTP_remat peers) as unsharded
 // at T = 1, G = 1 (sequence parallelism off there): the topology changes nothing but the shards, and
-// MEAN divides the parameter gradients by G.
+// MEAN divides the parameter gradients by G. Under --disable-grad-reduce the k partial input
+// gradients add up to the T = 1 one.
 TPSIM_PROP(LayerLaws, ExactCaseGivesTheSameBitsAtAnyT, kCrossTopologyCases) {
   const RunConfig c = *genRunConfig(kLinearAndEmbedding, genTpAbove1(), GtpMode::kSometimes, Numerics::kExact);
   const TensorMap inputs = *genExactInputs(c);
@@ -170,6 +171,7 @@ TPSIM_PROP(LayerLaws, ExactCaseGivesTheSameBitsAtAnyT, kCrossTopologyCases) {
   RunConfig single = c;
   single.tp = 1;
   single.sequenceParallel = false;
+  single.disableGradReduce = false;
   single.gtpRemat = 1;
   for (const Backend* b : usableBackends()) {
     TensorMap dense, sharded;
@@ -178,6 +180,14 @@ TPSIM_PROP(LayerLaws, ExactCaseGivesTheSameBitsAtAnyT, kCrossTopologyCases) {
       sharded = b->runLayer(c, inputs).results;
     } catch (const std::exception& e) {
       failLayerCase(c, Numerics::kExact, b->name, inputs, std::string("a run threw: ") + e.what());
+    }
+    if (c.disableGradReduce) {  // (T, s, b, K) -> their sum (s, b, K), exact on exact data
+      const HostTensor& partials = sharded.at("input.grad");
+      std::vector<HostTensor> perRank;
+      for (int t = 0; t < c.tp; ++t) perRank.push_back(tools::chunk(partials, 0, t, c.tp));
+      HostTensor total = tools::sum(perRank);
+      total.shape.erase(total.shape.begin());
+      sharded["input.grad"] = total;
     }
     if (c.gtpRemat > 1 && c.gtpReduceMean)  // exact: G is a power of two here
       for (auto& [name, t] : dense)

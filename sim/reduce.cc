@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "backends/element_math.h"
 #include "backends/errors.h"
 
 namespace tpsim::sim {
@@ -13,10 +14,10 @@ void reduceNative(ReduceOp op, const std::vector<const void*>& inputs, std::int6
   std::memcpy(out, inputs[0], std::size_t(count) * sizeof(T));
   for (std::size_t r = 1; r < n; ++r) {
     const T* x = static_cast<const T*>(inputs[r]);
-    for (std::int64_t i = 0; i < count; ++i) out[i] += x[i];
+    for (std::int64_t i = 0; i < count; ++i) out[i] = elem::reduceStep(out[i], x[i]);
   }
   if (op == ReduceOp::kMean)
-    for (std::int64_t i = 0; i < count; ++i) out[i] /= T(n);
+    for (std::int64_t i = 0; i < count; ++i) out[i] = elem::meanFinish(out[i], T(n));
 }
 
 template <float (*Load)(std::uint16_t), std::uint16_t (*Store)(float)>
@@ -25,10 +26,10 @@ void reduce16(ReduceOp op, const std::vector<const void*>& inputs, std::int64_t 
   std::memcpy(out, inputs[0], std::size_t(count) * sizeof(std::uint16_t));
   for (std::size_t r = 1; r < n; ++r) {
     const auto* x = static_cast<const std::uint16_t*>(inputs[r]);
-    for (std::int64_t i = 0; i < count; ++i) out[i] = Store(Load(out[i]) + Load(x[i]));
+    for (std::int64_t i = 0; i < count; ++i) out[i] = Store(elem::reduceStep(Load(out[i]), Load(x[i])));
   }
   if (op == ReduceOp::kMean)
-    for (std::int64_t i = 0; i < count; ++i) out[i] = Store(Load(out[i]) / float(n));
+    for (std::int64_t i = 0; i < count; ++i) out[i] = Store(elem::meanFinish(Load(out[i]), float(n)));
 }
 
 }  // namespace

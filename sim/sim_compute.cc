@@ -13,6 +13,8 @@
 
 #include <Eigen/Core>
 
+#include "backends/compute_checks.h"
+#include "backends/element_math.h"
 #include "backends/errors.h"
 
 namespace tpsim::sim {
@@ -103,50 +105,14 @@ bool denseFp32(const Views&... views) {
 
 // ---- Checks -------------------------------------------------------------------------------------
 
-void checkHost(const char* op, const char* arg, ConstView v) {
-  TPSIM_CHECK(v.device() == Device::kHost, op, ": ", arg, " must be host memory, got ", v.str(), " on ",
-              deviceName(v.device()));
-}
-
+using compute_checks::checkHolds;
+using compute_checks::checkSameShape;
+void checkHost(const char* op, const char* arg, ConstView v) { compute_checks::checkDevice(Device::kHost, op, arg, v); }
 void checkFloating(const char* op, const char* arg, ConstView v) {
-  checkHost(op, arg, v);
-  TPSIM_CHECK(isFloating(v.dtype()), op, ": ", arg, " must be fp32, bf16, fp16 or fp64, got ", v.str(),
-              isFloat8(v.dtype()) ? "; fp8 is a storage type, dequantizeMxfp8 it first" : "");
-}
-
-void checkSameShape(const char* op, const char* arg, ConstView v, const char* refArg, ConstView ref) {
-  TPSIM_CHECK(v.shape() == ref.shape(), op, ": ", arg, " must have ", refArg, "'s shape ", ref.shape(),
-              ", got ", v.str());
-}
-
-// True when `wide` holds every value of `narrow` exactly: same dtype, or 16-bit -> fp32 -> fp64.
-bool holds(DType wide, DType narrow) {
-  if (wide == narrow) return true;
-  if (wide == DType::kFloat64) return narrow == DType::kFloat32 || is16Bit(narrow);
-  return wide == DType::kFloat32 && is16Bit(narrow);
-}
-
-// Accumulations (axpy, scatterAddRows) may widen but never narrow.
-void checkHolds(const char* op, const char* dstArg, ConstView dst, const char* srcArg, ConstView src) {
-  TPSIM_CHECK(holds(dst.dtype(), src.dtype()), op, ": ", dstArg, " must have ", srcArg, "'s dtype ",
-              dtypeName(src.dtype()), " or a wider one, got ", dst.str());
+  compute_checks::checkFloating(Device::kHost, op, arg, v);
 }
 
 // ---- Element access -----------------------------------------------------------------------------
-
-// double -> float rounded to odd (truncate, then set the last bit if inexact). Rounding that float
-// to nearest bf16/fp16 (<= 11 significant bits of float's 24) equals rounding the double directly.
-float toOddFloat(double v) {
-  float f = float(v);
-  if (std::isnan(v) || double(f) == v) return f;
-  if (std::fabs(double(f)) > std::fabs(v)) f = std::nextafter(f, 0.f);
-  std::uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  u |= 1u;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-float toOddFloat(float v) { return v; }
 
 template <typename T>
 T load(const void* p, DType dtype) {
@@ -162,13 +128,14 @@ T load(const void* p, DType dtype) {
   TPSIM_INTERNAL_ASSERT(false, "unknown dtype ", int(dtype));
 }
 
-// Stores v rounded once (to nearest even) to `dtype`.
+// Stores v rounded once (to nearest even) to `dtype`: a double reaches 16 bits through a float
+// rounded to odd, which keeps that second rounding equal to a direct one.
 template <typename T>
 void store(void* p, DType dtype, T v) {
   switch (dtype) {
     case DType::kFloat32: *static_cast<float*>(p) = float(v); return;
-    case DType::kBFloat16: *static_cast<std::uint16_t*>(p) = floatToBf16(toOddFloat(v)); return;
-    case DType::kFloat16: *static_cast<std::uint16_t*>(p) = floatToHalf(toOddFloat(v)); return;
+    case DType::kBFloat16: *static_cast<std::uint16_t*>(p) = floatToBf16(elem::toOddFloat(v)); return;
+    case DType::kFloat16: *static_cast<std::uint16_t*>(p) = floatToHalf(elem::toOddFloat(v)); return;
     case DType::kFloat64: *static_cast<double*>(p) = double(v); return;
     case DType::kInt64:
       // 2^63 is exact in float and double; NaN fails both comparisons.
@@ -313,20 +280,7 @@ void gemmAs(ConstView a, ConstView b, View c, float alpha, float beta) {
 
 // ---- MXFP8 --------------------------------------------------------------------------------------
 
-constexpr std::int64_t kMxBlock = 32;
-
-// Checks the (R, C) data and the shape of its block scales for `axis`.
-void checkMxfp8(const char* op, ConstView data, ConstView scales, int axis) {
-  TPSIM_CHECK(axis == 0 || axis == 1, op, ": axis must be 0 (columnwise) or 1 (rowwise), got ", axis);
-  checkHost(op, "data", data);
-  checkHost(op, "scales", scales);
-  TPSIM_CHECK(data.dtype() == DType::kFloat8E4M3, op, ": data must be fp8e4m3, got ", data.str());
-  TPSIM_CHECK(scales.dtype() == DType::kFloat8E8M0, op, ": scales must be e8m0, got ", scales.str());
-  const std::int64_t r = data.dim(0), c = data.dim(1);
-  const Shape want = axis == 1 ? Shape{r, (c + kMxBlock - 1) / kMxBlock} : Shape{(r + kMxBlock - 1) / kMxBlock, c};
-  TPSIM_CHECK(scales.shape() == want, op, ": scales of ", axis == 1 ? "rowwise" : "columnwise", " (axis ", axis,
-              ") blocks of a ", data.shape(), " matrix must be ", want, ", got ", scales.str());
-}
+constexpr std::int64_t kMxBlock = compute_checks::kMxfp8Block;
 
 // Calls fn(a, b, first, last) for every block of an (R, C) matrix: block b of row (axis 1) or
 // column (axis 0) a holds the elements [first, last) along `axis`.
@@ -397,14 +351,14 @@ void SimCompute::axpy(float alpha, ConstView x, View y) {
   if (denseFp32(x, y)) {
     const float* xp = x.typed<float>();
     float* yp = y.typed<float>();
-    for (std::int64_t i = 0, n = x.numel(); i < n; ++i) yp[i] = yp[i] + alpha * xp[i];
+    for (std::int64_t i = 0, n = x.numel(); i < n; ++i) yp[i] = elem::axpyBody(yp[i], alpha, xp[i]);
     return;
   }
   withAccumType({x.dtype(), y.dtype()}, [&](auto zero) {
     using T = decltype(zero);
     forEach<2>(x.shape(), {x.strides(), y.strides()}, [&](const auto& o) {
       void* yp = y.at(o[1]);
-      store<T>(yp, y.dtype(), load<T>(yp, y.dtype()) + T(alpha) * load<T>(x.at(o[0]), x.dtype()));
+      store<T>(yp, y.dtype(), elem::axpyBody(load<T>(yp, y.dtype()), T(alpha), load<T>(x.at(o[0]), x.dtype())));
     });
   });
 }
@@ -415,7 +369,7 @@ void SimCompute::scale(View y, float alpha) {
     using T = decltype(zero);
     forEach<1>(y.shape(), {y.strides()}, [&](const auto& o) {
       void* yp = y.at(o[0]);
-      store<T>(yp, y.dtype(), T(alpha) * load<T>(yp, y.dtype()));
+      store<T>(yp, y.dtype(), elem::scaleBody(load<T>(yp, y.dtype()), T(alpha)));
     });
   });
 }
@@ -423,21 +377,7 @@ void SimCompute::scale(View y, float alpha) {
 // ---- gemm ---------------------------------------------------------------------------------------
 
 void SimCompute::gemm(ConstView a, ConstView b, View c, float alpha, float beta) {
-  checkFloating("gemm", "a", a);
-  checkHost("gemm", "b", b);
-  checkHost("gemm", "c", c);
-  TPSIM_CHECK(a.rank() == 2, "gemm: a must be a matrix (M, K), got ", a.str());
-  const std::int64_t m = a.dim(0), k = a.dim(1);
-  TPSIM_CHECK(b.dtype() == a.dtype(), "gemm: b must have a's dtype ", dtypeName(a.dtype()), ", got ",
-              b.str());
-  TPSIM_CHECK(b.rank() == 2 && b.dim(0) == k, "gemm: b must be (K=", k, ", N), got ", b.str());
-  const std::int64_t n = b.dim(1);
-  TPSIM_CHECK(c.rank() == 2 && c.dim(0) == m && c.dim(1) == n, "gemm: c must be (M=", m, ", N=", n, "), got ",
-              c.str());
-  const bool wideOut = is16Bit(a.dtype()) && c.dtype() == DType::kFloat32;
-  TPSIM_CHECK(c.dtype() == a.dtype() || wideOut, "gemm: c must have a's dtype ", dtypeName(a.dtype()),
-              is16Bit(a.dtype()) ? " or fp32" : "", ", got ", c.str(),
-              "; for another output dtype, gemm into a temporary and copy()");
+  compute_checks::checkGemm(Device::kHost, a, b, c);
   if (a.dtype() == DType::kFloat64)
     gemmAs<double>(a, b, c, alpha, beta);
   else
@@ -457,14 +397,14 @@ void SimCompute::addBias(ConstView bias, View y) {
     float* yp = y.typed<float>();
     const std::int64_t n = bias.dim(0), rows = n ? y.numel() / n : 0;
     for (std::int64_t r = 0; r < rows; ++r, yp += n)
-      for (std::int64_t j = 0; j < n; ++j) yp[j] = yp[j] + b[j];
+      for (std::int64_t j = 0; j < n; ++j) yp[j] = elem::addBiasBody(yp[j], b[j]);
     return;
   }
   withAccumType({bias.dtype(), y.dtype()}, [&](auto zero) {
     using T = decltype(zero);
     forEach<2>(y.shape(), {y.strides(), rowBroadcast(y, bias.stride(0))}, [&](const auto& o) {
       void* yp = y.at(o[0]);
-      store<T>(yp, y.dtype(), load<T>(yp, y.dtype()) + load<T>(bias.at(o[1]), bias.dtype()));
+      store<T>(yp, y.dtype(), elem::addBiasBody(load<T>(yp, y.dtype()), load<T>(bias.at(o[1]), bias.dtype())));
     });
   });
 }
@@ -480,21 +420,21 @@ void SimCompute::sumRows(ConstView y, View out, float beta) {
     const float* yp = y.typed<float>();
     const std::int64_t rows = n ? y.numel() / n : 0;
     for (std::int64_t r = 0; r < rows; ++r, yp += n)
-      for (std::int64_t j = 0; j < n; ++j) acc[j] += yp[j];
+      for (std::int64_t j = 0; j < n; ++j) acc[j] = elem::sumRowsStep(acc[j], yp[j]);
     float* o = out.typed<float>();
-    for (std::int64_t j = 0; j < n; ++j) o[j] = beta != 0.f ? acc[j] + beta * o[j] : acc[j];
+    for (std::int64_t j = 0; j < n; ++j) o[j] = elem::sumRowsFinish(acc[j], beta, o[j]);
     return;
   }
   withAccumType({y.dtype(), out.dtype()}, [&](auto zero) {
     using T = decltype(zero);
     std::vector<T> acc(std::size_t(n), T(0));  // (N); forEach visits rows in increasing order
-    forEach<2>(y.shape(), {y.strides(), rowBroadcast(y, 1)},
-               [&](const auto& o) { acc[std::size_t(o[1])] += load<T>(y.at(o[0]), y.dtype()); });
+    forEach<2>(y.shape(), {y.strides(), rowBroadcast(y, 1)}, [&](const auto& o) {
+      T& sum = acc[std::size_t(o[1])];
+      sum = elem::sumRowsStep(sum, load<T>(y.at(o[0]), y.dtype()));
+    });
     for (std::int64_t j = 0; j < n; ++j) {
       void* op = out.at(j * out.stride(0));
-      T v = acc[std::size_t(j)];
-      if (beta != 0.f) v += T(beta) * load<T>(op, out.dtype());
-      store<T>(op, out.dtype(), v);
+      store<T>(op, out.dtype(), elem::sumRowsFinish(acc[std::size_t(j)], T(beta), load<T>(op, out.dtype())));
     }
   });
 }
@@ -554,7 +494,7 @@ void SimCompute::quantizeMxfp8(ConstView x, View data, View scales, int axis) {
   checkFloating("quantizeMxfp8", "x", x);
   TPSIM_CHECK(x.rank() == 2, "quantizeMxfp8: x must be a matrix (R, C), got ", x.str());
   checkSameShape("quantizeMxfp8", "data", data, "x", x);
-  checkMxfp8("quantizeMxfp8", data, scales, axis);
+  compute_checks::checkMxfp8(Device::kHost, "quantizeMxfp8", data, scales, axis);
   // Element k of the block (a, b): row-major (a, k) for rowwise blocks, (k, a) for columnwise ones.
   auto offset = [axis](ConstView v, std::int64_t a, std::int64_t k) {
     return axis == 1 ? a * v.stride(0) + k * v.stride(1) : k * v.stride(0) + a * v.stride(1);
@@ -578,7 +518,7 @@ void SimCompute::quantizeMxfp8(ConstView x, View data, View scales, int axis) {
     *static_cast<std::uint8_t*>(scale) = std::uint8_t(e + 127);
     for (std::int64_t k = first; k < last; ++k) {
       const double v = load<double>(x.at(offset(x, a, k)), x.dtype());
-      *static_cast<std::uint8_t*>(data.at(offset(data, a, k))) = toE4m3(std::ldexp(v, -e));
+      *static_cast<std::uint8_t*>(data.at(offset(data, a, k))) = toE4m3(elem::unscale(v, e));
     }
   });
 }
@@ -586,7 +526,7 @@ void SimCompute::quantizeMxfp8(ConstView x, View data, View scales, int axis) {
 void SimCompute::dequantizeMxfp8(ConstView data, ConstView scales, int axis, View y) {
   checkFloating("dequantizeMxfp8", "y", y);
   TPSIM_CHECK(data.rank() == 2, "dequantizeMxfp8: data must be a matrix (R, C), got ", data.str());
-  checkMxfp8("dequantizeMxfp8", data, scales, axis);
+  compute_checks::checkMxfp8(Device::kHost, "dequantizeMxfp8", data, scales, axis);
   checkSameShape("dequantizeMxfp8", "y", y, "data", data);
   // Both factors fit double exactly (4 significant bits times a power of two), so the product is
   // exact and the store below is the only rounding.

@@ -87,13 +87,19 @@ TEST(WrapGtp, ShardsAreRowsOfThePaddedWeight) {  // G1, G2, G3, G6
 }
 
 // MEAN and SUM, synchronous and deferred: main_grad_g += (Σ_q dW_q · scale)[g-rows], pad rows 0.
+// The config picks the reduction: calculate_per_token_loss is SUM, and
+// gtp_reduce_scatter_with_fp32_accumulation the all-to-all variant.
 TEST(GtpGradReducer, ReduceScatterIntoMainGrad) {
   for (bool mean : {true, false})
     for (bool async : {false, true})
       for (bool fp32Accum : {false, true})
         runRanks(4, [&](RankContext& ctx) {
           const int g = ctx.comm.rank();
-          GtpGradReducer reducer(ctx.compute, {mean, fp32Accum, async});
+          ModelParallelConfig config;
+          config.calculatePerTokenLoss = !mean;
+          config.gtpReduceScatterWithFp32Accumulation = fp32Accum;
+          GtpGradReducer reducer(ctx.compute, GtpReduceOptions::fromConfig(config, async));
+          EXPECT_EQ(reducer.options().async, async);
           std::vector<Parameter> shards(2);
           for (int i = 0; i < 2; ++i) {
             shards[i].name = "w" + std::to_string(i);

@@ -162,6 +162,133 @@ TEST(RowParallelLinear, MatchesDense) {
   }
 }
 
+// Σ over rank t's output rows [t·N/T, (t+1)·N/T) of dY·W: its partial input gradient (M, K).
+std::vector<double> partialDgrad(const Dense& d, std::int64_t m, std::int64_t k, std::int64_t n, int T, int t) {
+  const std::int64_t nl = n / T;
+  return table(m, k, [&](auto i, auto p) {
+    double s = 0;
+    for (std::int64_t j = t * nl; j < (t + 1) * nl; ++j) s += d.dy[i * n + j] * d.w[j * k + p];
+    return s;
+  });
+}
+
+// The names of the collectives each rank issued.
+std::vector<std::vector<std::string>> opsOf(const sim::World& world) {
+  std::vector<std::vector<std::string>> ops;
+  for (const auto& events : world.trace()) {
+    ops.emplace_back();
+    for (const TraceEvent& e : events) ops.back().push_back(e.op);
+  }
+  return ops;
+}
+
+// disable_grad_reduce (SPEC 3.18 steps 3, 8): backward hands back each rank's own partial
+// dY_t·W_t, not summed over TP, and the layer issues no TP collective at all; the weight and bias
+// gradients are unchanged. Without the flag the same layer all-reduces dX once per backward.
+TEST(ColumnParallelLinear, DisableGradReduceReturnsEachRanksPartialDgrad) {
+  for (int T : {2, 4})
+    for (bool bias : {false, true})
+      for (DType dt : {DType::kFloat32, DType::kBFloat16})
+        for (bool disable : {true, false}) {
+          SCOPED_TRACE(::testing::Message() << "T=" << T << (bias ? " bias " : " ") << dtypeName(dt)
+                                            << (disable ? " disable_grad_reduce" : ""));
+          const std::int64_t s = 3, b = 2, k = 6, n = 2 * T, m = s * b, nl = n / T;
+          const Dense d = dense(m, k, n);
+          WorldOptions wo;
+          wo.size = T;
+          wo.trace = true;
+          sim::World world(wo);
+          world.run([&](RankContext& ctx) {
+            const int t = ctx.comm.rank();
+            ModelParallelConfig config;
+            config.tensorModelParallelSize = T;
+            config.performInitialization = false;
+            config.paramsDtype = dt;
+            ColumnParallelOptions o;
+            o.bias = bias;
+            o.disableGradReduce = disable;
+            ColumnParallelLinear layer({ctx.compute, ctx.comm}, config, k, n, initMethodNormal(0.02), o);
+            EXPECT_EQ(layer.allreduceDgrad(), !disable);
+            ctx.compute.copy(tensorOf(ctx.compute, dt, rows(d.w, k, t * nl, (t + 1) * nl), Shape{nl, k}),
+                             layer.weight()->data);
+            if (bias)
+              ctx.compute.copy(tensorOf(ctx.compute, dt, columns(d.b, n, t * nl, (t + 1) * nl), Shape{nl}),
+                               layer.bias()->data);
+            Tensor x = tensorOf(ctx.compute, dt, d.x, Shape{s, b, k});
+            LayerOutput out = layer.forward(x);
+            if (bias) {
+              EXPECT_EQ(valuesOf(ctx.compute, out.output), columns(d.y, n, t * nl, (t + 1) * nl)) << "forward";
+            }
+            Tensor dx = layer.backward(tensorOf(ctx.compute, dt, columns(d.dy, n, t * nl, (t + 1) * nl), Shape{s, b, nl}));
+            EXPECT_EQ(valuesOf(ctx.compute, dx), disable ? partialDgrad(d, m, k, n, T, t) : d.dx) << "dgrad";
+            EXPECT_EQ(valuesOf(ctx.compute, layer.weight()->grad), rows(d.dw, k, t * nl, (t + 1) * nl)) << "wgrad";
+            if (bias) {
+              EXPECT_EQ(valuesOf(ctx.compute, layer.bias()->grad), columns(d.db, n, t * nl, (t + 1) * nl)) << "bias grad";
+            }
+          });
+          const std::vector<std::string> issued = disable ? std::vector<std::string>{}
+                                                          : std::vector<std::string>{"allReduce"};
+          for (const auto& ops : opsOf(world)) EXPECT_EQ(ops, issued);
+        }
+}
+
+// Expert layers with explicit expert communication (is_expert with T > 1; SPEC 3.18 step 6, 3.19
+// step 4): the token dispatcher communicates, so no TP collective runs inside either layer, even
+// under sequence parallelism. The column's dX and the row's output are each rank's partial, and
+// the row needs skip_bias_add (its bias would otherwise be added to every partial).
+TEST(Layers, ExpertLayersLeaveTheCommunicationToTheCaller) {
+  const int T = 2;
+  for (bool sp : {false, true}) {
+    SCOPED_TRACE(sp ? "sequence_parallel" : "no sequence_parallel");
+    const std::int64_t s = 2, b = 2, k = 4, n = 4, m = s * b, half = 2;
+    const Dense d = dense(m, k, n);
+    WorldOptions wo;
+    wo.size = T;
+    wo.trace = true;
+    sim::World world(wo);
+    world.run([&](RankContext& ctx) {
+      const int t = ctx.comm.rank();
+      ModelParallelConfig config;
+      config.tensorModelParallelSize = T;
+      config.sequenceParallel = sp;
+      config.performInitialization = false;
+      ColumnParallelOptions co;
+      co.isExpert = true;
+      co.bias = false;
+      ColumnParallelLinear col({ctx.compute, ctx.comm}, config, k, n, initMethodNormal(0.02), co);
+      ctx.compute.copy(tensorOf(ctx.compute, DType::kFloat32, rows(d.w, k, t * half, (t + 1) * half), Shape{half, k}),
+                       col.weight()->data);
+      Tensor x = tensorOf(ctx.compute, DType::kFloat32, d.x, Shape{s, b, k});  // not gathered along s
+      col.forward(x);
+      Tensor dx = col.backward(
+          tensorOf(ctx.compute, DType::kFloat32, columns(d.dy, n, t * half, (t + 1) * half), Shape{s, b, half}));
+      EXPECT_EQ(valuesOf(ctx.compute, dx), partialDgrad(d, m, k, n, T, t)) << "column dgrad";
+
+      RowParallelOptions ro;
+      ro.isExpert = true;
+      ro.inputIsParallel = true;
+      RowParallelLinear unskipped({ctx.compute, ctx.comm}, config, k, n, initMethodNormal(0.02), ro);
+      Tensor xLocal = tensorOf(ctx.compute, DType::kFloat32, columns(d.x, k, t * half, (t + 1) * half), Shape{s, b, half});
+      EXPECT_THAT(errorOf([&] { unskipped.forward(xLocal); }), HasSubstr("need skip_bias_add = True"));
+      ro.skipBiasAdd = true;
+      RowParallelLinear row({ctx.compute, ctx.comm}, config, k, n, initMethodNormal(0.02), ro);
+      ctx.compute.copy(tensorOf(ctx.compute, DType::kFloat32, columns(d.w, k, t * half, (t + 1) * half), Shape{n, half}),
+                       row.weight().data);
+      LayerOutput out = row.forward(xLocal);
+      EXPECT_EQ(out.outputBias, row.bias());
+      const auto partialY = table(m, n, [&](auto i, auto j) {
+        double v = 0;
+        for (std::int64_t p = t * half; p < (t + 1) * half; ++p) v += d.x[i * k + p] * d.w[j * k + p];
+        return v;
+      });
+      EXPECT_EQ(valuesOf(ctx.compute, out.output), partialY) << "row output, not reduced over TP";
+      Tensor dxRow = row.backward(tensorOf(ctx.compute, DType::kFloat32, d.dy, Shape{s, b, n}));
+      EXPECT_EQ(valuesOf(ctx.compute, dxRow), columns(d.dx, k, t * half, (t + 1) * half)) << "row dgrad";
+    });
+    for (const auto& ops : opsOf(world)) EXPECT_TRUE(ops.empty()) << ops.size() << " collectives, first " << ops[0];
+  }
+}
+
 TEST(RowParallelLinear, SpecWorkedExample) {  // 3.19, T = 2
   runRanks(2, [](RankContext& ctx) {
     ModelParallelConfig config;
@@ -276,6 +403,10 @@ TEST(Layers, RejectedConfigurationsNameTheArgument) {
     sp.sequenceParallel = true;
     EXPECT_THAT(errorOf([&] { RowParallelLinear({ctx.compute, ctx.comm}, sp, 4, 4, init, {}); }),
                 HasSubstr("sequence_parallel needs input_is_parallel = True"));
+    ColumnParallelOptions noReduce;
+    noReduce.disableGradReduce = true;
+    EXPECT_THAT(errorOf([&] { ColumnParallelLinear({ctx.compute, ctx.comm}, sp, 4, 4, init, noReduce); }),
+                HasSubstr("disable_grad_reduce = True with sequence_parallel = True"));
     ModelParallelConfig spT1;
     spT1.sequenceParallel = true;
     EXPECT_THAT(errorOf([&] { RowParallelLinear({ctx.compute, ctx.comm}, spT1, 4, 4, init, {}); }),

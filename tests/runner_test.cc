@@ -6,6 +6,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 namespace tpsim::tools {
 namespace {
 
@@ -102,6 +104,46 @@ TEST(Runner, SequenceParallelRowBiasGradientIsFinalizedOverTp) {
   }
 }
 
+// --disable-grad-reduce: input.grad is every TP rank's own partial dY_t·W_t, stacked (T, s, b, K)
+// and checked against those partial products; they add up to the reduced input gradient, and no
+// rank reduces anything over TP.
+TEST(Runner, DisableGradReduceReturnsEachRanksPartialInputGradient) {
+  for (int tp : {2, 4})
+    for (DType dt : {DType::kFloat32, DType::kBFloat16})
+      for (auto set : std::vector<std::function<void(RunConfig&)>>{
+               [](RunConfig&) {}, [](RunConfig& r) { r.bias = true; }, [](RunConfig& r) { r.gatherOutput = true; },
+               [](RunConfig& r) { r.stride = 2; }, [](RunConfig& r) { r.gradAccumulationFusion = true; },
+               [](RunConfig& r) { r.gtpRemat = 2; r.batch = 4; }}) {
+        RunConfig c;
+        c.tp = tp;
+        c.dtype = dt;
+        c.disableGradReduce = true;
+        set(c);
+        const TensorMap inputs = generateInputs(c);
+        expectAgreement(c, inputs);
+        const RunResult r = runSharded(c, inputs);
+        const HostTensor& partials = r.results.at("input.grad");
+        ASSERT_EQ(partials.shape, (std::vector<std::int64_t>{tp, c.seq, c.batch, c.inFeatures})) << c.str();
+        RunConfig reduced = c;
+        reduced.disableGradReduce = false;
+        const HostTensor full = runSharded(reduced, inputs).results.at("input.grad");
+        const std::size_t each = full.values.size();
+        double worst = 0, scale = 0;
+        for (std::size_t i = 0; i < each; ++i) {
+          double total = 0;
+          for (int t = 0; t < tp; ++t) total += partials.values[t * each + i];
+          worst = std::max(worst, std::fabs(total - full.values[i]));
+          scale = std::max(scale, std::fabs(full.values[i]));
+        }
+        EXPECT_LT(worst, (dt == DType::kFloat32 ? 1e-5 : 3e-2) * scale) << c.str();
+        for (const auto& events : r.trace)
+          for (const TraceEvent& e : events)
+            if (e.group.rfind("tp[", 0) == 0) {
+              EXPECT_TRUE(e.op != "allReduce" && e.op != "reduceScatter") << c.str() << ": " << e.op << " on " << e.group;
+            }
+      }
+}
+
 // GTP_remat through the whole tool: every layer kind, MEAN and SUM, padding that spills over
 // several peers (a = 16 on tiny dims), no padding (a = 0), and the fp32-accumulation variant.
 TEST(Runner, GtpRematAgreesWithTheDenseComputation) {
@@ -195,6 +237,13 @@ TEST(Runner, BadConfigurationsAndInputsAreNamed) {
   c.sequenceParallel = true;
   EXPECT_THAT(message([&] { c.validate(); }), HasSubstr("RowParallelLinear needs --input-is-parallel"));
   c = RunConfig();
+  c.layer = LayerKind::kRow;
+  c.disableGradReduce = true;
+  EXPECT_THAT(message([&] { c.validate(); }), HasSubstr("--disable-grad-reduce: applies to --layer column"));
+  c.layer = LayerKind::kColumn;
+  c.sequenceParallel = true;
+  EXPECT_THAT(message([&] { c.validate(); }), HasSubstr("--disable-grad-reduce: not with --sequence-parallel"));
+  c = RunConfig();
   c.outputDtype = DType::kFloat32;
   c.layer = LayerKind::kMlp;
   EXPECT_THAT(message([&] { c.validate(); }), HasSubstr("--output-dtype: only ColumnParallelLinear"));
@@ -252,10 +301,11 @@ TEST(Runner, CommandLineNamesEveryNonDefaultFlag) {
   c = RunConfig();
   c.layer = LayerKind::kColumn;
   c.gatherOutput = true;
+  c.disableGradReduce = true;
   c.outputDtype = DType::kFloat32;
   EXPECT_EQ(commandLine(c, "/tmp/a dir/it's"),
-            "tpsim run --layer column --tp 2 --gather-output --dtype fp32 --output-dtype fp32 --seed 1234 "
-            "--load '/tmp/a dir/it'\\''s'");
+            "tpsim run --layer column --tp 2 --gather-output --disable-grad-reduce --dtype fp32 --output-dtype fp32 "
+            "--seed 1234 --load '/tmp/a dir/it'\\''s'");
   c = RunConfig();
   c.layer = LayerKind::kEmbedding;
   c.reduceScatterEmbeddings = true;

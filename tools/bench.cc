@@ -1,4 +1,5 @@
 // tpsim bench: what the simulator costs, each figure next to a baseline measured in the same run.
+// With --backend gpu the sections are the GPU's (tools/bench_gpu.cc); this file parses for both.
 //
 //  latency    allReduce of one fp32 per rank, N ranks on the fiber world, against one OS thread
 //             per rank meeting at a mutex/condition-variable barrier (the obvious alternative).
@@ -24,6 +25,8 @@
 #include "core/layers.h"
 #include "sim/sim_compute.h"
 #include "sim/world.h"
+#include "tools/backend.h"
+#include "tools/bench_gpu.h"
 #include "tools/cli.h"
 #include "tpsim_config.h"
 
@@ -358,34 +361,83 @@ void benchMlp(const BenchConfig& c) {
 
 int benchMain(const std::vector<std::string>& args) {
   BenchConfig c;
-  std::string ranks = "2..64", minBytes = "1M", maxBytes = "64M", mlpTp = "1,2,4,8";
+  GpuBenchConfig g;  // its defaults, where --backend gpu differs from the simulator's
+  std::string backend = "sim", ranks = "2..64", minBytes = "1M", maxBytes = "64M", mlpTp = "1,2,4,8",
+              fabricRanks = "2,4,8";
+  auto gpuDefault = [](const std::string& help, const std::string& value) { return help + "; gpu: " + value; };
   po::options_description run("Run");
   run.add_options()
       ("help,h", "show this help")
-      ("what,W", po::value(&c.what)->default_value(c.what), "latency | bandwidth | gemm | mlp | all")
-      ("threads,t", po::value(&c.threads)->default_value(c.threads), "sim worker threads (0 = min(cores, ranks))");
+      ("backend,B", po::value(&backend)->default_value(backend),
+       "sim | gpu (gpu: the layers and the DeviceFabric on one CUDA GPU)")
+      ("what,W", po::value(&c.what)->default_value(c.what),
+       "sim: latency | bandwidth | gemm | mlp | all; gpu: layers | fabric | all")
+      ("threads,t", po::value(&c.threads)->default_value(c.threads), "worker threads (0 = min(cores, ranks))")
+      ("warmup,w", po::value(&g.warmup)->default_value(g.warmup),
+       "gpu: untimed steps (layers) and collectives (fabric) before timing");
   po::options_description size("Problem size");
   size.add_options()
       ("ranks,r", po::value(&ranks)->default_value(ranks), "latency: rank counts, 2..64 or 2,8,64")
       ("iters,i", po::value(&c.iters)->default_value(c.iters), "latency: collectives per measurement")
       ("bw-ranks,p", po::value(&c.bwRanks)->default_value(c.bwRanks), "bandwidth: number of ranks")
-      ("min-bytes,b", po::value(&minBytes)->default_value(minBytes), "bandwidth: smallest size (K/M/G)")
-      ("max-bytes,e", po::value(&maxBytes)->default_value(maxBytes), "bandwidth: largest size (K/M/G)")
-      ("bw-iters,n", po::value(&c.bwIters)->default_value(c.bwIters), "bandwidth: iterations per size")
+      ("fabric-ranks,R", po::value(&fabricRanks)->default_value(fabricRanks), "gpu fabric: rank counts")
+      ("min-bytes,b", po::value(&minBytes)->default_value(minBytes), "bandwidth, fabric: smallest size (K/M/G)")
+      ("max-bytes,e", po::value(&maxBytes)->default_value(maxBytes),
+       gpuDefault("bandwidth, fabric: largest size (K/M/G)", sizeText(g.maxBytes)).c_str())
+      ("bw-iters,n", po::value(&c.bwIters)->default_value(c.bwIters),
+       gpuDefault("bandwidth, fabric: iterations per size", std::to_string(g.iters)).c_str())
       ("gemm-reps,g", po::value(&c.gemmReps)->default_value(c.gemmReps), "gemm: timed samples (best is kept)")
-      ("tokens,m", po::value(&c.tokens)->default_value(c.tokens), "mlp: tokens s·b")
-      ("hidden,k", po::value(&c.hidden)->default_value(c.hidden), "mlp: hidden size h")
-      ("ffn,f", po::value(&c.ffn)->default_value(c.ffn), "mlp: ffn hidden size F")
-      ("mlp-tp", po::value(&mlpTp)->default_value(mlpTp), "mlp: TP sizes")
-      ("mlp-reps", po::value(&c.mlpReps)->default_value(c.mlpReps), "mlp: timed samples (best is kept)");
+      ("tokens,m", po::value(&c.tokens)->default_value(c.tokens),
+       gpuDefault("mlp, layers: tokens s·b", std::to_string(g.tokens)).c_str())
+      ("hidden,k", po::value(&c.hidden)->default_value(c.hidden),
+       gpuDefault("mlp, layers: hidden size h", std::to_string(g.hidden)).c_str())
+      ("ffn,f", po::value(&c.ffn)->default_value(c.ffn),
+       gpuDefault("mlp, layers: ffn hidden size F", std::to_string(g.ffn)).c_str())
+      ("mlp-tp", po::value(&mlpTp)->default_value(mlpTp), "mlp, layers: TP sizes")
+      ("mlp-reps", po::value(&c.mlpReps)->default_value(c.mlpReps),
+       gpuDefault("mlp: timed samples (best is kept); layers: timed steps (best and median)",
+                  std::to_string(g.steps)).c_str());
   po::options_description all("tpsim bench [options]");
   all.add(run).add(size);
-  po::variables_map vm;
-  po::store(po::command_line_parser(args).options(all).run(), vm);
-  po::notify(vm);
+  const po::variables_map vm = parseOptions(args, all);
   if (vm.count("help")) {
     std::cout << all << "\n";
     return 0;
+  }
+  if (!isBackendName(backend)) throw UsageError{"--backend: expected sim or gpu, got '" + backend + "'"};
+  if (backend == "gpu") {
+    auto given = [&](const char* name) { return !vm[name].defaulted(); };
+    g.what = c.what;
+    g.threads = c.threads;
+    g.tp = parseIntList("mlp-tp", mlpTp);
+    g.fabricRanks = parseIntList("fabric-ranks", fabricRanks);
+    g.minBytes = parseSize("min-bytes", minBytes);
+    if (given("max-bytes")) g.maxBytes = parseSize("max-bytes", maxBytes);
+    if (given("bw-iters")) g.iters = c.bwIters;
+    if (given("tokens")) g.tokens = c.tokens;
+    if (given("hidden")) g.hidden = c.hidden;
+    if (given("ffn")) g.ffn = c.ffn;
+    if (given("mlp-reps")) g.steps = c.mlpReps;
+    if (g.what != "all" && g.what != "layers" && g.what != "fabric")
+      throw UsageError{"--what: with --backend gpu expected layers, fabric or all, got '" + g.what + "'"};
+    if (g.tokens < 1 || g.hidden < 1 || g.ffn < 1 || g.steps < 1 || g.iters < 1 || g.warmup < 0)
+      throw UsageError{"--tokens, --hidden, --ffn, --mlp-reps and --bw-iters must be >= 1, --warmup >= 0"};
+    for (int T : g.tp)
+      if (T > 64 || g.tokens % T || g.ffn % T)
+        throw UsageError{"--mlp-tp: every TP size must be <= 64 and divide --tokens and --ffn, got " +
+                         std::to_string(T) + " for tokens " + std::to_string(g.tokens) + " and ffn " +
+                         std::to_string(g.ffn)};
+    const int maxRanks = *std::max_element(g.fabricRanks.begin(), g.fabricRanks.end());
+    if (maxRanks > 64)
+      throw UsageError{"--fabric-ranks: at most 64 ranks share one GPU, got " + std::to_string(maxRanks)};
+    if (g.minBytes < 4 * maxRanks || g.maxBytes < g.minBytes)
+      throw UsageError{"--min-bytes/--max-bytes: expected 4·fabric-ranks <= min <= max, got " + minBytes + " and " +
+                       sizeText(g.maxBytes)};
+    const std::string whyNot = backendUnusableReason("gpu");
+#if TPSIM_HAVE_GPU
+    if (whyNot.empty()) return benchGpu(g);
+#endif
+    throw UsageError{"--backend gpu: cannot run here: " + whyNot};
   }
   c.ranks = parseIntList("ranks", ranks);
   c.mlpTp = parseIntList("mlp-tp", mlpTp);

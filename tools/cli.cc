@@ -1,8 +1,41 @@
 #include "tools/cli.h"
 
+#include <boost/program_options/parsers.hpp>
 #include <cctype>
 
 namespace tpsim::tools {
+
+const char kExitCodes[] =
+    "exit codes:\n"
+    "  0  the sharded results agree with the unsharded computation\n"
+    "  1  a result is outside its bound (or not finite)\n"
+    "  2  bad input: flags, files, sizes, out of memory, or a path that cannot be read or written\n"
+    "  3  the simulated world failed (a rank or a collective), or tpsim's own error\n";
+
+boost::program_options::variables_map parseOptions(const std::vector<std::string>& args,
+                                                   const boost::program_options::options_description& options) {
+  namespace po = boost::program_options;
+  const po::parsed_options parsed = po::command_line_parser(args).options(options).run();
+  for (const std::string& word : po::collect_unrecognized(parsed.options, po::include_positional))
+    throw UsageError{"expected only options (a switch such as --bias takes no value: give it for on, leave it "
+                     "out for off), got the stray argument '" + word + "'"};
+  po::variables_map vm;
+  po::store(parsed, vm);
+  po::notify(vm);
+  return vm;
+}
+
+std::uint64_t parseSeed(const std::string& text) {
+  bool ok = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
+  std::uint64_t v = 0;
+  try {
+    if (ok) v = std::stoull(text);
+  } catch (const std::out_of_range&) {
+    ok = false;
+  }
+  if (!ok) throw UsageError{"--seed: expected an integer in 0..2^64-1, got '" + text + "'"};
+  return v;
+}
 
 std::vector<int> parseIntList(const std::string& option, const std::string& text) {
   auto toInt = [&](const std::string& s) {
@@ -50,6 +83,12 @@ long long parseSize(const std::string& option, const std::string& text) {
   if (used == 0 || v < 0)
     throw UsageError{"--" + option + ": expected a size like 128, 64K, 16M or 1G, got '" + text + "'"};
   return v * scale;
+}
+
+std::string sizeText(long long bytes) {
+  for (auto [scale, suffix] : {std::pair{1LL << 30, "G"}, {1LL << 20, "M"}, {1LL << 10, "K"}})
+    if (bytes != 0 && bytes % scale == 0) return std::to_string(bytes / scale) + suffix;
+  return std::to_string(bytes);
 }
 
 }  // namespace tpsim::tools

@@ -25,7 +25,7 @@ int demoMain(const std::vector<std::string>& args) {
   c.inFeatures = 16;
   c.ffnHidden = 64;
   c.gtpRemat = 2;
-  std::string dtype = "fp32";
+  std::string dtype = "fp32", seed;
   bool noSequenceParallel = false;
   po::options_description opts("tpsim demo [options]");
   opts.add_options()
@@ -39,20 +39,19 @@ int demoMain(const std::vector<std::string>& args) {
       ("batch,b", po::value(&c.batch)->default_value(c.batch), "micro-batch b")
       ("hidden,k", po::value(&c.inFeatures)->default_value(c.inFeatures), "hidden size h")
       ("ffn-hidden,f", po::value(&c.ffnHidden)->default_value(c.ffnHidden), "ffn hidden size F")
-      ("seed", po::value(&c.seed)->default_value(c.seed), "seed of the generated data")
+      ("seed", po::value(&seed)->default_value(std::to_string(c.seed)), "seed of the generated data")
       ("threads,t", po::value(&c.threads)->default_value(c.threads), "sim worker threads (0 = min(cores, ranks))")
       ("backend,B", po::value(&c.backend)->default_value(c.backend),
        "sim | gpu: the simulator, or CUDA devices (exit 2 with the reason where none is usable)");
-  po::variables_map vm;
-  po::store(po::command_line_parser(args).options(opts).run(), vm);
-  po::notify(vm);
+  const po::variables_map vm = parseOptions(args, opts);
   if (vm.count("help")) {
-    std::cout << opts << "\n";
+    std::cout << opts << "\n" << kExitCodes;
     return 0;
   }
   if (dtype != "fp32" && dtype != "bf16" && dtype != "fp16")
     throw UsageError{"--dtype: expected fp32, bf16 or fp16, got '" + dtype + "'"};
   c.dtype = parseDType(dtype);
+  c.seed = parseSeed(seed);
   c.sequenceParallel = !noSequenceParallel && c.tp > 1;
   c.validate();
   if (!isBackendName(c.backend)) throw UsageError{"--backend: expected sim or gpu, got '" + c.backend + "'"};
@@ -90,11 +89,14 @@ int demoMain(const std::vector<std::string>& args) {
   std::printf("# bound: (reduction length · 2^-24 + rounding stages · u(dtype)) · (the same math on |values|)\n");
   std::printf("%-18s %-14s %12s %12s %9s  %s\n", "tensor", "shape", "max|err|", "bound", "#outside", "result");
   bool ok = true;
+  std::string notes;
   for (const Verdict& v : verify(c, inputs, r.results)) {
     ok = ok && v.outside == 0;
     std::printf("%-18s %-14s %12.3e %12.3e %9lld  %s\n", v.name.c_str(), v.shape.c_str(), v.maxError, v.maxBound,
-                (long long)v.outside, v.outside == 0 ? "OK" : "FAIL");
+                (long long)v.outside, verdictResult(v).c_str());
+    notes += nonFiniteNote(v);
   }
+  if (!notes.empty()) std::printf("\n%s", notes.c_str());
   std::printf("\n%s\n", ok ? "every output and gradient agrees with the unsharded MLP" : "MISMATCH");
   return ok ? 0 : 1;
 }

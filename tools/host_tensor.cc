@@ -5,6 +5,13 @@
 #include "backends/errors.h"
 
 namespace tpsim::tools {
+
+std::int64_t checkedMul(std::int64_t a, std::int64_t b, const std::string& what) {
+  std::int64_t product = 0;
+  TPSIM_CHECK(a >= 0 && b >= 0 && !__builtin_mul_overflow(a, b, &product), what,
+              ": expected sizes whose product fits in 64 bits, got ", a, " x ", b);
+  return product;
+}
 namespace {
 
 std::int64_t product(const std::vector<std::int64_t>& s, std::size_t from, std::size_t to) {

@@ -21,6 +21,10 @@ struct HostTensor {
   std::string shapeStr() const;  // "(8, 2, 16)"
 };
 
+// a · b for sizes derived from flags or file headers. Throws InvalidArgument naming `what` (the
+// flags or file they come from) when either is negative or the product does not fit in int64.
+std::int64_t checkedMul(std::int64_t a, std::int64_t b, const std::string& what);
+
 // Rounds every value to `dtype` (bf16/fp16/fp8e4m3 round to nearest even, fp8e4m3 saturates, int64
 // must be integral, e8m0 must be a power of two).
 HostTensor makeHost(std::vector<std::int64_t> shape, DType dtype, std::vector<double> values);
@@ -32,7 +36,8 @@ HostTensor chunk(const HostTensor& t, int dim, int index, int parts);
 HostTensor concat(const std::vector<HostTensor>& parts, int dim);
 // Swaps dims 0 and 1: (b, s, h) <-> (s, b, h).
 HostTensor swap01(const HostTensor& t);
-// Elementwise sum of equally shaped tensors (the TP all-reduce finalize applies to SP biases).
+// Elementwise sum of equally shaped tensors (finalize's reduction of replicated parameters over the
+// GTP_remat peers).
 HostTensor sum(const std::vector<HostTensor>& parts);
 
 Tensor toBackend(Compute& compute, const HostTensor& t);

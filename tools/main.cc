@@ -2,10 +2,13 @@
 #include <boost/program_options/errors.hpp>
 #include <cstdio>
 #include <exception>
+#include <filesystem>
+#include <new>
 #include <string>
 #include <vector>
 
 #include "backends/errors.h"
+#include "backends/world.h"
 #include "tools/backend.h"
 #include "tools/cli.h"
 #include "tpsim_config.h"
@@ -20,10 +23,21 @@ const char* kUsage =
     "commands:\n"
     "  demo    an MLP block (column fc1, GeLU, row fc2) at TP=4 with sequence parallelism, verified\n"
     "  run     one layer sharded on your own tensors (.npy) or generated ones, verified\n"
-    "  bench   simulator overheads: tiny-collective latency, collective bandwidth, GEMM throughput\n"
+    "  bench   simulator overheads: tiny-collective latency, collective bandwidth, GEMM throughput;\n"
+    "          with --backend gpu: the layers against cuBLASLt and PyTorch, DeviceFabric bandwidth\n"
     "  devices the backends this build has (sim, gpu) and whether each can run here, with the reason\n"
     "\n"
-    "'tpsim <command> --help' lists a command's options; 'tpsim --version' the build.\n";
+    "'tpsim <command> --help' lists a command's options; 'tpsim --version' the build.\n"
+    "\n";
+
+// One line on stderr, "tpsim <command>: <message>", and the exit code. The tools' own messages
+// already start with "tpsim run: " where they reach library callers too; that is not repeated.
+int fail(const std::string& command, const std::string& kind, std::string message, int code) {
+  const std::string prefix = "tpsim " + command + ": ";
+  if (message.compare(0, prefix.size(), prefix) == 0) message.erase(0, prefix.size());
+  std::fprintf(stderr, "%s%s%s\n", prefix.c_str(), kind.c_str(), message.c_str());
+  return code;
+}
 
 }  // namespace
 
@@ -31,6 +45,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty() || args[0] == "-h" || args[0] == "--help" || args[0] == "help") {
     std::fputs(kUsage, args.empty() ? stderr : stdout);
+    std::fputs(tpsim::tools::kExitCodes, args.empty() ? stderr : stdout);
     return args.empty() ? 2 : 0;
   }
   if (args[0] == "--version") {  // what a benchmark figure or a bug report needs to know about this binary
@@ -62,11 +77,17 @@ int main(int argc, char** argv) {
   } catch (const boost::program_options::error& e) {
     std::fprintf(stderr, "tpsim %s: %s\nTry 'tpsim %s --help'\n", command.c_str(), e.what(), command.c_str());
     return 2;
+  } catch (const tpsim::WorldError& e) {
+    return fail(command, "the simulated world failed: ", e.what(), 3);
   } catch (const tpsim::InvalidArgument& e) {
-    std::fprintf(stderr, "tpsim %s: %s\n", command.c_str(), e.what());
-    return 2;
+    return fail(command, "", e.what(), 2);
+  } catch (const std::filesystem::filesystem_error& e) {
+    return fail(command, "", "'" + e.path1().string() + "': expected a usable path, got '" + e.code().message() + "'", 2);
+  } catch (const std::bad_alloc&) {
+    return fail(command, "", "out of memory: the run needs more than this machine has; its size comes from --seq, "
+                "--batch, --in-features, --out-features, --ffn-hidden, --vocab, --tp, --gtp-remat and "
+                "--pad-for-alignment, or from the --load files", 2);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "tpsim %s: error: %s\n", command.c_str(), e.what());
-    return 1;
+    return fail(command, "", e.what(), 3);
   }
 }

@@ -276,8 +276,14 @@ std::string shapeString(const std::vector<std::int64_t>& shape) {
 NpyArray readNpy(const std::string& path) {
   const std::string where = "readNpy '" + path + "'";
   std::error_code ec;
-  TPSIM_CHECK(!std::filesystem::is_directory(path, ec), where,
-              ": expected a .npy file, got a directory");
+  // Before opening: opening a FIFO blocks until a writer comes, possibly forever. status()
+  // follows symlinks, so a link to a FIFO or a device is refused too.
+  const std::filesystem::file_type type = std::filesystem::status(path, ec).type();
+  TPSIM_CHECK(type != std::filesystem::file_type::directory, where, ": expected a .npy file, got a directory");
+  TPSIM_CHECK(ec || type == std::filesystem::file_type::regular, where, ": expected a regular file, got ",
+              type == std::filesystem::file_type::fifo     ? "a FIFO"
+              : type == std::filesystem::file_type::socket ? "a socket"
+                                                            : "a device or other special file");
   File file(std::fopen(path.c_str(), "rb"));
   const int openErrno = errno;
   TPSIM_CHECK(file, where, ": expected a readable .npy file, got '", std::strerror(openErrno), "'");

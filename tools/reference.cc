@@ -109,6 +109,16 @@ Checked checked(double uAcc, std::vector<std::int64_t> shape, DType dtype, Mat v
   return {HostTensor{std::move(shape), dtype, std::move(value.v)}, std::move(magnitude.v)};
 }
 
+// The rows (or columns) of a dim of `total` that TP rank t owns: chunks t, t + T, ... of
+// total/(T·stride), in order (SPEC 3.11).
+std::vector<std::int64_t> ownedIndices(std::int64_t total, int tp, int stride, int t) {
+  const std::int64_t chunk = total / (std::int64_t(tp) * stride);
+  std::vector<std::int64_t> owned;
+  for (int j = 0; j < stride; ++j)
+    for (std::int64_t i = 0; i < chunk; ++i) owned.push_back((t + std::int64_t(j) * tp) * chunk + i);
+  return owned;
+}
+
 // Half the smallest subnormal: the absolute error of one rounding near zero.
 double halfSubnormal(DType dtype) {
   switch (dtype) {
@@ -207,6 +217,26 @@ void linearLayer(const ReferenceOptions& o, const HostTensor& x, const HostTenso
   }
 }
 
+// A column layer's input gradient under disable_grad_reduce: for each TP rank t, dY over its
+// output rows times those rows of W, one GEMM rounded once, stacked (T, …, K).
+Checked partialDgrads(const ReferenceOptions& o, const HostTensor& x, const HostTensor& wDgrad, const HostTensor& dy) {
+  const MatrixView W = viewOf(wDgrad), dY = viewOf(dy);
+  std::vector<std::int64_t> shape = x.shape;
+  shape.insert(shape.begin(), o.tp);
+  Checked all{HostTensor{shape, o.computeDtype, {}}, {}};
+  for (int t = 0; t < o.tp; ++t) {
+    const std::vector<std::int64_t> rows = ownedIndices(W.rows(), o.tp, o.stride, t);
+    const Eigen::Map<const Eigen::Array<std::int64_t, Eigen::Dynamic, 1>> owned(rows.data(), std::int64_t(rows.size()));
+    const Mat dYt = evaluate(dY(Eigen::all, owned)), Wt = evaluate(W(owned, Eigen::all));
+    const std::int64_t n = std::int64_t(rows.size());
+    const Checked part = checked(o.accumulationUnit, x.shape, o.computeDtype, matmul(dYt, Wt),
+                                 matmul(absMat(dYt), absMat(Wt)), n, 1, o.computeDtype);
+    all.value.values.insert(all.value.values.end(), part.value.values.begin(), part.value.values.end());
+    all.bound.insert(all.bound.end(), part.bound.begin(), part.bound.end());
+  }
+  return all;
+}
+
 }  // namespace
 
 // The dense results and their relative bounds; denseReference adds the underflow allowance.
@@ -252,9 +282,10 @@ static std::map<std::string, Checked> denseValues(const ReferenceOptions& o, con
       const HostTensor& w = need(in, "weight");
       const int splitDim = o.kind == LayerKind::kColumn ? 0 : 1;
       HostTensor fpropMxfp8, dgradMxfp8;
-      linearLayer(o, need(in, "input"), gemmOperand(o, w, 1, splitDim, fpropMxfp8),
-                  gemmOperand(o, w, 0, splitDim, dgradMxfp8),
+      const HostTensor& wDgrad = gemmOperand(o, w, 0, splitDim, dgradMxfp8);
+      linearLayer(o, need(in, "input"), gemmOperand(o, w, 1, splitDim, fpropMxfp8), wDgrad,
                   b == in.end() ? nullptr : &b->second, need(in, "grad_output"), "", out, 0);
+      if (o.disableGradReduce) out["input.grad"] = partialDgrads(o, need(in, "input"), wDgrad, need(in, "grad_output"));
       break;
     }
     case LayerKind::kEmbedding: {
@@ -275,7 +306,8 @@ static std::map<std::string, Checked> denseValues(const ReferenceOptions& o, con
         }
       const Mat eMat = asMat(e);
       out["output"] = checked(o.accumulationUnit, e.shape, e.dtype, eMat, absMat(eMat), 0, 1 + o.tp, e.dtype);
-      out["weight.grad"] = checked(o.accumulationUnit, need(in, "weight").shape, e.dtype, dW, adW, std::int64_t(ids.values.size()), 1,
+      out["weight.grad"] = checked(o.accumulationUnit, need(in, "weight").shape, e.dtype, dW, adW,
+                                   std::int64_t(ids.values.size()), 1,
                                    e.dtype);
       break;
     }
@@ -362,13 +394,10 @@ static std::map<std::string, Checked> denseValues(const ReferenceOptions& o, con
 HostTensor mxfp8Weight(const HostTensor& w, int axis, int splitDim, int tp, int stride, DType dtype) {
   TPSIM_CHECK(w.shape.size() == 2, "mxfp8Weight: the weight must be (N, K), got ", w.shapeStr());
   const std::int64_t rows = w.shape[0], cols = w.shape[1], total = w.shape[splitDim];
-  const std::int64_t chunk = total / (std::int64_t(tp) * stride), local = chunk * stride;
+  const std::int64_t local = total / (std::int64_t(tp) * stride) * stride;
   std::vector<double> out = w.values;
   for (int t = 0; t < tp; ++t) {
-    // Rank t's rows (or columns): chunks t, t + T, ... in order (SPEC 3.11).
-    std::vector<std::int64_t> owned;
-    for (int j = 0; j < stride; ++j)
-      for (std::int64_t i = 0; i < chunk; ++i) owned.push_back((t + std::int64_t(j) * tp) * chunk + i);
+    const std::vector<std::int64_t> owned = ownedIndices(total, tp, stride, t);
     const std::int64_t lr = splitDim == 0 ? local : rows, lc = splitDim == 0 ? cols : local;
     auto global = [&](std::int64_t r, std::int64_t c) {
       return std::size_t(splitDim == 0 ? owned[r] * cols + c : r * cols + owned[c]);

@@ -46,6 +46,9 @@ struct ReferenceOptions {
   int stride = 1;
   // u_acc: the relative error of one step of a GEMM's fp32 accumulation (tools/backend.h).
   double accumulationUnit = 0x1p-24;
+  // Column with disable_grad_reduce: input.grad is each TP rank's own partial dY_t·W_t (its output
+  // rows, `stride` chunks), stacked (T, …, K), with no reduction among them.
+  bool disableGradReduce = false;
 };
 
 std::map<std::string, Checked> denseReference(const ReferenceOptions& options, const TensorMap& inputs);

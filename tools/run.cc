@@ -54,18 +54,45 @@ TensorMap load(const RunConfig& c, const std::string& dir) {
   return m;
 }
 
+// --save DIR, before the run: an existing directory, or one created now.
+void prepareSaveDir(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  TPSIM_CHECK(!ec && std::filesystem::is_directory(dir), "--save: expected a directory or a path where one can be "
+              "created, got '", dir, "' (", ec ? ec.message() : "not a directory", ")");
+}
+
+// All the outputs or none: each is written under a temporary name in DIR, and only when all are
+// complete renamed into place. rename() replaces a symlink at an output name rather than
+// following it, so nothing outside DIR is written.
 void save(const std::string& dir, const TensorMap& tensors) {
-  std::filesystem::create_directories(dir);
+  namespace fs = std::filesystem;
+  std::vector<std::pair<fs::path, fs::path>> files;  // (temporary, final)
   for (const auto& [name, t] : tensors) {
-    const std::string file = (std::filesystem::path(dir) / (name + ".npy")).string();
-    if (t.dtype == DType::kInt64) {
-      std::vector<std::int64_t> v(t.values.begin(), t.values.end());
-      writeNpy(file, DType::kInt64, t.shape, v.data());
-    } else {
-      std::vector<float> v(t.values.begin(), t.values.end());
-      writeNpy(file, DType::kFloat32, t.shape, v.data());
-    }
+    const fs::path file = fs::path(dir) / (name + ".npy");
+    const fs::file_type type = fs::symlink_status(file).type();
+    TPSIM_CHECK(type == fs::file_type::not_found || type == fs::file_type::regular || type == fs::file_type::symlink,
+                "--save: expected ", file.string(), " to be absent or a regular file, got another kind of file");
+    files.push_back({fs::path(dir) / ("." + name + ".npy.partial"), file});
   }
+  try {
+    for (const auto& [tmp, file] : files) {
+      fs::remove(tmp);  // a symlink left at the temporary name must not be written through
+      const HostTensor& t = tensors.at(file.stem().string());
+      if (t.dtype == DType::kInt64) {
+        std::vector<std::int64_t> v(t.values.begin(), t.values.end());
+        writeNpy(tmp.string(), DType::kInt64, t.shape, v.data());
+      } else {
+        std::vector<float> v(t.values.begin(), t.values.end());
+        writeNpy(tmp.string(), DType::kFloat32, t.shape, v.data());
+      }
+    }
+  } catch (...) {
+    std::error_code ignored;
+    for (const auto& [tmp, file] : files) fs::remove(tmp, ignored);
+    throw;
+  }
+  for (const auto& [tmp, file] : files) fs::rename(tmp, file);
 }
 
 LayerKind parseLayer(const std::string& s) {
@@ -91,7 +118,7 @@ DType parseFloatDtype(const std::string& flag, const std::string& s) {
 int runMain(const std::vector<std::string>& args) {
   RunConfig c;
   std::string layer, dtype = "fp32", outputDtype, mainGradDtype = "fp32", loadDir, saveDir,
-      gtpReduce = "mean", weightFormat = "native", verification = "bound";
+      gtpReduce = "mean", weightFormat = "native", verification = "bound", seed;
   po::options_description par("Parallelism");
   par.add_options()
       ("help,h", "show this help")
@@ -113,6 +140,8 @@ int runMain(const std::vector<std::string>& args) {
       ("reduce-scatter-embeddings", po::bool_switch(&c.reduceScatterEmbeddings),
        "embedding: reduce-scatter the output along the sequence")
       ("skip-bias-add", po::bool_switch(&c.skipBiasAdd), "column/row: return the bias instead of adding it")
+      ("disable-grad-reduce", po::bool_switch(&c.disableGradReduce),
+       "column: no TP reduction of the input gradient; input.grad is each rank's partial, (T, s, b, K)")
       ("stride", po::value(&c.stride)->default_value(c.stride), "column/row: interleaved partition stride")
       ("dtype,d", po::value(&dtype)->default_value(dtype), "fp32 | bf16 | fp16: params and activations")
       ("output-dtype", po::value(&outputDtype), "column: output dtype when it differs from --dtype")
@@ -133,7 +162,7 @@ int runMain(const std::vector<std::string>& args) {
   run.add_options()
       ("backend,B", po::value(&c.backend)->default_value(c.backend),
        "sim | gpu: the simulator, or CUDA devices (exit 2 with the reason where none is usable)")
-      ("seed", po::value(&c.seed)->default_value(c.seed), "seed of the generated data")
+      ("seed", po::value(&seed)->default_value(std::to_string(c.seed)), "seed of the generated data")
       ("threads,t", po::value(&c.threads)->default_value(c.threads), "sim worker threads (0 = min(cores, ranks))")
       ("load", po::value(&loadDir), "read the unsharded tensors from DIR/*.npy")
       ("save", po::value(&saveDir), "write the unsharded results (and generated inputs) to DIR/*.npy")
@@ -143,14 +172,17 @@ int runMain(const std::vector<std::string>& args) {
        "step is exact, e.g. small-integer data without GeLU) | none: skip the reference (exit 0)");
   po::options_description all("tpsim run --layer KIND [options]");
   all.add(par).add(lay).add(size).add(run);
-  po::variables_map vm;
-  po::store(po::command_line_parser(args).options(all).run(), vm);
-  po::notify(vm);
+  const po::variables_map vm = parseOptions(args, all);
   if (vm.count("help")) {
-    std::cout << all << "\n";
+    std::cout << all << "\n" << kExitCodes;
     return 0;
   }
   if (layer.empty()) throw UsageError{"--layer is required: column, row, embedding or mlp"};
+  c.seed = parseSeed(seed);
+  // An empty path would silently mean "no --load" or "no --save".
+  for (const char* flag : {"load", "save"})
+    if (vm.count(flag) && vm[flag].as<std::string>().empty())
+      throw UsageError{std::string("--") + flag + ": expected a directory, got an empty path"};
   c.layer = parseLayer(layer);
   c.dtype = parseFloatDtype("dtype", dtype);
   if (!outputDtype.empty()) c.outputDtype = parseFloatDtype("output-dtype", outputDtype);
@@ -169,6 +201,7 @@ int runMain(const std::vector<std::string>& args) {
     throw UsageError{"--backend " + c.backend + ": cannot run here: " + whyNot};
   c.validate();
 
+  if (!saveDir.empty()) prepareSaveDir(saveDir);
   std::printf("# tpsim run: %s\n", c.str().c_str());
   const TensorMap inputs = loadDir.empty() ? generateInputs(c) : load(c, loadDir);
   std::printf("# inputs (%s):", loadDir.empty() ? "generated" : loadDir.c_str());
@@ -181,6 +214,7 @@ int runMain(const std::vector<std::string>& args) {
   std::printf("# %d ranks issued %zu collectives (and %zu group splits)\n", c.tp * c.gtpRemat, collectives, splits);
 
   bool ok = true;
+  std::string notes;
   if (verifyMode != VerifyMode::kNone) {
     std::printf("\n");
     if (verifyMode == VerifyMode::kExact)
@@ -189,12 +223,15 @@ int runMain(const std::vector<std::string>& args) {
     for (const Verdict& v : verify(c, inputs, result.results, verifyMode)) {
       ok = ok && v.outside == 0;
       std::printf("%-18s %-16s %12.3e %12.3e %9lld  %s\n", v.name.c_str(), v.shape.c_str(), v.maxError, v.maxBound,
-                  (long long)v.outside, v.outside == 0 ? "OK" : "FAIL");
+                  (long long)v.outside, verdictResult(v).c_str());
+      notes += nonFiniteNote(v);
     }
   }
+  if (!notes.empty()) std::printf("\n%s", notes.c_str());
   if (!saveDir.empty()) {
-    save(saveDir, result.results);
-    if (loadDir.empty()) save(saveDir, inputs);
+    TensorMap outputs = result.results;
+    if (loadDir.empty()) outputs.insert(inputs.begin(), inputs.end());
+    save(saveDir, outputs);
     std::printf("\nsaved to %s\n", saveDir.c_str());
   }
   const char* conclusion = verifyMode == VerifyMode::kNone    ? "verification skipped (--verify none)"

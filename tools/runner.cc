@@ -7,6 +7,7 @@
 
 #include "backends/errors.h"
 #include "core/embedding.h"
+#include "core/grad_stats.h"
 #include "core/gtp.h"
 #include "core/layers.h"
 #include "core/process_groups.h"
@@ -130,7 +131,8 @@ Tensor sumRowsOf(Compute& compute, ConstView y, DType dtype) {
 
 void RunConfig::validate() const {
   TPSIM_CHECK(tp >= 1 && tp <= 64, "--tp: expected 1..64, got ", tp);
-  TPSIM_CHECK(gtpRemat >= 1 && tp * gtpRemat <= 64, "--gtp-remat: expected G >= 1 with --tp x --gtp-remat <= 64, got ",
+  // G <= 64 / T rather than T x G <= 64, which can overflow.
+  TPSIM_CHECK(gtpRemat >= 1 && gtpRemat <= 64 / std::max(tp, 1), "--gtp-remat: expected G >= 1 with --tp x --gtp-remat <= 64, got ",
               gtpRemat, " with --tp ", tp);
   TPSIM_CHECK(padForAlignment >= 0, "--pad-for-alignment: expected >= 0, got ", padForAlignment);
   TPSIM_CHECK(gtpRemat == 1 || mainGradDtype == DType::kFloat32 || mainGradDtype == dtype,
@@ -143,6 +145,9 @@ void RunConfig::validate() const {
   TPSIM_CHECK(!outputDtype || layer == LayerKind::kColumn, "--output-dtype: only ColumnParallelLinear has "
               "output_dtype, got --layer ", layerName(layer));
   TPSIM_CHECK(!gatherOutput || layer == LayerKind::kColumn, "--gather-output: applies to --layer column");
+  TPSIM_CHECK(!disableGradReduce || layer == LayerKind::kColumn, "--disable-grad-reduce: applies to --layer column");
+  TPSIM_CHECK(!(disableGradReduce && sequenceParallel), "--disable-grad-reduce: not with --sequence-parallel (the "
+              "input gradient would still be reduce-scattered over TP)");
   TPSIM_CHECK(!inputIsParallel || layer == LayerKind::kRow, "--input-is-parallel: applies to --layer row");
   TPSIM_CHECK(!reduceScatterEmbeddings || layer == LayerKind::kEmbedding,
               "--reduce-scatter-embeddings: applies to --layer embedding");
@@ -189,6 +194,7 @@ std::string RunConfig::str() const {
   if (inputIsParallel) s += " input-is-parallel";
   if (reduceScatterEmbeddings) s += " reduce-scatter-embeddings";
   if (skipBiasAdd) s += " skip-bias-add";
+  if (disableGradReduce) s += " disable-grad-reduce";
   if (stride > 1) s += detail::concat(" stride=", stride);
   if (gradAccumulationFusion) s += detail::concat(" grad-accumulation-fusion main-grad-dtype=", dtypeName(mainGradDtype));
   if (weightFormat != WeightFormat::kNative) s += detail::concat(" weight-format=", weightFormatName(weightFormat));
@@ -209,6 +215,27 @@ TensorMap generateInputs(const RunConfig& c) {
     return makeHost(std::move(shape), c.dtype, std::move(v));
   };
   const std::int64_t s = c.seq, b = c.batch, k = c.inFeatures, n = c.outFeatures;
+  // Every generated tensor's bytes as doubles, checked once, so the products below cannot wrap.
+  auto fits = [](std::vector<std::int64_t> dims, const std::string& flags) {
+    std::int64_t n = sizeof(double);
+    for (std::int64_t d : dims) n = checkedMul(n, d, flags);
+  };
+  switch (c.layer) {
+    case LayerKind::kColumn:
+    case LayerKind::kRow:
+      fits({s, b, k}, "--seq x --batch x --in-features");
+      fits({s, b, n}, "--seq x --batch x --out-features");
+      fits({n, k}, "--out-features x --in-features");
+      break;
+    case LayerKind::kEmbedding:
+      fits({s, b, n}, "--seq x --batch x --out-features");
+      fits({c.vocab, n}, "--vocab x --out-features");
+      break;
+    case LayerKind::kMlp:
+      fits({s, b, k}, "--seq x --batch x --in-features");
+      fits({c.ffnHidden, k}, "--ffn-hidden x --in-features");
+      break;
+  }
   TensorMap m;
   switch (c.layer) {
     case LayerKind::kColumn:
@@ -250,6 +277,23 @@ void checkInputs(const RunConfig& c, const TensorMap& in) {
     TPSIM_CHECK(v % by == 0, "tpsim run: ", what, " = ", v, " must be divisible by ", why, " = ", by);
   };
   const int T = c.tp;
+  // Empty tensors are refused: the layers and the reference divide by these sizes.
+  for (const auto& [name, t] : in)
+    TPSIM_CHECK(std::all_of(t.shape.begin(), t.shape.end(), [](std::int64_t d) { return d >= 1; }), "tpsim run: ",
+                name, ".npy: expected every dim >= 1, got shape ", t.shapeStr());
+  // Non-finite inputs would only surface as a result outside its bound.
+  for (const auto& [name, t] : in) {
+    const auto bad = std::count_if(t.values.begin(), t.values.end(), [](double x) { return !std::isfinite(x); });
+    const auto first = std::find_if(t.values.begin(), t.values.end(), [](double x) { return !std::isfinite(x); });
+    TPSIM_CHECK(bad == 0, "tpsim run: ", name, ".npy: expected finite values, got ", bad, " NaN or Inf, the first at "
+                "flat index ", first - t.values.begin());
+  }
+  // Each GTP_remat peer keeps dim 0 / G rows of a TP-local weight; checked here, before the ranks
+  // would each fail on it.
+  auto gtpSplits = [&](const std::string& what, std::int64_t dim0) {
+    if (c.gtpRemat > 1 && c.padForAlignment == 0)
+      divisible(what, dim0, c.gtpRemat, "--gtp-remat (with --pad-for-alignment 0)");
+  };
   const HostTensor& input = need(in, "input");
   if (c.layer == LayerKind::kEmbedding) {
     TPSIM_CHECK(input.dtype == DType::kInt64 && input.shape.size() == 2, "tpsim run: input.npy of the embedding "
@@ -257,6 +301,7 @@ void checkInputs(const RunConfig& c, const TensorMap& in) {
     const HostTensor& w = need(in, "weight");
     TPSIM_CHECK(w.shape.size() == 2, "tpsim run: weight.npy must be (V, h), got ", w.shapeStr());
     divisible("the vocabulary size V (weight.npy dim 0)", w.shape[0], T, "--tp");
+    gtpSplits("the TP-local rows V / --tp", w.shape[0] / T);
     for (std::size_t i = 0; i < input.values.size(); ++i)
       TPSIM_CHECK(input.values[i] >= 0 && input.values[i] < double(w.shape[0]), "tpsim run: input.npy holds id ",
                   std::int64_t(input.values[i]), " at flat position ", i, ", outside [0, V=", w.shape[0], ")");
@@ -281,6 +326,8 @@ void checkInputs(const RunConfig& c, const TensorMap& in) {
     expectShape("fc2.weight", {k, f});
     expectShape("fc2.bias", {k});
     divisible("the ffn hidden size F (fc1.weight.npy dim 0)", f, T, "--tp");
+    gtpSplits("fc1's TP-local rows F / --tp", f / T);
+    gtpSplits("fc2's rows h (fc2.weight.npy dim 0)", k);
     expectShape("grad_output", {s, b, k});
     return;
   }
@@ -289,8 +336,11 @@ void checkInputs(const RunConfig& c, const TensorMap& in) {
   const std::int64_t n = w.shape[0];
   expectShape("weight", {n, k});
   if (c.bias) expectShape("bias", {n});
+  // Dims are >= 1 (above), so divisibility by --tp x --stride also keeps --stride within the dim.
   if (c.layer == LayerKind::kColumn) divisible("N (weight.npy dim 0)", n, std::int64_t(T) * c.stride, "--tp x --stride");
   if (c.layer == LayerKind::kRow) divisible("K (weight.npy dim 1)", k, std::int64_t(T) * c.stride, "--tp x --stride");
+  gtpSplits(c.layer == LayerKind::kColumn ? "the TP-local rows N / --tp" : "N (weight.npy dim 0)",
+            c.layer == LayerKind::kColumn ? n / T : n);
   expectShape("grad_output", {s, b, n});
 }
 
@@ -318,9 +368,14 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
     const int r = ctx.comm.rank();
     ProcessGroups pg(ctx.comm, layout);
     const int t = pg.tp().rank(), g = pg.gtpRemat().rank();
-    GtpGradReducer reducer(compute, {c.gtpReduceMean, c.fp32AccumReduceScatter, true});
-    const LayerContext lc{compute, pg.tp(), nullptr, nullptr, &pg.gtpRemat(), &pg.dpCp(), &reducer};
     const ModelParallelConfig mp = layerConfig(c);
+    GtpGradReducer reducer(compute, GtpReduceOptions::fromConfig(mp, true));
+    const LayerContext lc{compute, pg.tp(), nullptr, nullptr, &pg.gtpRemat(), &pg.dpCp(), &reducer};
+    // finalize_model_grads' TP step: the parameters' sequence_parallel tags decide what it sums.
+    auto finalize = [&](std::vector<Parameter*> params) {
+      params.erase(std::remove(params.begin(), params.end(), nullptr), params.end());
+      finalizeSequenceParallelGrads(params, pg.tp(), mp.sequenceParallel);
+    };
     // GTP_remat peers are data parallel: peer g takes batch block g (b is dim 1 of (s, b, ·)).
     auto batch = [&](const HostTensor& h, int dim) { return G > 1 ? chunk(h, dim, g, G) : h; };
     const HostTensor input = batch(in.at("input"), c.layer == LayerKind::kEmbedding ? 0 : 1);
@@ -354,6 +409,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         o.stride = c.stride;
         o.skipBiasAdd = c.skipBiasAdd;
         o.outputDtype = c.outputDtype;
+        o.disableGradReduce = c.disableGradReduce;
         o.name = "column";
         const HostTensor& w = in.at("weight");
         ColumnParallelLinear layer(lc, mp, w.shape[1], w.shape[0], unused, o);
@@ -379,6 +435,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         }
         Tensor dx = layer.backward(dyt, dBias.defined() ? ConstView(dBias) : ConstView());
         reducer.drain();
+        finalize({layer.weight(), layer.bias()});
         put("output", out.output);
         put("input.grad", dx);
         per.put(r, "weight.grad", gradOf(compute, *layer.weight()));
@@ -412,6 +469,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         }
         Tensor dx = layer.backward(dyt, dBias.defined() ? ConstView(dBias) : ConstView());
         reducer.drain();
+        finalize({&layer.weight(), layer.bias()});
         put("output", out.output);
         put("input.grad", dx);
         per.put(r, "weight.grad", gradOf(compute, layer.weight()));
@@ -432,6 +490,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         Tensor y = layer.forward(ids);
         layer.backward(toBackend(compute, c.reduceScatterEmbeddings ? chunk(dyFull, 0, t, T) : dyFull));
         reducer.drain();
+        finalize({&layer.weight()});
         put("output", y);
         per.put(r, "weight.grad", gradOf(compute, layer.weight()));
         break;
@@ -463,6 +522,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         compute.geluBackward(h, dA, dH);
         Tensor dx = fc1.backward(dH);
         reducer.drain();
+        finalize({fc1.weight(), fc1.bias(), &fc2.weight(), fc2.bias()});
         put("output", y);
         put("input.grad", dx);
         per.put(r, "fc1.weight.grad", gradOf(compute, *fc1.weight()));
@@ -513,6 +573,12 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
     auto perT = batchT(name, batchDim);
     return splitOverTp ? concat(perT, 0) : perT[0];
   };
+  // Each TP rank's own activation, stacked along a new dim 0.
+  auto stacked = [&](const std::string& name) {
+    auto perT = batchT(name, batchDim);
+    for (HostTensor& h : perT) h.shape.insert(h.shape.begin(), 1);
+    return concat(perT, 0);
+  };
   switch (c.layer) {
     case LayerKind::kColumn: {
       const std::int64_t n = in.at("weight").shape[0];
@@ -524,7 +590,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         for (int t = 0; t < T; ++t) outputs.push_back(chunk(gathered, -1, t, T));
       }
       r.results["output"] = place(outputs, -1, n, c.stride);
-      r.results["input.grad"] = activation("input.grad", sp);
+      r.results["input.grad"] = c.disableGradReduce ? stacked("input.grad") : activation("input.grad", sp);
       r.results["weight.grad"] = place(shardsT("weight.grad", n / T), 0, n, c.stride);
       if (c.bias) r.results["bias.grad"] = place(replicatedT("bias.grad"), 0, n, c.stride);
       break;
@@ -535,8 +601,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
       r.results["input.grad"] = c.inputIsParallel ? place(batchT("input.grad", 1), -1, k, c.stride)
                                                   : batchT("input.grad", 1)[0];
       r.results["weight.grad"] = place(shardsT("weight.grad", n), 1, k, c.stride);
-      // Finalize: a sequence-parallel bias's gradient is all-reduced over TP.
-      if (c.bias) r.results["bias.grad"] = sp ? sum(replicatedT("bias.grad")) : replicatedT("bias.grad")[0];
+      if (c.bias) r.results["bias.grad"] = replicatedT("bias.grad")[0];
       break;
     }
     case LayerKind::kEmbedding: {
@@ -552,7 +617,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
       r.results["fc1.weight.grad"] = concat(shardsT("fc1.weight.grad", f / T), 0);
       r.results["fc1.bias.grad"] = concat(replicatedT("fc1.bias.grad"), 0);
       r.results["fc2.weight.grad"] = concat(shardsT("fc2.weight.grad", h), 1);
-      r.results["fc2.bias.grad"] = sp ? sum(replicatedT("fc2.bias.grad")) : replicatedT("fc2.bias.grad")[0];
+      r.results["fc2.bias.grad"] = replicatedT("fc2.bias.grad")[0];
       break;
     }
   }
@@ -573,6 +638,7 @@ ReferenceOptions referenceOptions(const RunConfig& c) {
   o.weightFormat = c.weightFormat;
   o.stride = c.stride;
   o.accumulationUnit = gemmAccumulationUnit(c.backend);
+  o.disableGradReduce = c.disableGradReduce;
   return o;
 }
 
@@ -604,13 +670,22 @@ std::vector<Verdict> verify(const RunConfig& c, const TensorMap& inputs, const T
     Verdict v{name, got.shapeStr()};
     for (std::size_t i = 0; i < got.values.size(); ++i) {
       const double err = std::fabs(got.values[i] - ref.value.values[i]);
-      v.maxError = std::max(v.maxError, err);
+      if (std::isnan(err) || err > v.maxError) v.maxError = err;  // once NaN, max|err| stays NaN
       v.maxBound = std::max(v.maxBound, ref.bound[i]);
       v.outside += !(err <= ref.bound[i]);
+      if (!std::isfinite(got.values[i]) && v.nonFinite++ == 0) v.firstNonFinite = std::int64_t(i);
     }
     out.push_back(v);
   }
   return out;
+}
+
+std::string verdictResult(const Verdict& v) { return v.nonFinite ? "NON-FINITE" : v.outside == 0 ? "OK" : "FAIL"; }
+
+std::string nonFiniteNote(const Verdict& v) {
+  if (v.nonFinite == 0) return "";
+  return detail::concat(v.name, ": ", v.nonFinite, " NaN or Inf values, the first at flat index ", v.firstNonFinite,
+                        "\n");
 }
 
 std::string commandLine(const RunConfig& c, const std::string& loadDir) {
@@ -621,6 +696,7 @@ std::string commandLine(const RunConfig& c, const std::string& loadDir) {
   if (c.inputIsParallel) s += " --input-is-parallel";
   if (c.reduceScatterEmbeddings) s += " --reduce-scatter-embeddings";
   if (c.skipBiasAdd) s += " --skip-bias-add";
+  if (c.disableGradReduce) s += " --disable-grad-reduce";
   if (c.stride != 1) s += detail::concat(" --stride ", c.stride);
   s += detail::concat(" --dtype ", dtypeName(c.dtype));
   if (c.outputDtype) s += detail::concat(" --output-dtype ", dtypeName(*c.outputDtype));

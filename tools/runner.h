@@ -7,8 +7,9 @@
 // sequence parallelism; under GTP_remat each weight's TP-local rows are padded and split over the
 // G peers, which take one batch block each. Gradients are what an optimizer would read after
 // Megatron's gradient finalization: main_grad under fusion or GTP_remat (stripped of padding),
-// sequence-parallel biases all-reduced over TP, replicated parameters reduced over the GTP_remat
-// peers (MEAN: the full-batch gradient / G, SUM: the full-batch gradient).
+// parameters tagged sequence_parallel all-reduced over TP on the ranks (finalizeSequenceParallelGrads),
+// replicated parameters reduced over the GTP_remat peers (MEAN: the full-batch gradient / G, SUM:
+// the full-batch gradient).
 #pragma once
 
 #include <cstdint>
@@ -30,6 +31,9 @@ struct RunConfig {
   bool inputIsParallel = false;
   bool reduceScatterEmbeddings = false;
   bool skipBiasAdd = false;
+  // Column: no TP reduction of dX; input.grad is then every rank's partial dY_t·W_t, stacked
+  // (T, s, b, K).
+  bool disableGradReduce = false;
   int stride = 1;
   DType dtype = DType::kFloat32;
   std::optional<DType> outputDtype;
@@ -73,6 +77,9 @@ struct Verdict {
   double maxError = 0;
   double maxBound = 0;
   std::int64_t outside = 0;  // elements beyond their bound
+  // NaN or Inf in the sharded result, counted apart.
+  std::int64_t nonFinite = 0;
+  std::int64_t firstNonFinite = -1;  // flat index
 };
 // How results are checked against the dense reference. kBound: |sharded - dense| within the
 // data-derived bound (reference.h). kExact: every element equal to the dense result rounded once to
@@ -83,6 +90,10 @@ enum class VerifyMode { kBound, kExact, kNone };
 // One verdict per result; none for kNone (the reference is not computed).
 std::vector<Verdict> verify(const RunConfig& config, const TensorMap& inputs, const TensorMap& results,
                             VerifyMode mode = VerifyMode::kBound);
+// The table's result column ("OK", "FAIL", "NON-FINITE"), and for a result holding NaN or Inf the
+// line that says how many and where the first is ("" otherwise).
+std::string verdictResult(const Verdict& v);
+std::string nonFiniteNote(const Verdict& v);
 
 // The reference options of `config`'s run, and its dense reference as verify() checks it: under
 // GTP_remat MEAN every parameter gradient (and its bound) is 1/G of the full batch's.

@@ -1,0 +1,469 @@
+#include "gpu/gpu_compute.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "backends/compute_checks.h"
+#include "backends/errors.h"
+#include "gpu/check.h"
+#include "gpu/kernels.cuh"
+#include "gpu/matmul.h"
+
+namespace tpsim::gpu {
+
+namespace detail {
+// Where a rank's tensors are freed: `stream` becomes null when its GpuCompute is destroyed, and the
+// tensors still alive are then freed on the legacy default stream, which never blocks the host (a
+// cudaFree would wait for the whole device, forever if a kernel is stuck).
+struct StreamOwner {
+  int device;
+  cudaStream_t stream;
+};
+}  // namespace detail
+
+namespace {
+
+// ---- Memory -------------------------------------------------------------------------------------
+
+// Tensor's deleter is a plain function pointer, so the stream to free on is looked up by address.
+class Allocations {
+ public:
+  static Allocations& instance() {
+    static Allocations* registry = new Allocations;  // never destroyed: tensors may outlive static destruction
+    return *registry;
+  }
+
+  void add(void* p, std::shared_ptr<detail::StreamOwner> owner) {
+    std::lock_guard<std::mutex> lock(mu_);
+    owners_.emplace(p, std::move(owner));
+  }
+
+  // The lock is held across the free so that the owner's stream cannot be destroyed meanwhile.
+  void release(void* p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = owners_.find(p);
+    if (it == owners_.end()) return;
+    const detail::StreamOwner owner = *it->second;
+    owners_.erase(it);
+    int previous = 0;
+    const bool restore = cudaGetDevice(&previous) == cudaSuccess;
+    cudaError_t e = cudaSetDevice(owner.device);
+    if (e == cudaSuccess) e = cudaFreeAsync(p, owner.stream ? owner.stream : cudaStreamLegacy);
+    if (restore) cudaSetDevice(previous);
+    // A deleter cannot throw. A failed free leaves nothing to undo, and a broken context fails the
+    // next checked call anyway; clear the error so that it is not blamed on an unrelated launch.
+    if (e != cudaSuccess) cudaGetLastError();
+  }
+
+  void orphan(detail::StreamOwner& owner) {
+    std::lock_guard<std::mutex> lock(mu_);
+    owner.stream = nullptr;
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<void*, std::shared_ptr<detail::StreamOwner>> owners_;
+};
+
+void freeDevice(void* p) { Allocations::instance().release(p); }
+
+// ---- Environment --------------------------------------------------------------------------------
+
+long long timeoutFromEnv() {
+  const char* s = std::getenv("TPSIM_GPU_TIMEOUT_MS");
+  if (s == nullptr || *s == '\0') return 60000;
+  char* end = nullptr;
+  errno = 0;
+  const long long ms = std::strtoll(s, &end, 10);
+  TPSIM_CHECK(errno == 0 && *end == '\0' && ms > 0,
+              "GpuCompute: TPSIM_GPU_TIMEOUT_MS must be a positive number of milliseconds, got '", s, "'");
+  return ms;
+}
+
+bool syncFromEnv() {
+  const char* s = std::getenv("TPSIM_GPU_SYNC");
+  if (s == nullptr || *s == '\0' || std::strcmp(s, "0") == 0) return false;
+  TPSIM_CHECK(std::strcmp(s, "1") == 0, "GpuCompute: TPSIM_GPU_SYNC must be 0 or 1, got '", s, "'");
+  return true;
+}
+
+// Polls until the stream is idle: cudaSuccess, the stream's error, or cudaErrorNotReady once the
+// deadline has passed. Spins briefly (most waits are short), then sleeps between polls.
+cudaError_t pollStream(cudaStream_t stream, long long timeoutMs) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeoutMs);
+  for (int polls = 0;; ++polls) {
+    const cudaError_t e = cudaStreamQuery(stream);
+    if (e != cudaErrorNotReady) return e;
+    if (cudaPeekAtLastError() == cudaErrorNotReady) cudaGetLastError();  // "not ready" is no error to keep
+    if (std::chrono::steady_clock::now() >= deadline) return cudaErrorNotReady;
+    if (polls < 1000)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+// ---- Checks (SimCompute's, with CUDA memory for host memory) --------------------------------------
+
+using compute_checks::checkHolds;
+using compute_checks::checkSameShape;
+void checkCuda(const char* op, const char* arg, ConstView v) { compute_checks::checkDevice(Device::kCuda, op, arg, v); }
+void checkFloating(const char* op, const char* arg, ConstView v) {
+  compute_checks::checkFloating(Device::kCuda, op, arg, v);
+}
+
+void checkIds(const char* op, ConstView ids) {
+  checkCuda(op, "ids", ids);
+  TPSIM_CHECK(ids.dtype() == DType::kInt64, op, ": ids must be int64, got ", ids.str());
+}
+
+void checkMxfp8(const char* op, ConstView data, ConstView scales, int axis) {
+  compute_checks::checkMxfp8(Device::kCuda, op, data, scales, axis);
+}
+
+std::string unstorableMessage(const char* op, DType to, double v) {
+  if (to == DType::kInt64)
+    return tpsim::detail::concat(op, ": an int64 output must receive values in [-2^63, 2^63), got ", v);
+  return tpsim::detail::concat(op, ": an e8m0 output must receive exact powers of two 2^e with e in [-127, 127], got ",
+                               v);
+}
+
+}  // namespace
+
+// ---- Lifetime, streams and launches -------------------------------------------------------------
+
+GpuCompute::GpuCompute(int device) : device_(device), timeoutMs_(timeoutFromEnv()), sync_(syncFromEnv()) {
+  TPSIM_CHECK(device >= 0, "GpuCompute: device must be a CUDA device index >= 0, got ", device);
+  enter();
+  int sms = 0;
+  TPSIM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
+  maxBlocks_ = std::max(sms, 1) * 8;  // 8 blocks of 256 threads fill an SM's 2048 threads
+  // Keep freed blocks in the device's pool: with the default threshold (0) every synchronization
+  // hands them back to the driver and the next cudaMallocAsync maps them again.
+  cudaMemPool_t pool = nullptr;
+  TPSIM_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device_));
+  std::uint64_t threshold = std::numeric_limits<std::uint64_t>::max();
+  TPSIM_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+  TPSIM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  owner_ = std::make_shared<detail::StreamOwner>(detail::StreamOwner{device_, stream_});
+  try {
+    matmul_ = std::make_unique<Matmul>();
+  } catch (...) {
+    cudaStreamDestroy(stream_);
+    throw;
+  }
+}
+
+GpuCompute::~GpuCompute() {
+  // Never throws, never hangs: let the enqueued work finish (within the deadline), and hand the
+  // rank's remaining tensors to the legacy default stream, since this stream goes away.
+  const bool drained = cudaSetDevice(device_) == cudaSuccess && pollStream(stream_, timeoutMs_) == cudaSuccess;
+  Allocations::instance().orphan(*owner_);
+  if (drained)
+    matmul_.reset();
+  else
+    matmul_.release();  // its workspace's cudaFree would wait for the stuck stream: leak it instead
+  cudaStreamDestroy(stream_);
+  cudaGetLastError();
+}
+
+void GpuCompute::enter() { TPSIM_CUDA_CHECK(cudaSetDevice(device_)); }
+
+void GpuCompute::synchronize(const char* op) {
+  enter();
+  const cudaError_t e = pollStream(stream_, timeoutMs_);
+  if (e == cudaErrorNotReady)
+    throw BackendError(tpsim::detail::concat(op, ": the stream of cuda:", device_, " did not finish within ",
+                                             timeoutMs_, " ms (TPSIM_GPU_TIMEOUT_MS); a kernel or a wait on another",
+                                             " stream is stuck"));
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    throw BackendError(tpsim::detail::concat(op, ": the stream of cuda:", device_, " failed: ", cudaGetErrorName(e),
+                                             " (", cudaGetErrorString(e), ")"));
+  }
+}
+
+void GpuCompute::finish(const char* op) {
+  if (sync_) synchronize(op);
+}
+
+template <typename Fn>
+void GpuCompute::launch(const char* op, const Fn& fn) {
+  const std::int64_t n = fn.count();
+  if (n <= 0) return;
+  constexpr int kThreads = 256;
+  const std::int64_t blocks = std::min<std::int64_t>((n + kThreads - 1) / kThreads, maxBlocks_);
+  kern::forEachItem<<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(fn, n);
+  TPSIM_CUDA_CHECK_LAUNCH(op);
+}
+
+auto GpuCompute::onDevice() {
+  return [this](const char* op, const auto& fn) { launch(op, fn); };
+}
+
+Tensor GpuCompute::contiguous(ConstView v) {
+  Tensor t = empty(v.shape(), v.dtype());
+  copy(v, t);
+  return t;
+}
+
+void GpuCompute::checkStorable(const char* op, ConstView x, DType to) {
+  if ((to != DType::kInt64 && to != DType::kFloat8E8M0) || x.numel() == 0) return;
+  Tensor first = empty(Shape{1}, DType::kInt64);  // (1) least bad index; all ones = none
+  TPSIM_CUDA_CHECK(cudaMemsetAsync(first.data(), 0xff, sizeof(unsigned long long), stream_));
+  kern::runFindUnstorable(onDevice(), op, x, to, static_cast<unsigned long long*>(first.data()));
+  unsigned long long bad = 0;
+  download(first, &bad);
+  if (bad == ~0ull) return;
+  const char* at = kern::operandOf(x).at(kern::extentsOf(x.shape()).unravel(std::int64_t(bad)));
+  alignas(8) unsigned char value[8] = {};
+  download(ConstView(at, Shape{1}, x.dtype(), Device::kCuda), value);
+  throw InvalidArgument(unstorableMessage(op, to, loadAsDouble(x.dtype(), value)));
+}
+
+// ---- Memory and transfers -----------------------------------------------------------------------
+
+Tensor GpuCompute::empty(Shape shape, DType dtype) {
+  enter();
+  // Never 0 bytes, so that the Tensor stays defined (as SimCompute's).
+  const std::size_t bytes = std::max<std::size_t>(std::size_t(shape.numel()) * dtypeSize(dtype), 1);
+  void* p = nullptr;
+  TPSIM_CUDA_CHECK(cudaMallocAsync(&p, bytes, stream_));
+  Allocations::instance().add(p, owner_);
+  finish("empty");
+  return Tensor(p, shape, dtype, Device::kCuda, &freeDevice);
+}
+
+// Host memory is pageable: a copy may block the host until the stream is idle, so the stream is
+// drained first (within the deadline), and the copy has finished when these return.
+void GpuCompute::upload(const void* host, View dst) {
+  checkCuda("upload", "dst", dst);
+  TPSIM_CHECK(dst.isContiguous(), "upload: dst must be contiguous, got ", dst.str(),
+              "; upload into a contiguous tensor and copy() into the strided view");
+  if (dst.bytes() == 0) return;
+  synchronize("upload");
+  TPSIM_CUDA_CHECK(cudaMemcpyAsync(dst.data(), host, dst.bytes(), cudaMemcpyHostToDevice, stream_));
+  synchronize("upload");
+}
+
+void GpuCompute::download(ConstView src, void* host) {
+  checkCuda("download", "src", src);
+  TPSIM_CHECK(src.isContiguous(), "download: src must be contiguous, got ", src.str(),
+              "; copy() it into a contiguous tensor first");
+  if (src.bytes() == 0) return;
+  synchronize("download");
+  TPSIM_CUDA_CHECK(cudaMemcpyAsync(host, src.data(), src.bytes(), cudaMemcpyDeviceToHost, stream_));
+  synchronize("download");
+}
+
+// ---- Elementwise --------------------------------------------------------------------------------
+
+void GpuCompute::fill(View y, double value) {
+  checkCuda("fill", "y", y);
+  TPSIM_CHECK(kern::storable(value, y.dtype()), unstorableMessage("fill", y.dtype(), value));
+  enter();
+  kern::runFill(onDevice(), y, value);
+  finish("fill");
+}
+
+void GpuCompute::copy(ConstView x, View y) {
+  checkCuda("copy", "x", x);
+  checkCuda("copy", "y", y);
+  checkSameShape("copy", "y", y, "x", x);
+  enter();
+  if (x.dtype() == y.dtype() && x.isContiguous() && y.isContiguous()) {
+    const std::size_t bytes = x.bytes();
+    const char *from = static_cast<const char*>(x.data()), *to = static_cast<const char*>(y.data());
+    if (bytes != 0 && from != to) {
+      if (from < to + bytes && to < from + bytes) {  // overlapping: cudaMemcpy's result is undefined
+        Tensor staging = empty(x.shape(), x.dtype());  // x's shape
+        TPSIM_CUDA_CHECK(cudaMemcpyAsync(staging.data(), from, bytes, cudaMemcpyDeviceToDevice, stream_));
+        TPSIM_CUDA_CHECK(cudaMemcpyAsync(y.data(), staging.data(), bytes, cudaMemcpyDeviceToDevice, stream_));
+      } else {
+        TPSIM_CUDA_CHECK(cudaMemcpyAsync(y.data(), from, bytes, cudaMemcpyDeviceToDevice, stream_));
+      }
+    }
+    finish("copy");
+    return;
+  }
+  if (x.dtype() != y.dtype()) checkStorable("copy", x, y.dtype());
+  kern::runCopy(onDevice(), x, y);
+  finish("copy");
+}
+
+void GpuCompute::axpy(float alpha, ConstView x, View y) {
+  checkFloating("axpy", "x", x);
+  checkFloating("axpy", "y", y);
+  checkSameShape("axpy", "y", y, "x", x);
+  checkHolds("axpy", "y", y, "x", x);
+  enter();
+  kern::runAxpy(onDevice(), alpha, x, y);
+  finish("axpy");
+}
+
+void GpuCompute::scale(View y, float alpha) {
+  checkFloating("scale", "y", y);
+  enter();
+  kern::runScale(onDevice(), y, alpha);
+  finish("scale");
+}
+
+// ---- gemm ---------------------------------------------------------------------------------------
+
+void GpuCompute::gemm(ConstView a, ConstView b, View c, float alpha, float beta) {
+  compute_checks::checkGemm(Device::kCuda, a, b, c);
+  const std::int64_t m = a.dim(0), k = a.dim(1), n = b.dim(1);
+  enter();
+  if (m == 0 || n == 0) return finish("gemm");
+  if (k == 0) {  // c = beta·c, on the device; beta == 0 ignores the old c, NaN included
+    if (beta == 0.f)
+      fill(c, 0.0);
+    else
+      scale(c, beta);
+    return finish("gemm");
+  }
+  Tensor aDense, bDense, cDense;  // (M, K) (K, N) (M, N): copies of operands cuBLASLt cannot read in place
+  if (!hasLtLayout(a)) {
+    aDense = contiguous(a);
+    a = aDense;
+  }
+  if (!hasLtLayout(b)) {
+    bDense = contiguous(b);
+    b = bDense;
+  }
+  View out = c;  // (M, N)
+  if (!hasLtLayout(c)) {
+    cDense = empty(c.shape(), c.dtype());
+    if (beta != 0.f) copy(c, cDense);
+    out = cDense;
+  }
+  matmul_->run(mapGemm(a, b, out), alpha, beta, stream_);
+  if (cDense.defined()) copy(cDense, c);
+  finish("gemm");
+}
+
+// ---- Bias, reductions, activations ----------------------------------------------------------------
+
+void GpuCompute::addBias(ConstView bias, View y) {
+  checkFloating("addBias", "bias", bias);
+  checkFloating("addBias", "y", y);
+  TPSIM_CHECK(bias.rank() == 1, "addBias: bias must be a vector (N), got ", bias.str());
+  TPSIM_CHECK(y.rank() >= 1 && y.dim(-1) == bias.dim(0), "addBias: y must be (..., N=", bias.dim(0),
+              "), got ", y.str());
+  enter();
+  kern::runAddBias(onDevice(), bias, y);
+  finish("addBias");
+}
+
+void GpuCompute::sumRows(ConstView y, View out, float beta) {
+  checkFloating("sumRows", "y", y);
+  checkFloating("sumRows", "out", out);
+  TPSIM_CHECK(y.rank() >= 1, "sumRows: y must be (..., N), got a scalar ", y.str());
+  const std::int64_t n = y.dim(-1);
+  TPSIM_CHECK(out.rank() == 1 && out.dim(0) == n, "sumRows: out must be (N=", n, "), got ", out.str());
+  enter();
+  kern::runSumRows(onDevice(), y, out, beta);
+  finish("sumRows");
+}
+
+void GpuCompute::gelu(ConstView x, View y) {
+  checkFloating("gelu", "x", x);
+  checkFloating("gelu", "y", y);
+  checkSameShape("gelu", "y", y, "x", x);
+  enter();
+  kern::runGelu(onDevice(), x, y);
+  finish("gelu");
+}
+
+void GpuCompute::geluBackward(ConstView x, ConstView dy, View dx) {
+  checkFloating("geluBackward", "x", x);
+  checkFloating("geluBackward", "dy", dy);
+  checkFloating("geluBackward", "dx", dx);
+  checkSameShape("geluBackward", "dy", dy, "x", x);
+  checkSameShape("geluBackward", "dx", dx, "x", x);
+  enter();
+  kern::runGeluBackward(onDevice(), x, dy, dx);
+  finish("geluBackward");
+}
+
+// ---- MXFP8 --------------------------------------------------------------------------------------
+
+void GpuCompute::quantizeMxfp8(ConstView x, View data, View scales, int axis) {
+  checkFloating("quantizeMxfp8", "x", x);
+  TPSIM_CHECK(x.rank() == 2, "quantizeMxfp8: x must be a matrix (R, C), got ", x.str());
+  checkSameShape("quantizeMxfp8", "data", data, "x", x);
+  checkMxfp8("quantizeMxfp8", data, scales, axis);
+  enter();
+  kern::runQuantizeMxfp8(onDevice(), x, data, scales, axis);
+  finish("quantizeMxfp8");
+}
+
+void GpuCompute::dequantizeMxfp8(ConstView data, ConstView scales, int axis, View y) {
+  checkFloating("dequantizeMxfp8", "y", y);
+  TPSIM_CHECK(data.rank() == 2, "dequantizeMxfp8: data must be a matrix (R, C), got ", data.str());
+  checkMxfp8("dequantizeMxfp8", data, scales, axis);
+  checkSameShape("dequantizeMxfp8", "y", y, "data", data);
+  enter();
+  kern::runDequantizeMxfp8(onDevice(), data, scales, axis, y);
+  finish("dequantizeMxfp8");
+}
+
+// ---- Embedding rows -----------------------------------------------------------------------------
+
+void GpuCompute::gatherRows(ConstView table, ConstView ids, std::int64_t first, View out) {
+  checkFloating("gatherRows", "table", table);
+  checkFloating("gatherRows", "out", out);
+  TPSIM_CHECK(table.rank() == 2, "gatherRows: table must be (V, h), got ", table.str());
+  checkIds("gatherRows", ids);
+  const std::int64_t h = table.dim(1), n = ids.numel();
+  TPSIM_CHECK(out.rank() == 2 && out.dim(0) == n && out.dim(1) == h, "gatherRows: out must be (n=", n,
+              ", h=", h, "), got ", out.str());
+  enter();
+  Tensor idsDense;  // (n)
+  if (!ids.isContiguous()) {
+    idsDense = contiguous(ids);
+    ids = idsDense;
+  }
+  kern::runGatherRows(onDevice(), table, static_cast<const std::int64_t*>(ids.data()), first, out);
+  finish("gatherRows");
+}
+
+// The adds must happen in increasing i for every table element, as in SimCompute, whatever ids
+// repeat: the ids are read on the host and planned there (kern::planScatter).
+void GpuCompute::scatterAddRows(ConstView grad, ConstView ids, std::int64_t first, View table) {
+  checkFloating("scatterAddRows", "grad", grad);
+  checkFloating("scatterAddRows", "table", table);
+  TPSIM_CHECK(table.rank() == 2, "scatterAddRows: table must be (V, h), got ", table.str());
+  checkIds("scatterAddRows", ids);
+  const std::int64_t vocab = table.dim(0), h = table.dim(1), n = ids.numel();
+  TPSIM_CHECK(grad.rank() == 2 && grad.dim(0) == n && grad.dim(1) == h, "scatterAddRows: grad must be (n=", n,
+              ", h=", h, "), got ", grad.str());
+  checkHolds("scatterAddRows", "table", table, "grad", grad);
+  enter();
+  if (n == 0 || h == 0) return finish("scatterAddRows");
+  std::vector<std::int64_t> flat(static_cast<std::size_t>(n));  // (n)
+  if (ids.isContiguous()) {
+    download(ids, flat.data());
+  } else {
+    const Tensor idsDense = contiguous(ids);  // (n)
+    download(idsDense, flat.data());
+  }
+  const kern::ScatterPlan plan = kern::planScatter(flat, first, vocab);
+  if (plan.owned == 0) return finish("scatterAddRows");
+  Tensor buffer = empty(Shape{std::int64_t(plan.buffer.size())}, DType::kInt64);  // (2·segments + 1 + owned)
+  upload(plan.buffer.data(), buffer);
+  kern::runScatterAddRows(onDevice(), grad, plan, static_cast<const std::int64_t*>(buffer.data()), table);
+  finish("scatterAddRows");
+}
+
+}  // namespace tpsim::gpu

@@ -1,0 +1,209 @@
+#include "gpu/nccl_transport.h"
+
+#include <thread>
+
+#include "gpu/check.h"
+#include "gpu/events.h"
+#include "gpu/fabric.h"
+
+namespace tpsim::gpu {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Non-blocking communicators answer ncclInProgress while an operation completes in the background.
+void checkIssued(ncclResult_t result, const char* call) {
+  if (result == ncclSuccess || result == ncclInProgress) return;
+  throw BackendError(tpsim::detail::concat(call, " failed: ", detail::ncclResultName(result), " (",
+                                    ncclGetErrorString(result), ")"));
+}
+
+ncclDataType_t ncclTypeOf(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return ncclFloat32;
+    case DType::kBFloat16: return ncclBfloat16;
+    case DType::kFloat16: return ncclFloat16;
+    case DType::kFloat64: return ncclFloat64;
+    case DType::kInt64: return ncclInt64;
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E8M0: return ncclUint8;  // moved as bytes, never reduced
+  }
+  TPSIM_INTERNAL_ASSERT(false, "unknown dtype ", int(dtype));
+}
+
+// The done events of one collective, one per member, on that member's NCCL stream.
+struct DoneEvents {
+  std::map<int, sim::TransportToken> byGlobalRank;
+};
+
+}  // namespace
+
+NcclTransport::NcclTransport(std::vector<GpuCompute*> ranks, std::chrono::milliseconds timeout)
+    : ranks_(std::move(ranks)), timeout_(timeout) {
+  for (std::size_t r = 0; r < ranks_.size(); ++r) {
+    for (std::size_t q = 0; q < r; ++q)
+      TPSIM_CHECK(deviceOf(int(q)) != deviceOf(int(r)), "NcclTransport: ranks ", q, " and ", r,
+                  " are both on CUDA device ", deviceOf(int(r)),
+                  "; NCCL needs one GPU per rank (the DeviceFabric transport shares one GPU)");
+    TPSIM_CUDA_CHECK(cudaSetDevice(deviceOf(int(r))));
+    cudaStream_t s = nullptr;
+    TPSIM_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    streams_.push_back(s);
+  }
+}
+
+NcclTransport::~NcclTransport() {
+  for (auto& [members, set] : comms_) {
+    for (std::size_t i = 0; i < set.comms.size(); ++i) {
+      cudaSetDevice(deviceOf(members[i]));
+      if (aborted_) continue;  // ncclCommAbort already released them
+      // Finalize flushes what is in flight; a communicator that cannot finish in time is aborted.
+      ncclCommFinalize(set.comms[i]);
+    }
+    const auto deadline = Clock::now() + timeout_;
+    for (ncclComm_t comm : set.comms) {
+      ncclResult_t state = ncclInProgress;
+      while (!aborted_ && state == ncclInProgress && Clock::now() < deadline) {
+        if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) break;
+        if (state == ncclInProgress) std::this_thread::yield();
+      }
+      if (!aborted_) state == ncclSuccess ? ncclCommDestroy(comm) : ncclCommAbort(comm);
+    }
+    for (std::size_t i = 0; i < set.barrierFloats.size(); ++i) {
+      cudaSetDevice(deviceOf(members[i]));
+      cudaFree(set.barrierFloats[i]);
+    }
+  }
+  for (std::size_t r = 0; r < streams_.size(); ++r) {
+    cudaSetDevice(deviceOf(int(r)));
+    cudaStreamSynchronize(streams_[r]);
+    cudaStreamDestroy(streams_[r]);
+  }
+}
+
+void NcclTransport::awaitComms(const std::vector<ncclComm_t>& comms, const char* what) {
+  const auto deadline = Clock::now() + timeout_;
+  for (ncclComm_t comm : comms) {
+    for (;;) {
+      ncclResult_t state = ncclSuccess;
+      checkIssued(ncclCommGetAsyncError(comm, &state), "ncclCommGetAsyncError");
+      if (state == ncclSuccess) break;
+      if (state != ncclInProgress) {
+        const std::string why = tpsim::detail::concat(what, ": NCCL reported ", detail::ncclResultName(state), " (",
+                                               ncclGetErrorString(state), "): ", ncclGetLastError(comm));
+        abort();
+        throw BackendError(why);
+      }
+      if (Clock::now() > deadline) {
+        abort();
+        throw BackendError(tpsim::detail::concat(what, ": still in progress after ", timeout_.count(),
+                                          " ms; the communicators were aborted"));
+      }
+      std::this_thread::yield();
+    }
+  }
+}
+
+NcclTransport::Communicators& NcclTransport::communicatorsFor(const std::vector<int>& members) {
+  auto found = comms_.find(members);
+  if (found != comms_.end()) return found->second;
+  const int n = int(members.size());
+  Communicators set;
+  set.comms.assign(n, nullptr);
+  ncclUniqueId id;
+  TPSIM_NCCL_CHECK(ncclGetUniqueId(&id));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  // One thread initializes every member: the calls must sit in one group, or the first would wait
+  // for peers that this same thread has not initialized yet.
+  checkIssued(ncclGroupStart(), "ncclGroupStart");
+  for (int i = 0; i < n; ++i) {
+    TPSIM_CUDA_CHECK(cudaSetDevice(deviceOf(members[i])));
+    checkIssued(ncclCommInitRankConfig(&set.comms[i], n, id, i, &config), "ncclCommInitRankConfig");
+  }
+  checkIssued(ncclGroupEnd(), "ncclGroupEnd (communicator init)");
+  awaitComms(set.comms, "NCCL communicator init");
+  for (int i = 0; i < n; ++i) {
+    TPSIM_CUDA_CHECK(cudaSetDevice(deviceOf(members[i])));
+    void* p = nullptr;
+    TPSIM_CUDA_CHECK(cudaMalloc(&p, sizeof(float)));
+    TPSIM_CUDA_CHECK(cudaMemset(p, 0, sizeof(float)));
+    set.barrierFloats.push_back(p);
+  }
+  return comms_.emplace(members, std::move(set)).first->second;
+}
+
+sim::TransportToken NcclTransport::issued(int globalRank) {
+  return recordEvent(deviceOf(globalRank), ranks_[globalRank]->stream());
+}
+
+sim::TransportToken NcclTransport::execute(const sim::Collective& c) {
+  TPSIM_CHECK(!aborted_, "NcclTransport: the communicators were aborted after an earlier failure");
+  const int n = int(c.globalRanks.size());
+  Communicators& set = communicatorsFor(c.globalRanks);
+  for (int i = 0; i < n; ++i) {
+    const int g = c.globalRanks[i];
+    streamWaitToken(deviceOf(g), streams_[g], c.issued[i]);
+  }
+  const ncclDataType_t type = ncclTypeOf(c.dtype);
+  const bool empty = c.inCount == 0 && c.outCount == 0 && c.kind != sim::OpKind::kBarrier;
+  if (!empty) {
+    checkIssued(ncclGroupStart(), "ncclGroupStart");
+    for (int i = 0; i < n; ++i) {
+      const cudaStream_t s = streams_[c.globalRanks[i]];
+      const void* in = c.in[i].data();
+      void* out = c.out[i].data();
+      switch (c.kind) {
+        case sim::OpKind::kAllReduce:
+          checkIssued(ncclAllReduce(in, out, std::size_t(c.inCount), type, ncclSum, set.comms[i], s), "ncclAllReduce");
+          break;
+        case sim::OpKind::kReduceScatter:
+          checkIssued(ncclReduceScatter(in, out, std::size_t(c.outCount), type, ncclSum, set.comms[i], s),
+                      "ncclReduceScatter");
+          break;
+        case sim::OpKind::kAllGather:
+          checkIssued(ncclAllGather(in, out, std::size_t(c.inCount), type, set.comms[i], s), "ncclAllGather");
+          break;
+        case sim::OpKind::kBroadcast:
+          checkIssued(ncclBroadcast(in, out, std::size_t(c.outCount), type, c.root, set.comms[i], s), "ncclBroadcast");
+          break;
+        case sim::OpKind::kAllToAll:
+          checkIssued(ncclAlltoAll(in, out, std::size_t(c.inCount / n), type, set.comms[i], s), "ncclAlltoAll");
+          break;
+        case sim::OpKind::kBarrier:
+          checkIssued(ncclAllReduce(set.barrierFloats[i], set.barrierFloats[i], 1, ncclFloat32, ncclSum, set.comms[i], s),
+                      "ncclAllReduce (barrier)");
+          break;
+        case sim::OpKind::kSplit: break;
+      }
+    }
+    checkIssued(ncclGroupEnd(), "ncclGroupEnd");
+    awaitComms(set.comms, sim::opName(c.kind));
+  }
+  auto done = std::make_shared<DoneEvents>();
+  for (int i = 0; i < n; ++i) {
+    const int g = c.globalRanks[i];
+    const bool mean = c.reduce == ReduceOp::kMean &&
+                      (c.kind == sim::OpKind::kAllReduce || c.kind == sim::OpKind::kReduceScatter);
+    if (mean && !empty) {
+      TPSIM_CUDA_CHECK(cudaSetDevice(deviceOf(g)));
+      divideOnDevice(c.dtype, c.out[i].data(), c.outCount, n, streams_[g]);
+    }
+    done->byGlobalRank[g] = recordEvent(deviceOf(g), streams_[g]);
+  }
+  return done;
+}
+
+void NcclTransport::completed(int globalRank, const sim::TransportToken& done) {
+  const auto& events = static_cast<const DoneEvents*>(done.get())->byGlobalRank;
+  streamWaitToken(deviceOf(globalRank), ranks_[globalRank]->stream(), events.at(globalRank));
+}
+
+void NcclTransport::abort() {
+  if (aborted_) return;
+  aborted_ = true;
+  for (auto& [members, set] : comms_)
+    for (ncclComm_t comm : set.comms) ncclCommAbort(comm);
+}
+
+}  // namespace tpsim::gpu

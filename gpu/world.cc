@@ -1,0 +1,106 @@
+#include "gpu/world.h"
+
+#include <cstdlib>
+
+#include "gpu/device.h"
+#include "gpu/fabric.h"
+#include "gpu/gpu_compute.h"
+#include "gpu/nccl_transport.h"
+
+namespace tpsim::gpu {
+namespace {
+
+// Rank code runs on fibers; CUDA and cuBLASLt calls need more stack than the simulator's 1 MiB
+// default (the stack is reserved, not committed, so a larger one costs address space only).
+constexpr std::size_t kGpuRankStack = std::size_t(8) << 20;
+
+WorldOptions withGpuDefaults(WorldOptions o) {
+  if (o.stackBytes == 0) o.stackBytes = kGpuRankStack;
+  return o;
+}
+
+const Probe& cachedProbe() {
+  static const Probe p = probe();
+  return p;
+}
+
+}  // namespace
+
+const char* transportName(TransportKind kind) {
+  switch (kind) {
+    case TransportKind::kAuto: return "auto";
+    case TransportKind::kDeviceFabric: return "fabric";
+    case TransportKind::kNccl: return "nccl";
+  }
+  return "unknown";
+}
+
+GpuWorldOptions worldOptionsFromEnvironment() {
+  GpuWorldOptions o;
+  if (const char* t = std::getenv("TPSIM_GPU_TRANSPORT"); t && *t) {
+    const std::string v = t;
+    if (v == "auto") o.transport = TransportKind::kAuto;
+    else if (v == "fabric") o.transport = TransportKind::kDeviceFabric;
+    else if (v == "nccl") o.transport = TransportKind::kNccl;
+    else TPSIM_CHECK(false, "TPSIM_GPU_TRANSPORT: expected auto, fabric or nccl, got '", v, "'");
+  }
+  if (const char* d = std::getenv("TPSIM_GPU_DEVICE"); d && *d) {
+    char* end = nullptr;
+    const long v = std::strtol(d, &end, 10);
+    TPSIM_CHECK(*end == '\0' && v >= 0 && v < 1024, "TPSIM_GPU_DEVICE: expected a CUDA device index, got '", d, "'");
+    o.device = int(v);
+  }
+  return o;
+}
+
+std::string unusableReason() { return cachedProbe().reason; }
+
+World::World(WorldOptions options, GpuWorldOptions gpuOptions)
+    : rendezvous_("gpu", withGpuDefaults(options)), transport_(gpuOptions.transport) {
+  const Probe& p = cachedProbe();
+  if (!p.hasDevice()) throw BackendError("gpu::World: " + p.reason);
+  const int n = rendezvous_.options().size, devices = int(p.devices.size());
+  if (transport_ == TransportKind::kAuto)
+    transport_ = devices >= n ? TransportKind::kNccl : TransportKind::kDeviceFabric;
+  std::vector<GpuCompute*> ranks;
+  if (transport_ == TransportKind::kNccl) {
+    TPSIM_CHECK(devices >= n, "gpu::World: the NCCL transport needs one GPU per rank: ", n, " ranks, ", devices,
+                " CUDA device(s); NCCL refuses two ranks of a communicator on one GPU (use TPSIM_GPU_TRANSPORT=fabric)");
+    for (int r = 0; r < n; ++r) {
+      auto c = std::make_shared<GpuCompute>(r);
+      ranks.push_back(c.get());
+      computes_.push_back(std::move(c));
+    }
+    fabric_ = std::make_shared<NcclTransport>(ranks, rendezvous_.options().timeout);
+    deviceName_ = tpsim::detail::concat(n, " x ", p.devices[0].name);
+  } else {
+    TPSIM_CHECK(gpuOptions.device >= 0 && gpuOptions.device < devices, "gpu::World: device must be in [0, ", devices,
+                "), got ", gpuOptions.device);
+    TPSIM_CHECK(n <= kMaxFabricRanks, "gpu::World: the DeviceFabric transport runs at most ", kMaxFabricRanks,
+                " ranks on one GPU, got ", n);
+    for (int r = 0; r < n; ++r) {
+      auto c = std::make_shared<GpuCompute>(gpuOptions.device);
+      ranks.push_back(c.get());
+      computes_.push_back(std::move(c));
+    }
+    fabric_ = std::make_shared<DeviceFabric>(gpuOptions.device, ranks);
+    deviceName_ = p.devices[gpuOptions.device].name;
+  }
+}
+
+World::~World() = default;
+
+std::string World::description() const {
+  return tpsim::detail::concat("gpu (", transport_ == TransportKind::kNccl ? "NCCL" : "DeviceFabric", ", ", deviceName_, ")");
+}
+
+GpuCompute& World::compute(int rank) { return static_cast<GpuCompute&>(*computes_.at(std::size_t(rank))); }
+
+void World::run(const std::function<void(RankContext&)>& fn) {
+  rendezvous_.run(fn, computes_, fabric_);
+  // A rank's last collective may still be in flight on the device when its function returns; the
+  // results it downloaded were already waited for, but the next run must not race with it.
+  for (auto& c : computes_) static_cast<GpuCompute&>(*c).synchronize("gpu::World::run");
+}
+
+}  // namespace tpsim::gpu

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Fetches what tools/gpu_check.sh needs on a GPU machine that has the CUDA toolkit, CMake and ninja
+# but no package registry: the Debian packages tpsim builds with (Eigen, Boost, GoogleTest,
+# rapidcheck), downloaded here with apt-get, unpacked and packed again as .gpu-deps/root.tar.xz
+# (about 11 MB; unpacked, Boost's headers alone are 150 MB). Carry .gpu-deps to the GPU machine
+# with the working tree; tools/gpu_check.sh unpacks it there. NCCL and cuBLASLt are not carried
+# (hundreds of MB): the check uses the GPU machine's own (its CUDA toolkit, or the nvidia-* Python
+# packages).
+#   tools/gpu_deps.sh        (re)creates .gpu-deps/ in the repository root
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(libeigen3-dev libboost1.74-dev libboost-context1.74-dev libboost-context1.74.0
+          libboost-program-options1.74-dev libboost-program-options1.74.0 libboost-context-dev
+          libboost-program-options-dev libgtest-dev libgmock-dev librapidcheck-dev)
+rm -rf .gpu-deps
+mkdir -p .gpu-deps/debs .gpu-deps/root
+if ! (cd .gpu-deps/debs && apt-get download "${packages[@]}" >/dev/null 2>&1); then
+  apt-get update -qq
+  (cd .gpu-deps/debs && apt-get download "${packages[@]}" >/dev/null)
+fi
+for deb in .gpu-deps/debs/*.deb; do dpkg -x "$deb" .gpu-deps/root; done
+rm -rf .gpu-deps/debs .gpu-deps/root/usr/share/doc .gpu-deps/root/usr/share/lintian
+XZ_OPT=-T0 tar -C .gpu-deps/root -cJf .gpu-deps/root.tar.xz .
+rm -rf .gpu-deps/root
+echo "tpsim: .gpu-deps ready ($(du -sh .gpu-deps | cut -f1)); carry it with the working tree"
