@@ -16,13 +16,19 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <mutex>
 #include <thread>
+#include <unistd.h>
 #include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "backends/compute.h"
 #include "core/layers.h"
+#include "sim/fiber.h"
 #include "sim/sim_compute.h"
 #include "sim/world.h"
 #include "tools/backend.h"
@@ -57,12 +63,33 @@ struct BenchConfig {
 
 // --- latency ----------------------------------------------------------------------------------
 
-// Seconds per tiny allReduce on the fiber world (startup cost subtracted).
-double simTinyAllReduce(int n, int threads, int iters) {
+// This process's resident memory in bytes (0 where /proc is missing).
+double residentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  double pages = 0, resident = 0;
+  statm >> pages >> resident;
+  return resident * double(sysconf(_SC_PAGESIZE));
+}
+
+struct TinyAllReduce {
+  double seconds = 0;       // per collective, startup cost subtracted
+  double bytesPerRank = 0;  // resident memory a rank adds while parked in a collective
+};
+
+TinyAllReduce simTinyAllReduce(int n, int threads, int iters) {
   WorldOptions o;
   o.size = n;
   o.threads = threads;
+  const double residentBefore = residentBytes();
   sim::World world(o);
+  TinyAllReduce result;
+  // Every rank has run and waits in the second allReduce while rank 0 reads the resident size.
+  world.run([&](RankContext& ctx) {
+    Tensor x = ctx.compute.zeros({1}, DType::kFloat32);
+    ctx.comm.allReduce(x)->wait();
+    if (ctx.comm.rank() == 0) result.bytesPerRank = (residentBytes() - residentBefore) / n;
+    ctx.comm.allReduce(x)->wait();
+  });
   auto timeRun = [&](int count) {
     const auto start = Clock::now();
     world.run([count](RankContext& ctx) {
@@ -74,7 +101,8 @@ double simTinyAllReduce(int n, int threads, int iters) {
   timeRun(iters / 10);  // warm up allocators and page in stacks
   double best = 1e30;   // best of three: a shared VM's noise only ever adds time
   for (int rep = 0; rep < 3; ++rep) best = std::min(best, std::max(0.0, timeRun(iters) - timeRun(0)) / iters);
-  return best;
+  result.seconds = best;
+  return result;
 }
 
 // The same allReduce with one OS thread per rank and a generation-counting barrier.
@@ -119,16 +147,20 @@ double threadTinyAllReduce(int n, int iters) {
 void benchLatency(const BenchConfig& c) {
   std::printf("\n# Tiny collectives: allReduce of 1 fp32 per rank; us per collective and per rank, best of 3\n");
   std::printf("# baseline: one OS thread per rank, mutex + condition-variable barrier, same run\n");
-  std::printf("#%6s %8s %12s %12s %14s %9s\n", "ranks", "threads", "sim(us)", "sim/rank", "thread/rank",
-              "speedup");
+  std::printf("# KiB/rank: resident memory the world adds per rank while every rank waits in a collective\n");
+  std::printf("# (touched fiber stack pages, rank state; the world's fixed cost shows at few ranks); each fiber\n");
+  std::printf("# maps %zu KiB of stack, resident only as far as it is used\n", sim::Fiber::defaultStackBytes() >> 10);
+  std::printf("#%6s %8s %12s %12s %14s %9s %10s\n", "ranks", "threads", "sim(us)", "sim/rank", "thread/rank",
+              "speedup", "KiB/rank");
   for (int n : c.ranks) {
     const int threads = c.threads ? c.threads : std::min<int>(n, int(std::thread::hardware_concurrency()));
-    const double sim = simTinyAllReduce(n, c.threads, c.iters);
+    // Fewer collectives for many ranks, so that 1024 ranks take seconds, not minutes.
+    const TinyAllReduce sim = simTinyAllReduce(n, c.threads, std::max(50, c.iters / std::max(1, n / 16)));
     const int baseIters = std::max(20, c.iters / std::max(1, n / 4));
     double thread = 1e30;
     for (int rep = 0; rep < 3; ++rep) thread = std::min(thread, threadTinyAllReduce(n, baseIters));
-    std::printf(" %6d %8d %12.2f %12.3f %14.3f %8.1fx\n", n, threads, sim * 1e6, sim * 1e6 / n,
-                thread * 1e6 / n, thread / sim);
+    std::printf(" %6d %8d %12.2f %12.3f %14.3f %8.1fx %10.1f\n", n, threads, sim.seconds * 1e6,
+                sim.seconds * 1e6 / n, thread * 1e6 / n, thread / sim.seconds, sim.bytesPerRank / 1024);
   }
 }
 
@@ -217,10 +249,65 @@ struct GemmShape {
   bool transposedB;  // b is W.t() of a row-major W (N, K): the layers' x·Wᵀ
 };
 
+// One core's fp32 FMA peak: independent FMA chains on the widest vectors the core has (not the
+// build's ISA), 12 per loop to cover the FMA latency on two ports. GFLOP/s, best of 3; 0 where the
+// core has no FMA.
+#if defined(__x86_64__)
+template <class Vec, class Fma>
+double fmaChains(Vec a, Vec b, Fma fma, int lanes) {
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    Vec c0 = b, c1 = b, c2 = b, c3 = b, c4 = b, c5 = b, c6 = b, c7 = b, c8 = b, c9 = b, c10 = b, c11 = b;
+    const long iters = 20'000'000;
+    const auto start = Clock::now();
+    for (long i = 0; i < iters; ++i) {
+      c0 = fma(c0, a, b), c1 = fma(c1, a, b), c2 = fma(c2, a, b), c3 = fma(c3, a, b);
+      c4 = fma(c4, a, b), c5 = fma(c5, a, b), c6 = fma(c6, a, b), c7 = fma(c7, a, b);
+      c8 = fma(c8, a, b), c9 = fma(c9, a, b), c10 = fma(c10, a, b), c11 = fma(c11, a, b);
+    }
+    const double seconds = secondsSince(start);
+    Vec sink[] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};
+    asm volatile("" : : "r"(sink) : "memory");  // the chains' results are used
+    best = std::max(best, 12.0 * 2 * lanes * double(iters) / seconds / 1e9);
+  }
+  return best;
+}
+
+__attribute__((target("avx512f"))) double fmaPeakAvx512() {
+  return fmaChains(_mm512_set1_ps(0.999f), _mm512_set1_ps(1e-3f),
+                   [](__m512 c, __m512 a, __m512 b) { return _mm512_fmadd_ps(c, a, b); }, 16);
+}
+
+__attribute__((target("avx2,fma"))) double fmaPeakAvx2() {
+  return fmaChains(_mm256_set1_ps(0.999f), _mm256_set1_ps(1e-3f),
+                   [](__m256 c, __m256 a, __m256 b) { return _mm256_fmadd_ps(c, a, b); }, 8);
+}
+#endif
+
+struct FmaPeak {
+  double gflops = 0;
+  const char* unit = "none";
+};
+
+FmaPeak fmaPeak() {
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("avx512f")) return {fmaPeakAvx512(), "AVX-512 (16 lanes)"};
+  if (__builtin_cpu_supports("fma")) return {fmaPeakAvx2(), "AVX2 FMA (8 lanes)"};
+#endif
+  return {};
+}
+
 void benchGemm(const BenchConfig& c) {
   using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const FmaPeak peak = fmaPeak();
   std::printf("\n# GEMM c = a·b, fp32, one thread: SimCompute::gemm vs plain Eigen, same data, same run\n");
-  std::printf("#%6s %6s %6s %4s %12s %12s %10s\n", "M", "K", "N", "b", "sim GF/s", "eigen GF/s", "sim/eigen");
+  if (peak.gflops > 0)
+    std::printf("# peak: one core's fp32 FMA rate, %s, 12 independent chains: %.1f GF/s (measured now)\n",
+                peak.unit, peak.gflops);
+  else
+    std::printf("# peak: not measured (this core has no FMA instruction tpsim knows)\n");
+  std::printf("#%6s %6s %6s %4s %12s %12s %10s %9s %9s\n", "M", "K", "N", "b", "sim GF/s", "eigen GF/s", "sim/eigen",
+              "sim/peak", "eig/peak");
   const GemmShape shapes[] = {{2048, 1024, 4096, true}, {2048, 4096, 1024, false}, {512, 512, 512, false},
                               {64, 32, 128, true}};
   sim::SimCompute compute;
@@ -253,8 +340,11 @@ void benchGemm(const BenchConfig& c) {
       bestEigen = std::min(bestEigen, tEigen);
     }
     if (!cs.isApprox(ce, 1e-4f)) throw Error("bench gemm: SimCompute and Eigen disagree");
-    std::printf(" %6d %6d %6d %4s %12.1f %12.1f %9.3fx\n", s.m, s.k, s.n, s.transposedB ? "W^T" : "row",
-                flops / bestSim / 1e9, flops / bestEigen / 1e9, bestSim / bestEigen);
+    const double simRate = flops / bestSim / 1e9, eigenRate = flops / bestEigen / 1e9;
+    auto ofPeak = [&](double rate) { return peak.gflops > 0 ? 100 * rate / peak.gflops : 0.0; };
+    std::printf(" %6d %6d %6d %4s %12.1f %12.1f %9.3fx %8.1f%% %8.1f%%\n", s.m, s.k, s.n,
+                s.transposedB ? "W^T" : "row", simRate, eigenRate, bestSim / bestEigen, ofPeak(simRate),
+                ofPeak(eigenRate));
   }
 }
 
@@ -362,7 +452,7 @@ void benchMlp(const BenchConfig& c) {
 int benchMain(const std::vector<std::string>& args) {
   BenchConfig c;
   GpuBenchConfig g;  // its defaults, where --backend gpu differs from the simulator's
-  std::string backend = "sim", ranks = "2..64", minBytes = "1M", maxBytes = "64M", mlpTp = "1,2,4,8",
+  std::string backend = "sim", ranks = "2..1024", minBytes = "1M", maxBytes = "64M", mlpTp = "1,2,4,8",
               fabricRanks = "2,4,8";
   auto gpuDefault = [](const std::string& help, const std::string& value) { return help + "; gpu: " + value; };
   po::options_description run("Run");
@@ -377,7 +467,7 @@ int benchMain(const std::vector<std::string>& args) {
        "gpu: untimed steps (layers) and collectives (fabric) before timing");
   po::options_description size("Problem size");
   size.add_options()
-      ("ranks,r", po::value(&ranks)->default_value(ranks), "latency: rank counts, 2..64 or 2,8,64")
+      ("ranks,r", po::value(&ranks)->default_value(ranks), "latency: rank counts, 2..1024 (powers of 2) or 2,8,64")
       ("iters,i", po::value(&c.iters)->default_value(c.iters), "latency: collectives per measurement")
       ("bw-ranks,p", po::value(&c.bwRanks)->default_value(c.bwRanks), "bandwidth: number of ranks")
       ("fabric-ranks,R", po::value(&fabricRanks)->default_value(fabricRanks), "gpu fabric: rank counts")
@@ -440,6 +530,9 @@ int benchMain(const std::vector<std::string>& args) {
     throw UsageError{"--backend gpu: cannot run here: " + whyNot};
   }
   c.ranks = parseIntList("ranks", ranks);
+  // The baseline starts one OS thread per rank.
+  if (const int most = *std::max_element(c.ranks.begin(), c.ranks.end()); most > 1024)
+    throw UsageError{"--ranks: expected rank counts <= 1024, got " + std::to_string(most)};
   c.mlpTp = parseIntList("mlp-tp", mlpTp);
   c.minBytes = parseSize("min-bytes", minBytes);
   c.maxBytes = parseSize("max-bytes", maxBytes);
