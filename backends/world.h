@@ -21,7 +21,9 @@ namespace tpsim {
 
 struct WorldOptions {
   int size = 1;                                  // number of ranks, >= 1
-  int threads = 0;                               // worker threads; 0 = min(hardware threads, size)
+  // Threads the world may use; 0 = one per hardware thread. min(threads, size) run ranks; the
+  // simulator lends the rest to large GEMMs (sim::HostPool), so every core works at any size.
+  int threads = 0;
   std::chrono::milliseconds timeout{60'000};     // default collective timeout
   std::size_t stackBytes = 0;                    // rank stack; 0 = 1 MiB (8 MiB under sanitizers)
   bool trace = false;                            // record every collective each rank issues

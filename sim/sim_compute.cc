@@ -238,26 +238,41 @@ void withMatrix(ConstView v, Fn&& fn) {
   fn(ConstMap<T, Eigen::RowMajor>(dense.data(), rows, cols, Eigen::OuterStride<>(cols)));
 }
 
-// C = alpha·A·B + beta·C in T, exactly the plain Eigen expression.
+// C = alpha·A·B + beta·C in T: the plain Eigen expression, per tile of C for a large product
+// (SimCompute::kGemmTile rows, or columns when N > M), the tiles on `pool`.
 template <typename T, typename CMap, typename AMap, typename BMap>
-void accumulate(CMap& c, const AMap& a, const BMap& b, float alpha, float beta) {  // (M,N) (M,K) (K,N)
-  if (beta == 0.f)
-    c.setZero();  // ignores NaN in the old c
-  else if (beta != 1.f)
-    c *= T(beta);
-  c.noalias() += T(alpha) * a * b;
+void accumulate(CMap& c, const AMap& a, const BMap& b, float alpha, float beta, HostPool* pool) {  // (M,N) (M,K) (K,N)
+  auto product = [&](auto&& ct, const auto& at, const auto& bt) {
+    if (beta == 0.f)
+      ct.setZero();  // ignores NaN in the old c
+    else if (beta != 1.f)
+      ct *= T(beta);
+    ct.noalias() += T(alpha) * at * bt;
+  };
+  constexpr Index tile = SimCompute::kGemmTile;
+  const bool byRows = c.rows() >= c.cols();
+  const Index extent = byRows ? c.rows() : c.cols();
+  if (double(c.rows()) * double(c.cols()) * double(a.cols()) < SimCompute::kGemmTiledMacs || extent < 2 * tile)
+    return product(c, a, b);
+  runTasks(pool, (extent + tile - 1) / tile, [&](std::int64_t i) {
+    const Index first = i * tile, size = std::min(tile, extent - first);
+    if (byRows)
+      product(c.middleRows(first, size), a.middleRows(first, size), b);
+    else
+      product(c.middleCols(first, size), a, b.middleCols(first, size));
+  });
 }
 
 template <typename T, typename AMap, typename BMap>
-void gemmInto(const AMap& a, const BMap& b, View c, float alpha, float beta) {  // (M,K) (K,N) (M,N)
+void gemmInto(const AMap& a, const BMap& b, View c, float alpha, float beta, HostPool* pool) {  // (M,K) (K,N) (M,N)
   const Index m = c.dim(0), n = c.dim(1);
   if (c.dtype() == dtypeOf<T>() && unitStride(c, 1)) {
     MutMap<T, Eigen::RowMajor> cm(c.typed<T>(), m, n, outerStride(c, 0, 1));  // (M, N)
-    return accumulate<T>(cm, a, b, alpha, beta);
+    return accumulate<T>(cm, a, b, alpha, beta, pool);
   }
   if (c.dtype() == dtypeOf<T>() && unitStride(c, 0)) {
     MutMap<T, Eigen::ColMajor> cm(c.typed<T>(), m, n, outerStride(c, 1, 0));  // (M, N)
-    return accumulate<T>(cm, a, b, alpha, beta);
+    return accumulate<T>(cm, a, b, alpha, beta, pool);
   }
   // c is 16-bit or has no unit-stride mode: accumulate in T, then round once into c.
   Dense<T> acc(m, n);  // (M, N)
@@ -266,15 +281,15 @@ void gemmInto(const AMap& a, const BMap& b, View c, float alpha, float beta) {  
   else
     acc = T(beta) * toDense<T>(c);
   MutMap<T, Eigen::RowMajor> accMap(acc.data(), m, n, Eigen::OuterStride<>(n));  // (M, N)
-  accumulate<T>(accMap, a, b, alpha, 1.f);
+  accumulate<T>(accMap, a, b, alpha, 1.f, pool);
   forEach<2>(c.shape(), {c.shape().contiguousStrides(), c.strides()},
              [&](const auto& o) { store<T>(c.at(o[1]), c.dtype(), acc.data()[o[0]]); });
 }
 
 template <typename T>
-void gemmAs(ConstView a, ConstView b, View c, float alpha, float beta) {
+void gemmAs(ConstView a, ConstView b, View c, float alpha, float beta, HostPool* pool) {
   withMatrix<T>(a, [&](const auto& am) {
-    withMatrix<T>(b, [&](const auto& bm) { gemmInto<T>(am, bm, c, alpha, beta); });
+    withMatrix<T>(b, [&](const auto& bm) { gemmInto<T>(am, bm, c, alpha, beta, pool); });
   });
 }
 
@@ -379,9 +394,9 @@ void SimCompute::scale(View y, float alpha) {
 void SimCompute::gemm(ConstView a, ConstView b, View c, float alpha, float beta) {
   compute_checks::checkGemm(Device::kHost, a, b, c);
   if (a.dtype() == DType::kFloat64)
-    gemmAs<double>(a, b, c, alpha, beta);
+    gemmAs<double>(a, b, c, alpha, beta, pool_);
   else
-    gemmAs<float>(a, b, c, alpha, beta);
+    gemmAs<float>(a, b, c, alpha, beta, pool_);
 }
 
 // ---- Bias, reductions, activations ---------------------------------------------------------------

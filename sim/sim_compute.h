@@ -2,13 +2,15 @@
 //
 // It follows compute.h's precision rule exactly and converts 16-bit values with dtype.h (never
 // Eigen::bfloat16/half), so its results match the other backends bit for bit where the math
-// allows. It is stateless and runs on the calling thread: one instance per rank, or one shared by
-// all. It is not a fast CPU backend beyond gemm, which runs at plain-Eigen speed for fp32/fp64.
+// allows. It holds no data and runs on the calling thread, which large GEMMs may share with a
+// HostPool's helpers: one instance per rank, or one shared by all. It is not a fast CPU backend
+// beyond gemm, which runs at plain-Eigen speed for fp32/fp64.
 #pragma once
 
 #include <cstdint>
 
 #include "backends/compute.h"
+#include "sim/host_pool.h"
 
 namespace tpsim::sim {
 
@@ -22,13 +24,23 @@ namespace tpsim::sim {
 //  - axpy and scatterAddRows accumulate into a destination of the source's dtype or a wider one
 //    (16-bit -> fp32 -> fp64); the other elementwise ops take any floating dtypes.
 //  - gemm accepts c of a's dtype, or fp32 for 16-bit a and b. Each operand with a unit-stride mode
-//    is read in place; fp32/fp64 gemm with such a c runs as Eigen's c.noalias() += alpha·a·b.
+//    is read in place; fp32/fp64 gemm with such a c runs as Eigen's c.noalias() += alpha·a·b, for
+//    a large product once per tile of kGemmTile rows (or columns, when N > M) of c. The tiles
+//    depend on the shape alone, so a result is the same with any pool, or none.
 //  - beta == 0 ignores the old contents of c (gemm) and out (sumRows): NaN there does not leak.
 //  - sumRows adds rows in increasing order, then beta·out. scatterAddRows rounds each add once
 //    into the table's dtype, so repeated ids in a bf16 table round once per occurrence.
 class SimCompute final : public Compute {
  public:
+  static constexpr std::int64_t kGemmTile = 256;
+  // A product of at least this many multiply-adds (M·N·K) is tiled, the others run whole.
+  static constexpr double kGemmTiledMacs = 1 << 24;
+
+  // pool: helpers for large GEMMs' tiles (not owned; null: the calling thread does all).
+  explicit SimCompute(HostPool* pool = nullptr) : pool_(pool) {}
+
   Device device() const override { return Device::kHost; }
+  HostPool* pool() const { return pool_; }
 
   // 64-byte aligned, freed by the Tensor; a zero-size tensor still owns a small block.
   Tensor empty(Shape shape, DType dtype) override;
@@ -54,6 +66,9 @@ class SimCompute final : public Compute {
 
   void gatherRows(ConstView table, ConstView ids, std::int64_t first, View out) override;
   void scatterAddRows(ConstView grad, ConstView ids, std::int64_t first, View table) override;
+
+ private:
+  HostPool* pool_;
 };
 
 }  // namespace tpsim::sim

@@ -1,6 +1,8 @@
 #include "sim/world.h"
 
+#include <algorithm>
 #include <cstring>
+#include <thread>
 
 #include "sim/reduce.h"
 #include "sim/sim_compute.h"
@@ -72,8 +74,13 @@ TransportToken HostTransport::execute(const Collective& c) {
 
 World::World(WorldOptions options)
     : rendezvous_("sim", options), transport_(std::make_shared<HostTransport>()) {
-  // SimCompute is stateless; one per rank keeps the rendezvous' contract uniform across backends.
-  for (int r = 0; r < rendezvous_.options().size; ++r) computes_.push_back(std::make_shared<SimCompute>());
+  const int threads =
+      options.threads > 0 ? options.threads : std::max(1, int(std::thread::hardware_concurrency()));
+  const int rankWorkers = rendezvous_.options().threads;  // min(threads, size)
+  if (threads > rankWorkers) gemmPool_ = std::make_unique<HostPool>(threads - rankWorkers);
+  // One SimCompute per rank keeps the rendezvous' contract uniform across backends.
+  for (int r = 0; r < rendezvous_.options().size; ++r)
+    computes_.push_back(std::make_shared<SimCompute>(gemmPool_.get()));
 }
 
 void World::run(const std::function<void(RankContext&)>& fn) { rendezvous_.run(fn, computes_, transport_); }

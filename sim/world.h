@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backends/world.h"
+#include "sim/host_pool.h"
 #include "sim/rendezvous.h"
 
 namespace tpsim::sim {
@@ -38,6 +39,7 @@ class World final : public tpsim::World {
 
  private:
   Rendezvous rendezvous_;
+  std::unique_ptr<HostPool> gemmPool_;  // the threads that run no rank; outlives computes_
   std::vector<std::shared_ptr<Compute>> computes_;
   std::shared_ptr<Transport> transport_;
 };

@@ -9,7 +9,7 @@
 //  gemm       SimCompute::gemm against plain Eigen on the same shapes, threads and data.
 //  mlp        the MLP block (column fc1, GeLU, row fc2, sequence parallel) forward + backward on
 //             T = 1, 2, 4, 8 simulated ranks against the same unsharded computation in plain Eigen,
-//             with the same number of threads (one: Eigen here is single-threaded).
+//             both on the same threads (--threads, 0 = every core).
 #include <Eigen/Core>
 #include <algorithm>
 #include <boost/program_options.hpp>
@@ -353,8 +353,10 @@ void benchGemm(const BenchConfig& c) {
 
 using RowMajorF = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
-// Seconds per forward + backward of the unsharded block in plain Eigen (best of reps).
-double eigenMlp(std::int64_t m, std::int64_t h, std::int64_t f, int reps) {
+// Seconds per forward + backward of the unsharded block in plain Eigen (best of reps), its GEMMs
+// through SimCompute::gemm on `threads` threads: Eigen's products, tiled as the simulator tiles
+// them, so both sides have the same cores.
+double eigenMlp(std::int64_t m, std::int64_t h, std::int64_t f, int reps, int threads) {
   // The simulator's values (simMlp): erf's cost depends on its argument, so the data must match.
   RowMajorF x = RowMajorF::Constant(m, h, 0.5f), w1 = RowMajorF::Constant(f, h, 0.01f),
             w2 = RowMajorF::Constant(h, f, 0.01f);
@@ -362,24 +364,28 @@ double eigenMlp(std::int64_t m, std::int64_t h, std::int64_t f, int reps) {
   RowMajorF dy = RowMajorF::Constant(m, h, 1.f), hid(m, f), a(m, f), y(m, h), dA(m, f), dX(m, h), dW1(f, h),
             dW2(h, f);
   Eigen::RowVectorXf db1(f), db2(h);
+  sim::HostPool pool(threads - 1);
+  sim::SimCompute compute(&pool);
+  auto view = [](auto& mat) { return View(mat.data(), Shape{mat.rows(), mat.cols()}, DType::kFloat32); };
+  auto product = [&](ConstView lhs, ConstView rhs, View out) { compute.gemm(lhs, rhs, out); };
   double best = 1e30;
   for (int rep = 0; rep < reps; ++rep) {
     const auto start = Clock::now();
-    hid.noalias() = x * w1.transpose();
+    product(view(x), view(w1).t(), view(hid));  // x·W1ᵀ
     hid.rowwise() += b1;
     // The same float formulas as SimCompute's gelu and geluBackward.
     a = hid.unaryExpr([](float v) { return v * 0.5f * (1.f + std::erf(v * 0.70710678118654752440f)); });
-    y.noalias() = a * w2.transpose();
+    product(view(a), view(w2).t(), view(y));  // a·W2ᵀ
     y.rowwise() += b2;
-    dA.noalias() = dy * w2;
-    dW2.noalias() = dy.transpose() * a;
+    product(view(dy), view(w2), view(dA));     // dy·W2
+    product(view(dy).t(), view(a), view(dW2));  // dyᵀ·a
     db2 = dy.colwise().sum();
     dA = dA.cwiseProduct(hid.unaryExpr([](float v) {
       return 0.5f * (1.f + std::erf(v * 0.70710678118654752440f)) + v * std::exp(-0.5f * v * v) * 0.39894228040143267794f;
     }));
-    dW1.noalias() = dA.transpose() * x;
+    product(view(dA).t(), view(x), view(dW1));  // dAᵀ·x
     db1 = dA.colwise().sum();
-    dX.noalias() = dA * w1;
+    product(view(dA), view(w1), view(dX));  // dA·W1
     best = std::min(best, secondsSince(start));
   }
   if (!y.allFinite() || !dX.allFinite()) throw Error("bench mlp: Eigen baseline produced non-finite values");
@@ -429,16 +435,18 @@ double simMlp(int T, int threads, std::int64_t m, std::int64_t h, std::int64_t f
 }
 
 void benchMlp(const BenchConfig& c) {
-  const int threads = c.threads ? c.threads : 1;
+  const int threads = c.threads ? c.threads : std::max(1, int(std::thread::hardware_concurrency()));
   std::printf("\n# MLP block fc1 (h -> F, column) · GeLU · fc2 (F -> h, row), fp32, forward + backward,\n");
   std::printf("# sequence parallel for T > 1; %d thread(s) for the simulator and for Eigen; best of %d\n", threads,
               c.mlpReps);
+  std::printf("# eigen: the unsharded block, Eigen's GEMMs tiled over the same threads (SimCompute::gemm),\n");
+  std::printf("# GeLU and bias on one thread; sim: min(T, threads) threads run ranks, the rest share GEMM tiles\n");
   std::printf("#%7s %6s %6s %4s %12s %12s %10s\n", "tokens", "h", "F", "T", "sim(ms)", "eigen(ms)", "sim/eigen");
   for (auto [m, h, f] : {std::tuple{c.tokens, c.hidden, c.ffn}, std::tuple{std::int64_t(64), std::int64_t(32),
                                                                            std::int64_t(128)}}) {
     const bool tiny = m * h * f < 1e7;
     const int reps = tiny ? 50 : c.mlpReps;
-    const double eigen = eigenMlp(m, h, f, reps);
+    const double eigen = eigenMlp(m, h, f, reps, threads);
     for (int T : c.mlpTp) {
       if (m % T || f % T) continue;
       const double sim = simMlp(T, threads, m, h, f, reps);
@@ -462,7 +470,7 @@ int benchMain(const std::vector<std::string>& args) {
        "sim | gpu (gpu: the layers and the DeviceFabric on one CUDA GPU)")
       ("what,W", po::value(&c.what)->default_value(c.what),
        "sim: latency | bandwidth | gemm | mlp | all; gpu: layers | fabric | all")
-      ("threads,t", po::value(&c.threads)->default_value(c.threads), "worker threads (0 = min(cores, ranks))")
+      ("threads,t", po::value(&c.threads)->default_value(c.threads), "threads (0 = every core; latency: min(cores, ranks))")
       ("warmup,w", po::value(&g.warmup)->default_value(g.warmup),
        "gpu: untimed steps (layers) and collectives (fabric) before timing");
   po::options_description size("Problem size");

@@ -40,7 +40,7 @@ int demoMain(const std::vector<std::string>& args) {
       ("hidden,k", po::value(&c.inFeatures)->default_value(c.inFeatures), "hidden size h")
       ("ffn-hidden,f", po::value(&c.ffnHidden)->default_value(c.ffnHidden), "ffn hidden size F")
       ("seed", po::value(&seed)->default_value(std::to_string(c.seed)), "seed of the generated data")
-      ("threads,t", po::value(&c.threads)->default_value(c.threads), "sim worker threads (0 = min(cores, ranks))")
+      ("threads,t", po::value(&c.threads)->default_value(c.threads), "sim threads (0 = every core): min(threads, ranks) run ranks, the rest share large GEMMs")
       ("backend,B", po::value(&c.backend)->default_value(c.backend),
        "sim | gpu: the simulator, or CUDA devices (exit 2 with the reason where none is usable)");
   const po::variables_map vm = parseOptions(args, opts);

@@ -163,7 +163,7 @@ int runMain(const std::vector<std::string>& args) {
       ("backend,B", po::value(&c.backend)->default_value(c.backend),
        "sim | gpu: the simulator, or CUDA devices (exit 2 with the reason where none is usable)")
       ("seed", po::value(&seed)->default_value(std::to_string(c.seed)), "seed of the generated data")
-      ("threads,t", po::value(&c.threads)->default_value(c.threads), "sim worker threads (0 = min(cores, ranks))")
+      ("threads,t", po::value(&c.threads)->default_value(c.threads), "sim threads (0 = every core): min(threads, ranks) run ranks, the rest share large GEMMs")
       ("load", po::value(&loadDir), "read the unsharded tensors from DIR/*.npy")
       ("save", po::value(&saveDir), "write the unsharded results (and generated inputs) to DIR/*.npy")
       ("verify", po::value(&verification)->default_value(verification),
