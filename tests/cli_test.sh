@@ -210,5 +210,51 @@ check inf-result 1 "output: 2 NaN or Inf values, the first at flat index 0" -- \
   "$tpsim" run --layer column --tp 1 --load "$work/inf"
 check inf-result-column 1 "NON-FINITE" -- "$tpsim" run --layer column --tp 1 --load "$work/inf"
 
+# Injected faults: every rank's diagnostic and exit 3, within 1 s for all but a stall, which
+# --timeout ends.
+within() {  # within NAME MILLISECONDS -- command...: check ... that also finishes in time
+  local name="$1" limit="$2" start elapsed
+  shift 3
+  start=$(date +%s%N)
+  check "$name" "$@"
+  elapsed=$((($(date +%s%N) - start) / 1000000))
+  if [ "$elapsed" -ge "$limit" ]; then
+    echo "FAIL $name: took $elapsed ms, expected < $limit ms"
+    failures=$((failures + 1))
+  fi
+}
+within inject-skip 1000 -- 3 "rank 1 1:3:skip: its collective 3, allGather(fp32 x256 -> x512) on gtp_remat[1,5]" \
+  -- "$tpsim" demo --inject 1:3:skip
+within inject-op 1000 -- 3 "rank 1 issued allReduce(sum, fp32 x256)" -- "$tpsim" demo --inject 1:3:op
+within inject-count 1000 -- 3 "rank 1 issued allGather(fp32 x257 -> x514)" -- "$tpsim" demo --inject 1:3:count
+within inject-dtype 1000 -- 3 "rank 1 issued allGather(bf16 x256 -> x512)" -- "$tpsim" demo --inject 1:3:dtype
+within inject-group 1000 -- 3 "rank 1 has not issued it: it waits on allGather(fp32 x256 -> x512) on world[0-7]" \
+  -- "$tpsim" demo --inject 1:3:group
+# Repeatable: the second fault would come later; the first one fails the world.
+within inject-throw 1000 -- 3 "rank 1 failed: injected fault: rank 1 throws at its collective 3" \
+  -- "$tpsim" run --layer mlp --tp 4 --gtp-remat 2 --batch 4 --inject 1:3:throw --inject 2:9:skip
+within inject-stall 3000 -- 3 "rank 1 has not issued it: it stalls (an injected fault) before issuing its collective 1" \
+  -- "$tpsim" run --layer row --tp 2 --inject 1:1:stall --timeout 1
+for kind in skip op count dtype group throw; do
+  if ! grep -qF "what each rank ended with:" <<<"$("$tpsim" demo --inject 2:5:$kind 2>&1)"; then
+    echo "FAIL inject-$kind-every-rank: no per-rank diagnostics"
+    failures=$((failures + 1))
+  fi
+done
+check inject-rank 2 "--inject: expected RANK in [0, 8) (the world's --tp x --gtp-remat ranks), got 8 in '8:1:skip'" \
+  -- "$tpsim" demo --inject 8:1:skip
+check inject-k 2 "--inject: expected K >= 1 (the rank's K-th collective, counted from 1), got '0'" \
+  -- "$tpsim" run --layer row --inject 1:0:skip
+check inject-kind 2 "--inject: expected FAULT to be skip, op, count, dtype, group, throw or stall, got 'crash'" \
+  -- "$tpsim" run --layer row --inject 1:1:crash
+check inject-form 2 "--inject: expected RANK:K:FAULT (three fields separated by ':'), got '1-1-skip'" \
+  -- "$tpsim" demo --inject 1-1-skip
+check inject-never 2 "injected fault 1:99:skip never fired: rank 1 issued 2 collectives" \
+  -- "$tpsim" run --layer row --tp 2 --inject 1:99:skip
+check timeout-zero 2 "--timeout: expected a positive number of seconds" -- "$tpsim" demo --timeout 0
+check timeout-word 2 "--timeout: expected a positive number of seconds from 0.001 to 1000000 (like 1 or 0.5), got '1s'" \
+  -- "$tpsim" run --layer row --timeout 1s
+check inject-help 0 "RANK:K:FAULT" -- "$tpsim" demo --help
+
 echo "$passed passed, $failures failed"
 [ "$failures" -eq 0 ]

@@ -25,7 +25,8 @@ int demoMain(const std::vector<std::string>& args) {
   c.inFeatures = 16;
   c.ffnHidden = 64;
   c.gtpRemat = 2;
-  std::string dtype = "fp32", seed;
+  std::string dtype = "fp32", seed, timeout = "60";
+  std::vector<std::string> injects;
   bool noSequenceParallel = false;
   po::options_description opts("tpsim demo [options]");
   opts.add_options()
@@ -42,7 +43,9 @@ int demoMain(const std::vector<std::string>& args) {
       ("seed", po::value(&seed)->default_value(std::to_string(c.seed)), "seed of the generated data")
       ("threads,t", po::value(&c.threads)->default_value(c.threads), "sim worker threads (0 = min(cores, ranks))")
       ("backend,B", po::value(&c.backend)->default_value(c.backend),
-       "sim | gpu: the simulator, or CUDA devices (exit 2 with the reason where none is usable)");
+       "sim | gpu: the simulator, or CUDA devices (exit 2 with the reason where none is usable)")
+      ("timeout", po::value(&timeout)->default_value(timeout), kTimeoutHelp)
+      ("inject", po::value(&injects)->composing(), kInjectHelp);
   const po::variables_map vm = parseOptions(args, opts);
   if (vm.count("help")) {
     std::cout << opts << "\n" << kExitCodes;
@@ -52,6 +55,8 @@ int demoMain(const std::vector<std::string>& args) {
     throw UsageError{"--dtype: expected fp32, bf16 or fp16, got '" + dtype + "'"};
   c.dtype = parseDType(dtype);
   c.seed = parseSeed(seed);
+  c.faults = parseInjections(injects);
+  c.timeout = parseTimeout(timeout);
   c.sequenceParallel = !noSequenceParallel && c.tp > 1;
   c.validate();
   if (!isBackendName(c.backend)) throw UsageError{"--backend: expected sim or gpu, got '" + c.backend + "'"};

@@ -111,7 +111,8 @@ DType parseFloatDtype(const std::string& flag, const std::string& s) {
 int runMain(const std::vector<std::string>& args) {
   RunConfig c;
   std::string layer, dtype = "fp32", outputDtype, mainGradDtype = "fp32", loadDir, saveDir,
-      gtpReduce = "mean", weightFormat = "native", seed;
+      gtpReduce = "mean", weightFormat = "native", seed, timeout = "60";
+  std::vector<std::string> injects;
   po::options_description par("Parallelism");
   par.add_options()
       ("help,h", "show this help")
@@ -158,9 +159,12 @@ int runMain(const std::vector<std::string>& args) {
       ("seed", po::value(&seed)->default_value(std::to_string(c.seed)), "seed of the generated data")
       ("threads,t", po::value(&c.threads)->default_value(c.threads), "sim worker threads (0 = min(cores, ranks))")
       ("load", po::value(&loadDir), "read the unsharded tensors from DIR/*.npy")
-      ("save", po::value(&saveDir), "write the unsharded results (and generated inputs) to DIR/*.npy");
+      ("save", po::value(&saveDir), "write the unsharded results (and generated inputs) to DIR/*.npy")
+      ("timeout", po::value(&timeout)->default_value(timeout), kTimeoutHelp);
+  po::options_description faults("Faults (what a broken rank looks like to its peers)");
+  faults.add_options()("inject", po::value(&injects)->composing(), kInjectHelp);
   po::options_description all("tpsim run --layer KIND [options]");
-  all.add(par).add(lay).add(size).add(run);
+  all.add(par).add(lay).add(size).add(run).add(faults);
   const po::variables_map vm = parseOptions(args, all);
   if (vm.count("help")) {
     std::cout << all << "\n" << kExitCodes;
@@ -168,6 +172,8 @@ int runMain(const std::vector<std::string>& args) {
   }
   if (layer.empty()) throw UsageError{"--layer is required: column, row, embedding or mlp"};
   c.seed = parseSeed(seed);
+  c.faults = parseInjections(injects);
+  c.timeout = parseTimeout(timeout);
   // An empty path would silently mean "no --load" or "no --save".
   for (const char* flag : {"load", "save"})
     if (vm.count(flag) && vm[flag].as<std::string>().empty())

@@ -12,6 +12,7 @@
 // the full-batch gradient).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -49,6 +50,8 @@ struct RunConfig {
   std::uint64_t seed = 1234;
   std::string backend = "sim";  // tools/backend.h
   int threads = 0;
+  std::vector<Fault> faults;                   // --inject: ranks that misbehave on purpose
+  std::chrono::milliseconds timeout{60'000};   // --timeout: the world's collective timeout
   // Shapes of generated data (ignored for tensors loaded from files).
   std::int64_t seq = 8, batch = 2, inFeatures = 16, outFeatures = 16, ffnHidden = 64, vocab = 32;
 
