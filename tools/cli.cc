@@ -48,6 +48,14 @@ const char kInjectHelp[] =
 const char kTimeoutHelp[] =
     "seconds a collective may wait for its members before the world fails (exit 3); a positive number";
 
+const char kTraceHelp[] =
+    "write a Chrome Trace Event file (Perfetto, chrome://tracing): a process per rank, compute and "
+    "communication tracks, a span per op and collective, arrows between a collective's members";
+const char kClockHelp[] = "measured (this run's wall time per rank) | model (--device-model's roofline and links)";
+const char kDeviceModelHelp[] =
+    "--clock model: h100-nvlink | h200-nvlink | a100-nvlink | pcie | FILE of key = value lines (tflops.fp32, "
+    "tflops.bf16, tflops.fp16, tflops.fp64, memory_gbps, link_latency_us, link_gbps)";
+
 std::vector<Fault> parseInjections(const std::vector<std::string>& specs) {
   std::vector<Fault> faults;
   for (const std::string& spec : specs) {

@@ -38,6 +38,10 @@ std::uint64_t parseSeed(const std::string& text);
 // The help of --inject and --timeout, which run and demo share.
 extern const char kInjectHelp[];
 extern const char kTimeoutHelp[];
+// The help of --trace, --clock and --device-model, which run and demo share.
+extern const char kTraceHelp[];
+extern const char kClockHelp[];
+extern const char kDeviceModelHelp[];
 // --inject RANK:K:FAULT, each one (backends/fault.h). Throws UsageError naming --inject.
 std::vector<Fault> parseInjections(const std::vector<std::string>& specs);
 // --timeout SECONDS: a positive number ("1", "0.5"), in milliseconds. Throws UsageError.

@@ -113,6 +113,7 @@ int runMain(const std::vector<std::string>& args) {
   std::string layer, dtype = "fp32", outputDtype, mainGradDtype = "fp32", loadDir, saveDir,
       gtpReduce = "mean", weightFormat = "native", seed, timeout = "60";
   std::vector<std::string> injects;
+  TraceOptions trace;
   po::options_description par("Parallelism");
   par.add_options()
       ("help,h", "show this help")
@@ -163,8 +164,13 @@ int runMain(const std::vector<std::string>& args) {
       ("timeout", po::value(&timeout)->default_value(timeout), kTimeoutHelp);
   po::options_description faults("Faults (what a broken rank looks like to its peers)");
   faults.add_options()("inject", po::value(&injects)->composing(), kInjectHelp);
+  po::options_description timeline("Timeline");
+  timeline.add_options()
+      ("trace", po::value(&trace.file), kTraceHelp)
+      ("clock", po::value(&trace.clock)->default_value(trace.clock), kClockHelp)
+      ("device-model", po::value(&trace.device)->default_value(trace.device), kDeviceModelHelp);
   po::options_description all("tpsim run --layer KIND [options]");
-  all.add(par).add(lay).add(size).add(run).add(faults);
+  all.add(par).add(lay).add(size).add(run).add(faults).add(timeline);
   const po::variables_map vm = parseOptions(args, all);
   if (vm.count("help")) {
     std::cout << all << "\n" << kExitCodes;
@@ -194,6 +200,9 @@ int runMain(const std::vector<std::string>& args) {
   if (const std::string whyNot = backendUnusableReason(c.backend); !whyNot.empty())
     throw UsageError{"--backend " + c.backend + ": cannot run here: " + whyNot};
   c.validate();
+  if (vm.count("trace") && trace.file.empty()) throw UsageError{"--trace: expected a file path, got an empty path"};
+  checkTraceOptions(trace, !vm["clock"].defaulted(), !vm["device-model"].defaulted());
+  c.record = !trace.file.empty();
 
   if (!saveDir.empty()) prepareSaveDir(saveDir);
   std::printf("# tpsim run: %s\n", c.str().c_str());
@@ -222,6 +231,10 @@ int runMain(const std::vector<std::string>& args) {
     if (loadDir.empty()) outputs.insert(inputs.begin(), inputs.end());
     save(saveDir, outputs);
     std::printf("\nsaved to %s\n", saveDir.c_str());
+  }
+  if (c.record) {
+    writeTrace(trace, result.records, c.tp);
+    std::printf("\ntrace (clock %s) written to %s\n", trace.clockText().c_str(), trace.file.c_str());
   }
   std::printf("\n%s\n", ok ? "sharded results agree with the unsharded computation" : "MISMATCH");
   return ok ? 0 : 1;

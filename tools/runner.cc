@@ -376,7 +376,18 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
   const std::unique_ptr<World> world = makeWorld(c.backend, wo);
   const InitMethod unused = initMethodNormal(0.02);  // weights are copied in
   const bool embeddingBatchFirst = c.layer == LayerKind::kEmbedding && !c.reduceScatterEmbeddings;
-  world->run([&](RankContext& ctx) {
+  std::vector<RankRecord> records(c.record ? sizes.world : 0);
+  const TraceClock::time_point t0 = TraceClock::now();
+  world->run([&](RankContext& base) {
+    // Under --trace every op goes through a logging decorator; the layers see no difference.
+    std::unique_ptr<Compute> loggedCompute;
+    std::unique_ptr<Collectives> loggedComm;
+    if (c.record) {
+      RankRecord& record = records[base.comm.rank()];
+      loggedCompute = recordingCompute(base.compute, record, t0);
+      loggedComm = recordingCollectives(base.comm, record, t0);
+    }
+    RankContext ctx{c.record ? *loggedCompute : base.compute, c.record ? *loggedComm : base.comm};
     Compute& compute = ctx.compute;
     const int r = ctx.comm.rank();
     ProcessGroups pg(ctx.comm, layout);
@@ -552,6 +563,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
   RunResult r;
   r.shards = per.shards;
   r.trace = world->trace();
+  r.records = std::move(records);
   auto peers = [&](const std::string& name, int t) {
     std::vector<HostTensor> out;
     for (int g = 0; g < G; ++g) out.push_back(per.results[t + T * g].at(name));

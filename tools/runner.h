@@ -20,6 +20,7 @@
 
 #include "backends/world.h"
 #include "tools/reference.h"
+#include "tools/trace.h"
 
 namespace tpsim::tools {
 
@@ -52,6 +53,7 @@ struct RunConfig {
   int threads = 0;
   std::vector<Fault> faults;                   // --inject: ranks that misbehave on purpose
   std::chrono::milliseconds timeout{60'000};   // --timeout: the world's collective timeout
+  bool record = false;                         // log every op for a trace (RunResult::records)
   // Shapes of generated data (ignored for tensors loaded from files).
   std::int64_t seq = 8, batch = 2, inFeatures = 16, outFeatures = 16, ffnHidden = 64, vocab = 32;
 
@@ -69,6 +71,7 @@ struct RunResult {
   TensorMap results;                               // unsharded, named as in reference.h
   std::vector<std::vector<std::string>> shards;    // per rank: "fc1.weight (16, 32) = rows [0, 16) of (64, 32)"
   std::vector<std::vector<TraceEvent>> trace; // per rank: every collective it issued
+  std::vector<RankRecord> records;             // per rank, with RunConfig::record: its ops in order
 };
 
 RunResult runSharded(const RunConfig& config, const TensorMap& inputs);
