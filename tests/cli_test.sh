@@ -256,5 +256,34 @@ check timeout-word 2 "--timeout: expected a positive number of seconds from 0.00
   -- "$tpsim" run --layer row --timeout 1s
 check inject-help 0 "RANK:K:FAULT" -- "$tpsim" demo --help
 
+# --trace: a Chrome Trace Event file that follows the format's rules (tests/trace_check.py), on
+# both clocks; run's normal output is unchanged but for one line.
+trace_check="$(dirname "$0")/trace_check.py"
+check trace-demo-model 0 "overlap = collectives under compute" -- \
+  "$tpsim" demo --trace "$work/demo.json" --clock model --device-model h100-nvlink
+check trace-demo-model-json 0 "trace_check: ok, 8 ranks" -- python3 "$trace_check" "$work/demo.json" model
+check trace-run-measured 0 "trace (clock measured) written to $work/run.json" -- \
+  "$tpsim" run --layer column --tp 4 --sequence-parallel --bias --trace "$work/run.json"
+check trace-run-measured-json 0 "trace_check: ok, 4 ranks" -- python3 "$trace_check" "$work/run.json"
+printf 'tflops.fp32 = 20\ntflops.bf16 = 300\ntflops.fp16 = 300\ntflops.fp64 = 10\nmemory_gbps = 2000\nlink_latency_us = 8\nlink_gbps = 25\n' \
+  >"$work/device.txt"
+check trace-run-file 0 "trace (clock model ($work/device.txt)) written" -- "$tpsim" run --layer row --tp 2 \
+  --input-is-parallel --gtp-remat 2 --batch 4 --trace "$work/file.json" --clock model --device-model "$work/device.txt"
+check trace-run-file-json 0 "trace_check: ok, 4 ranks" -- python3 "$trace_check" "$work/file.json" model
+if diff <("$tpsim" run --layer row --tp 2) <("$tpsim" run --layer row --tp 2 --trace "$work/same.json") | grep '^[<>]' \
+  | grep -qv "^> trace (clock measured) written to $work/same.json\|^> \$"; then
+  echo "FAIL trace-output: --trace changed run's output beyond its one line"
+  failures=$((failures + 1))
+fi
+check trace-clock 2 "--clock: expected measured or model, got 'wall'" -- "$tpsim" demo --trace "$work/x.json" --clock wall
+check trace-clock-alone 2 "--clock: applies with --trace FILE, got no --trace" -- "$tpsim" run --layer row --clock model
+check trace-device-measured 2 "--device-model: applies to --clock model, got --clock measured" -- \
+  "$tpsim" demo --trace "$work/x.json" --device-model pcie
+check trace-device-unknown 2 "--device-model: expected h100-nvlink, h200-nvlink, a100-nvlink, pcie or a readable key=value file, got 'b200'" \
+  -- "$tpsim" demo --trace "$work/x.json" --clock model --device-model b200
+check trace-dir 2 "--trace: expected a file path in an existing directory, got '$work/nowhere/t.json'" -- \
+  "$tpsim" run --layer row --trace "$work/nowhere/t.json"
+check trace-empty 2 "--trace: expected a file path, got an empty path" -- "$tpsim" demo --trace ""
+
 echo "$passed passed, $failures failed"
 [ "$failures" -eq 0 ]
