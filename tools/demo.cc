@@ -45,9 +45,9 @@ int demoMain(const std::vector<std::string>& args) {
       ("threads,t", po::value(&c.threads)->default_value(c.threads), "sim worker threads (0 = min(cores, ranks))")
       ("backend,B", po::value(&c.backend)->default_value(c.backend),
        "sim | gpu: the simulator, or CUDA devices (exit 2 with the reason where none is usable)")
-      ("timeout", po::value(&timeout)->default_value(timeout), kTimeoutHelp)
-      ("inject", po::value(&injects)->composing(), kInjectHelp)
-      ("trace", po::value(&trace.file), kTraceHelp)
+      ("timeout", po::value(&timeout)->default_value(timeout)->value_name("SECONDS"), kTimeoutHelp)
+      ("inject", po::value(&injects)->composing()->value_name("RANK:K:FAULT"), kInjectHelp)
+      ("trace", po::value(&trace.file)->value_name("FILE.json"), kTraceHelp)
       ("clock", po::value(&trace.clock)->default_value(trace.clock), kClockHelp)
       ("device-model", po::value(&trace.device)->default_value(trace.device), kDeviceModelHelp);
   const po::variables_map vm = parseOptions(args, opts);

@@ -161,12 +161,12 @@ int runMain(const std::vector<std::string>& args) {
       ("threads,t", po::value(&c.threads)->default_value(c.threads), "sim worker threads (0 = min(cores, ranks))")
       ("load", po::value(&loadDir), "read the unsharded tensors from DIR/*.npy")
       ("save", po::value(&saveDir), "write the unsharded results (and generated inputs) to DIR/*.npy")
-      ("timeout", po::value(&timeout)->default_value(timeout), kTimeoutHelp);
+      ("timeout", po::value(&timeout)->default_value(timeout)->value_name("SECONDS"), kTimeoutHelp);
   po::options_description faults("Faults (what a broken rank looks like to its peers)");
-  faults.add_options()("inject", po::value(&injects)->composing(), kInjectHelp);
+  faults.add_options()("inject", po::value(&injects)->composing()->value_name("RANK:K:FAULT"), kInjectHelp);
   po::options_description timeline("Timeline");
   timeline.add_options()
-      ("trace", po::value(&trace.file), kTraceHelp)
+      ("trace", po::value(&trace.file)->value_name("FILE.json"), kTraceHelp)
       ("clock", po::value(&trace.clock)->default_value(trace.clock), kClockHelp)
       ("device-model", po::value(&trace.device)->default_value(trace.device), kDeviceModelHelp);
   po::options_description all("tpsim run --layer KIND [options]");

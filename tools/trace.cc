@@ -540,8 +540,12 @@ std::string chromeTrace(const std::vector<RankRecord>& records, const std::vecto
     event(detail::concat("\"name\":\"", name, "\",\"ph\":\"M\",\"ts\":0,\"pid\":", pid, ",\"tid\":", tid,
                          ",\"args\":{", args, "}"));
   };
-  // Each collective's members: (pid, tid, span start, span end), to draw flows between.
-  std::map<std::pair<std::string, std::uint64_t>, std::vector<std::tuple<std::size_t, int, double, double>>> members;
+  // Each collective's op and members (pid, tid, span start, span end), to draw flows between.
+  struct Members {
+    std::string op;
+    std::vector<std::tuple<std::size_t, int, double, double>> spans;
+  };
+  std::map<std::pair<std::string, std::uint64_t>, Members> members;
   os << "{\"displayTimeUnit\":\"ns\",\"traceEvents\":[";
   for (std::size_t r = 0; r < records.size(); ++r) {
     const RankRecord& rec = records[r];
@@ -577,17 +581,22 @@ std::string chromeTrace(const std::vector<RankRecord>& records, const std::vecto
                            ",\"dur\":", us(end - begin), ",\"pid\":", r, ",\"tid\":", lane + 1,
                            ",\"args\":{\"op\":", jsonString(c.op), ",\"group\":", jsonString(c.group), ",\"seq\":",
                            c.seq, ",\"dtype\":", jsonString(c.dtype), ",\"bytes\":", c.inBytes, "}"));
-      members[{c.group, c.seq}].push_back({r, int(lane) + 1, begin, end});
+      Members& m = members[{c.group, c.seq}];
+      m.op = c.op;
+      m.spans.push_back({r, int(lane) + 1, begin, end});
     }
   }
   // A flow from the collective's lowest rank to each other member, bound to the enclosing spans.
   std::int64_t id = 0;
-  for (const auto& [key, spans] : members) {
+  for (const auto& [key, m] : members) {
+    const auto& spans = m.spans;
     const auto& [pid0, tid0, b0, e0] = spans.front();
-    for (std::size_t m = 1; m < spans.size(); ++m) {
-      const auto& [pid, tid, b, e] = spans[m];
+    for (std::size_t i = 1; i < spans.size(); ++i) {
+      const auto& [pid, tid, b, e] = spans[i];
       ++id;
-      const std::string common = detail::concat("\"name\":", jsonString(key.first), ",\"cat\":\"collective\",\"id\":", id);
+      const std::string common =
+          detail::concat("\"name\":", jsonString(detail::concat(m.op, " ", key.first, " seq ", key.second)),
+                         ",\"cat\":\"collective\",\"id\":", id);
       event(detail::concat(common, ",\"ph\":\"s\",\"ts\":", us((b0 + e0) / 2), ",\"pid\":", pid0, ",\"tid\":", tid0));
       event(detail::concat(common, ",\"ph\":\"f\",\"bp\":\"e\",\"ts\":", us((b + e) / 2), ",\"pid\":", pid,
                            ",\"tid\":", tid));
