@@ -275,6 +275,18 @@ if diff <("$tpsim" run --layer row --tp 2) <("$tpsim" run --layer row --tp 2 --t
   echo "FAIL trace-output: --trace changed run's output beyond its one line"
   failures=$((failures + 1))
 fi
+# The checker itself refuses what the format forbids.
+meta='{"name":"process_name","ph":"M","ts":0,"pid":0,"tid":0,"args":{"name":"rank 0 (t=0, g=0)"}},
+{"name":"thread_name","ph":"M","ts":0,"pid":0,"tid":0,"args":{"name":"compute"}}'
+summary='"otherData":{"ranks":[]}'
+printf '{"traceEvents":[%s,{"name":"a","ph":"X","ts":0,"dur":2,"pid":0,"tid":0},{"name":"b","ph":"X","ts":1,"dur":2,"pid":0,"tid":0}],%s}' \
+  "$meta" "$summary" >"$work/overlap.json"
+check trace-check-overlap 1 "spans overlap without nesting on track (0, 0)" -- python3 "$trace_check" "$work/overlap.json"
+printf '{"traceEvents":[%s,{"name":"a","ph":"X","ts":0,"dur":2,"pid":0,"tid":0},{"name":"f","ph":"s","id":1,"ts":1,"pid":0,"tid":0}],%s}' \
+  "$meta" "$summary" >"$work/flow.json"
+check trace-check-flow 1 "flow 1 is not one start and one finish" -- python3 "$trace_check" "$work/flow.json"
+printf '{"traceEvents":[%s,{"name":"a","ph":"X","ts":0,"pid":0,"tid":0}],%s}' "$meta" "$summary" >"$work/dur.json"
+check trace-check-dur 1 "complete event without a duration" -- python3 "$trace_check" "$work/dur.json"
 check trace-clock 2 "--clock: expected measured or model, got 'wall'" -- "$tpsim" demo --trace "$work/x.json" --clock wall
 check trace-clock-alone 2 "--clock: applies with --trace FILE, got no --trace" -- "$tpsim" run --layer row --clock model
 check trace-device-measured 2 "--device-model: applies to --clock model, got --clock measured" -- \

@@ -302,7 +302,7 @@ double peakTflops(const DeviceModel& d, const std::string& dtype) {
   return d.tflopsFp32;
 }
 
-// Total length of the union of intervals.
+// The union of intervals, as sorted disjoint intervals.
 std::vector<std::pair<double, double>> merged(std::vector<std::pair<double, double>> spans) {
   std::sort(spans.begin(), spans.end());
   std::vector<std::pair<double, double>> out;
@@ -346,11 +346,12 @@ std::string jsonString(const std::string& s) {
   return out + "\"";
 }
 
-// Microseconds to the nanosecond. Spans print start and end rounded, duration as their
-// difference, so touching spans on one track never overlap after rounding.
+// Microseconds rounded to the nanosecond. Spans print their start and end rounded and their
+// duration as the difference, so touching spans on one track never overlap after rounding.
+double toNs(double v) { return std::round(v * 1000) / 1000; }
 std::string us(double v) {
   char buf[40];
-  std::snprintf(buf, sizeof buf, "%.3f", std::round(v * 1000) / 1000);
+  std::snprintf(buf, sizeof buf, "%.3f", toNs(v));
   return buf;
 }
 
@@ -558,16 +559,16 @@ std::string chromeTrace(const std::vector<RankRecord>& records, const std::vecto
       std::string args = detail::concat("\"dtype\":", jsonString(op.dtype), ",\"bytes\":", std::int64_t(op.bytes));
       if (op.name == "gemm")
         args += detail::concat(",\"M\":", op.m, ",\"N\":", op.n, ",\"K\":", op.k, ",\"flops\":", std::int64_t(op.flops));
-      const std::string ts = us(t.computeStart[i]);
-      event(detail::concat("\"name\":", jsonString(op.name), ",\"cat\":\"compute\",\"ph\":\"X\",\"ts\":", ts,
-                           ",\"dur\":", us(std::stod(us(t.computeEnd[i])) - std::stod(ts)), ",\"pid\":", r,
+      const double begin = toNs(t.computeStart[i]), end = toNs(t.computeEnd[i]);
+      event(detail::concat("\"name\":", jsonString(op.name), ",\"cat\":\"compute\",\"ph\":\"X\",\"ts\":", us(begin),
+                           ",\"dur\":", us(end - begin), ",\"pid\":", r,
                            ",\"tid\":0,\"args\":{", args, "}"));
     }
     // Collectives in flight at once go to separate tracks, so no track holds overlapping spans.
     std::vector<double> laneEnd;
     for (std::size_t i = 0; i < rec.comms.size(); ++i) {
       const CommRecord& c = rec.comms[i];
-      const double begin = std::stod(us(t.issued[i])), end = std::stod(us(t.completed[i]));
+      const double begin = toNs(t.issued[i]), end = toNs(t.completed[i]);
       std::size_t lane = 0;
       while (lane < laneEnd.size() && laneEnd[lane] > begin) ++lane;
       if (lane == laneEnd.size()) {
