@@ -65,7 +65,7 @@ struct DeviceModel {
 // tflops.bf16, tflops.fp16, tflops.fp64, memory_gbps, link_latency_us and link_gbps, '#'
 // comments. Throws InvalidArgument naming the preset or file, the key and the value.
 DeviceModel deviceModel(const std::string& presetOrFile);
-// Seconds-free costs in µs: max(flops/peak, bytes/bandwidth), and alpha + bytes·factor/bandwidth
+// Costs in µs: max(flops/peak, bytes/bandwidth) per op, and alpha + bytes·factor/bandwidth
 // with nccl-tests' bus-bandwidth factors (allReduce 2(n-1)/n over its buffer, allGather and
 // reduceScatter (n-1)/n over the full buffer, broadcast 1); nothing moves on a group of one.
 double computeCostUs(const DeviceModel& d, const ComputeRecord& op);
