@@ -88,6 +88,43 @@ check bench-gpu-tp 2 "--mlp-tp: every TP size must be <= 64 and divide --tokens 
   "$tpsim" bench --backend gpu --mlp-tp 3
 check conflicting 2 "--sequence-parallel: needs --tp > 1" -- "$tpsim" run --layer column --tp 1 --sequence-parallel
 
+# --verify: exact holds on small-integer data, where every step is exact; generated data misses it.
+# int_npy FILE SHAPE VALUES...: a float32 .npy of integers in [-2, 2].
+int_npy() {
+  local file="$1" shape="$2" header v
+  shift 2
+  header="{'descr': '<f4', 'fortran_order': False, 'shape': ($shape), }"
+  while [ $(((10 + ${#header} + 1) % 64)) -ne 0 ]; do header+=" "; done
+  {
+    printf '\x93NUMPY\x01\x00'
+    printf "\\x$(printf %02x $(((${#header} + 1) % 256)))\\x$(printf %02x $(((${#header} + 1) / 256)))"
+    printf '%s\n' "$header"
+    for v in "$@"; do
+      case "$v" in
+        -2) printf '\x00\x00\x00\xc0' ;; -1) printf '\x00\x00\x80\xbf' ;; 0) printf '\x00\x00\x00\x00' ;;
+        1) printf '\x00\x00\x80\x3f' ;; 2) printf '\x00\x00\x00\x40' ;;
+      esac
+    done
+  } >"$file"
+}
+ints() { for ((i = 0; i < $1; i++)); do echo $(((i * 7 + $2) % 5 - 2)); done; }  # COUNT SEED
+mkdir -p "$work/ints"
+int_npy "$work/ints/input.npy" "8, 2, 16" $(ints 256 1)
+int_npy "$work/ints/weight.npy" "32, 16" $(ints 512 2)
+int_npy "$work/ints/bias.npy" "32," $(ints 32 3)
+int_npy "$work/ints/grad_output.npy" "8, 2, 32" $(ints 512 4)
+check verify-exact 0 "sharded results equal the unsharded computation" -- "$tpsim" run --layer column --tp 4 \
+  --sequence-parallel --bias --load "$work/ints" --verify exact
+check verify-exact-real 1 "MISMATCH" -- "$tpsim" run --layer mlp --tp 4 --verify exact
+check verify-none 0 "verification skipped (--verify none)" -- "$tpsim" run --layer mlp --tp 2 --verify none \
+  --save "$work/none"
+[ -f "$work/none/output.npy" ] || { echo "FAIL verify-none: output.npy not saved"; failures=$((failures + 1)); }
+check verify-bad 2 "--verify: expected bound, exact or none, got 'often'" -- "$tpsim" run --layer row --verify often
+
+# --version: what a bug report or a benchmark figure needs to know about the binary.
+check version 0 "isa: " -- "$tpsim" --version
+check version-gpu 0 "gpu backend: " -- "$tpsim" --version
+
 # Exit codes: only a result outside its bound exits 1; input, configuration and I/O errors exit 2.
 check help-exit-codes 0 "3  the simulated world failed" -- "$tpsim" --help
 check run-help-exit-codes 0 "2  bad input" -- "$tpsim" run --help

@@ -454,9 +454,9 @@ int benchMain(const std::vector<std::string>& args) {
                      maxBytes};
   if (c.bwIters < 1 || c.gemmReps < 1) throw UsageError{"--bw-iters and --gemm-reps must be >= 1"};
 
-  std::printf("# tpsim bench: what=%s threads=%d (hardware %u) ranks=%s iters=%d bw-ranks=%d bytes=%s..%s\n",
+  std::printf("# tpsim bench: what=%s threads=%d (hardware %u) ranks=%s iters=%d bw-ranks=%d bytes=%s..%s isa=%s\n",
               c.what.c_str(), c.threads, std::thread::hardware_concurrency(), ranks.c_str(), c.iters, c.bwRanks,
-              minBytes.c_str(), maxBytes.c_str());
+              minBytes.c_str(), maxBytes.c_str(), TPSIM_ISA);
   if (c.what == "all" || c.what == "latency") benchLatency(c);
   long wrong = 0;
   if (c.what == "all" || c.what == "bandwidth") wrong = benchBandwidth(c);

@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # Installs missing dependencies, configures and builds tpsim.
-#   tools/build.sh                      Release build in build/
+#   tools/build.sh                      Release build of the tpsim CLI in build/
+#   tools/build.sh --all                every target: the CLI, the unit tests and the property suite
 #   tools/build.sh --sanitize=thread    ThreadSanitizer build in build-thread/
 #   tools/build.sh --sanitize=address,undefined   ASan+UBSan build in build-address-undefined/
-# Extra arguments after -- go to CMake's configure step (e.g. -- -DTPSIM_GPU=OFF).
+# Extra arguments after -- go to CMake's configure step (e.g. -- -DTPSIM_GPU=OFF, or
+# -- -DTPSIM_NATIVE=OFF for binaries that run on any CPU of the architecture, not only this one's kind).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 sanitize=""
+targets=(--target tpsim)  # README's first command needs only the CLI; the tests are most of the build
 cmake_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --sanitize=*) sanitize="${1#--sanitize=}" ;;
+    --all) targets=() ;;
     --) shift; cmake_args+=("$@"); break ;;
     *) echo "tools/build.sh: unknown argument '$1'" >&2; exit 2 ;;
   esac
@@ -29,4 +33,4 @@ fi
 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE="$build_type" -DTPSIM_SANITIZE="$sanitize" \
   "${cmake_args[@]}" >"$build_dir.configure.log" 2>&1 || { cat "$build_dir.configure.log"; exit 1; }
 grep '^-- tpsim:' "$build_dir.configure.log" || true
-cmake --build "$build_dir" -j "$(nproc)"
+cmake --build "$build_dir" -j "$(nproc)" "${targets[@]}"

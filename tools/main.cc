@@ -27,7 +27,7 @@ const char* kUsage =
     "          with --backend gpu: the layers against cuBLASLt and PyTorch, DeviceFabric bandwidth\n"
     "  devices the backends this build has (sim, gpu) and whether each can run here, with the reason\n"
     "\n"
-    "'tpsim <command> --help' lists a command's options.\n"
+    "'tpsim <command> --help' lists a command's options; 'tpsim --version' the build.\n"
     "\n";
 
 // One line on stderr, "tpsim <command>: <message>", and the exit code. The tools' own messages
@@ -47,6 +47,11 @@ int main(int argc, char** argv) {
     std::fputs(kUsage, args.empty() ? stderr : stdout);
     std::fputs(tpsim::tools::kExitCodes, args.empty() ? stderr : stdout);
     return args.empty() ? 2 : 0;
+  }
+  if (args[0] == "--version") {  // what a benchmark figure or a bug report needs to know about this binary
+    std::printf("tpsim %s\nisa: %s\ngpu backend: %s\n", TPSIM_VERSION, TPSIM_ISA,
+                TPSIM_HAVE_GPU ? "built" : "not built");
+    return 0;
   }
   const std::string command = args[0];
   args.erase(args.begin());

@@ -1,68 +1,89 @@
 #include "tools/reference.h"
 
+#include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
+#include <future>
+#include <tuple>
+#include <utility>
 
 #include "backends/errors.h"
 
 namespace tpsim::tools {
 namespace {
 
-// Row-major matrix view of a HostTensor's values: (rows, cols) with cols = the last dim.
+// The products are Eigen's, in double, so the reference runs at BLAS-like speed. Its own rounding
+// (about K·2^-53 relative, whatever order Eigen sums in) stays far below the bounds' fp32 terms.
+using Matrix = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using MatrixView = Eigen::Map<const Matrix>;
+
+// Row-major matrix of a HostTensor's values: (rows, cols) with cols = the last dim.
 struct Mat {
-  std::int64_t rows, cols;
+  std::int64_t rows = 0, cols = 0;
   std::vector<double> v;
+  operator MatrixView() const { return {v.data(), rows, cols}; }  // products read a Mat in place
 };
 
-Mat asMat(const HostTensor& t) {
+// A tensor's values as a matrix, in place: (numel / last dim, last dim).
+MatrixView viewOf(const HostTensor& t) {
   const std::int64_t cols = t.shape.back();
-  return {t.numel() / cols, cols, t.values};
+  return {t.values.data(), t.numel() / cols, cols};
 }
 
-Mat absMat(Mat m) {
-  for (double& x : m.v) x = std::fabs(x);
+// `e` evaluated into m, with no temporary even for a product. m's storage is reused when it has the
+// size: a fresh large buffer page-faults all over again.
+template <class Expr>
+const Mat& evaluateInto(Mat& m, const Eigen::MatrixBase<Expr>& e) {
+  m.rows = e.rows();
+  m.cols = e.cols();
+  m.v.resize(std::size_t(m.rows * m.cols));
+  Eigen::Map<Matrix>(m.v.data(), m.rows, m.cols).noalias() = e;
   return m;
 }
 
+template <class Expr>
+Mat evaluate(const Eigen::MatrixBase<Expr>& e) {
+  Mat m;
+  evaluateInto(m, e);
+  return m;
+}
+
+Mat asMat(const HostTensor& t) { return evaluate(viewOf(t)); }
+
+Mat absMat(MatrixView m) { return evaluate(m.cwiseAbs()); }
+
 // a·bᵀ (+ bias). a: (M, K)  b: (N, K)  -> (M, N)
-Mat linear(const Mat& a, const Mat& b, const std::vector<double>* bias) {
-  Mat out{a.rows, b.rows, std::vector<double>(a.rows * b.rows)};
-  for (std::int64_t i = 0; i < a.rows; ++i)
-    for (std::int64_t j = 0; j < b.rows; ++j) {
-      double s = bias ? (*bias)[j] : 0.0;
-      for (std::int64_t p = 0; p < a.cols; ++p) s += a.v[i * a.cols + p] * b.v[j * b.cols + p];
-      out.v[i * out.cols + j] = s;
-    }
+Mat linear(MatrixView a, MatrixView b, const std::vector<double>* bias) {
+  Mat out = evaluate(a * b.transpose());
+  if (bias)
+    Eigen::Map<Matrix>(out.v.data(), out.rows, out.cols).rowwise() +=
+        Eigen::Map<const Eigen::RowVectorXd>(bias->data(), b.rows());
   return out;
 }
 
 // a·b. a: (M, N)  b: (N, K)  -> (M, K)
-Mat matmul(const Mat& a, const Mat& b) {
-  Mat out{a.rows, b.cols, std::vector<double>(a.rows * b.cols, 0.0)};
-  for (std::int64_t i = 0; i < a.rows; ++i)
-    for (std::int64_t p = 0; p < a.cols; ++p) {
-      const double x = a.v[i * a.cols + p];
-      for (std::int64_t j = 0; j < b.cols; ++j) out.v[i * out.cols + j] += x * b.v[p * b.cols + j];
-    }
-  return out;
-}
+Mat matmul(MatrixView a, MatrixView b) { return evaluate(a * b); }
 
 // aᵀ·b. a: (M, N)  b: (M, K)  -> (N, K)
-Mat transposeMatmul(const Mat& a, const Mat& b) {
-  Mat out{a.cols, b.cols, std::vector<double>(a.cols * b.cols, 0.0)};
-  for (std::int64_t m = 0; m < a.rows; ++m)
-    for (std::int64_t i = 0; i < a.cols; ++i) {
-      const double x = a.v[m * a.cols + i];
-      for (std::int64_t j = 0; j < b.cols; ++j) out.v[i * out.cols + j] += x * b.v[m * b.cols + j];
-    }
-  return out;
-}
+Mat transposeMatmul(MatrixView a, MatrixView b) { return evaluate(a.transpose() * b); }
 
-std::vector<double> columnSums(const Mat& m) {
-  std::vector<double> s(m.cols, 0.0);
-  for (std::int64_t i = 0; i < m.rows; ++i)
-    for (std::int64_t j = 0; j < m.cols; ++j) s[j] += m.v[i * m.cols + j];
-  return s;
+std::vector<double> columnSums(MatrixView m) { return evaluate(m.colwise().sum()).v; }
+
+// Whether products of `flops` each pay for a second thread: the property suite computes thousands
+// of tiny references, `tpsim run` a few large ones.
+bool worthAThread(double flops) { return flops >= 1e7; }
+
+// f() here and g() on a second thread when `threaded`: a result's value and magnitude (or two
+// elementwise maps of one matrix) are independent, and a machine has cores to spare.
+template <class F, class G>
+auto both(bool threaded, F f, G g) {
+  if (!threaded) {
+    auto first = f();
+    return std::pair(std::move(first), g());
+  }
+  auto second = std::async(std::launch::async, g);
+  auto first = f();
+  return std::pair(std::move(first), second.get());
 }
 
 double unitRoundoff(DType dtype) {
@@ -74,14 +95,18 @@ double unitRoundoff(DType dtype) {
   }
 }
 
+// The relative part of a result's bound: length · u_acc + stages · u_store.
+double relativeBound(double uAcc, std::int64_t length, int stages, DType storeDtype) {
+  return double(length + 2) * uAcc + double(stages) * unitRoundoff(storeDtype);
+}
+
 // A dense result and its bound: (length · u_acc + stages · u_store) · magnitude. The gradual
 // underflow allowance is added once per reference (denseReference).
-Checked checked(double uAcc, std::vector<std::int64_t> shape, DType dtype, const Mat& value, const Mat& magnitude,
+Checked checked(double uAcc, std::vector<std::int64_t> shape, DType dtype, Mat value, Mat magnitude,
                 std::int64_t length, int stages, DType storeDtype) {
-  const double rel = double(length + 2) * uAcc + double(stages) * unitRoundoff(storeDtype);
-  Checked c{HostTensor{std::move(shape), dtype, value.v}, std::vector<double>(value.v.size())};
-  for (std::size_t i = 0; i < value.v.size(); ++i) c.bound[i] = rel * magnitude.v[i];
-  return c;
+  const double rel = relativeBound(uAcc, length, stages, storeDtype);
+  for (double& m : magnitude.v) m *= rel;
+  return {HostTensor{std::move(shape), dtype, std::move(value.v)}, std::move(magnitude.v)};
 }
 
 // The rows (or columns) of a dim of `total` that TP rank t owns: chunks t, t + T, ... of
@@ -154,10 +179,13 @@ void fakeQuantize(std::vector<double>& m, std::int64_t rows, std::int64_t cols, 
     }
 }
 
-// The weight a linear's GEMM multiplies by for `axis` (1: fprop, 0: dgrad).
-HostTensor gemmOperand(const ReferenceOptions& o, const HostTensor& w, int axis, int splitDim) {
+// The weight a linear's GEMM multiplies by for `axis` (1: fprop, 0: dgrad): w itself, or its MXFP8
+// copy, made in `quantized`.
+const HostTensor& gemmOperand(const ReferenceOptions& o, const HostTensor& w, int axis, int splitDim,
+                              HostTensor& quantized) {
   if (o.weightFormat == WeightFormat::kNative) return w;
-  return mxfp8Weight(w, axis, splitDim, o.tp, o.stride, o.computeDtype);
+  quantized = mxfp8Weight(w, axis, splitDim, o.tp, o.stride, o.computeDtype);
+  return quantized;
 }
 
 // One linear layer y = x·Wᵀ + b and its gradients, written into `out` under `prefix`. wFprop and
@@ -165,43 +193,42 @@ HostTensor gemmOperand(const ReferenceOptions& o, const HostTensor& w, int axis,
 void linearLayer(const ReferenceOptions& o, const HostTensor& x, const HostTensor& wFprop, const HostTensor& wDgrad,
                  const HostTensor* b, const HostTensor& dy, const std::string& prefix,
                  std::map<std::string, Checked>& out, int extraStages) {
-  const Mat X = asMat(x), W = asMat(wFprop), Wd = asMat(wDgrad), dY = asMat(dy);
+  const MatrixView X = viewOf(x), W = viewOf(wFprop), Wd = viewOf(wDgrad), dY = viewOf(dy);
   const Mat aX = absMat(X), aW = absMat(W), aWd = absMat(Wd), adY = absMat(dY);
-  std::vector<double> bias, absBias;
-  if (b) {
-    bias = b->values;
-    absBias = absMat(asMat(*b)).v;
-  }
+  const std::vector<double>* bias = b ? &b->values : nullptr;
+  const std::vector<double> absBias = b ? absMat(viewOf(*b)).v : std::vector<double>{};
   const DType c = o.computeDtype;
-  const double u = o.accumulationUnit;
   const int reduceStages = o.tp;  // partial sums rounded once each, then added in rank order
-  out[prefix + "output"] = checked(u, withLast(x.shape, W.rows), o.outputDtype, linear(X, W, b ? &bias : nullptr),
-                                   linear(aX, aW, b ? &absBias : nullptr), X.cols, 1 + extraStages + reduceStages,
-                                   o.outputDtype);
-  out[prefix + "input.grad"] = checked(u, x.shape, c, matmul(dY, Wd), matmul(adY, aWd), W.rows,
+  const bool threaded = worthAThread(2.0 * double(X.rows()) * double(X.cols()) * double(W.rows()));
+  auto [y, ay] =
+      both(threaded, [&] { return linear(X, W, bias); }, [&] { return linear(aX, aW, b ? &absBias : nullptr); });
+  out[prefix + "output"] = checked(o.accumulationUnit, withLast(x.shape, W.rows()), o.outputDtype, std::move(y),
+                                   std::move(ay), X.cols(), 1 + extraStages + reduceStages, o.outputDtype);
+  auto [dx, adx] = both(threaded, [&] { return matmul(dY, Wd); }, [&] { return matmul(adY, aWd); });
+  out[prefix + "input.grad"] = checked(o.accumulationUnit, x.shape, c, std::move(dx), std::move(adx), W.rows(),
                                        1 + extraStages + reduceStages, c);
-  out[prefix + "weight.grad"] = checked(u, wFprop.shape, c, transposeMatmul(dY, X), transposeMatmul(adY, aX), X.rows,
+  auto [dw, adw] = both(threaded, [&] { return transposeMatmul(dY, X); }, [&] { return transposeMatmul(adY, aX); });
+  out[prefix + "weight.grad"] = checked(o.accumulationUnit, wFprop.shape, c, std::move(dw), std::move(adw), X.rows(),
                                         1 + extraStages, c);
   if (b) {
-    Mat db{1, dY.cols, columnSums(dY)}, adb{1, dY.cols, columnSums(adY)};
-    out[prefix + "bias.grad"] = checked(u, b->shape, c, db, adb, dY.rows, 1 + extraStages + reduceStages, c);
+    Mat db{1, dY.cols(), columnSums(dY)}, adb{1, dY.cols(), columnSums(adY)};
+    out[prefix + "bias.grad"] = checked(o.accumulationUnit, b->shape, c, std::move(db), std::move(adb), dY.rows(),
+                                        1 + extraStages + reduceStages, c);
   }
 }
 
 // A column layer's input gradient under disable_grad_reduce: for each TP rank t, dY over its
 // output rows times those rows of W, one GEMM rounded once, stacked (T, …, K).
 Checked partialDgrads(const ReferenceOptions& o, const HostTensor& x, const HostTensor& wDgrad, const HostTensor& dy) {
-  const Mat W = asMat(wDgrad), dY = asMat(dy);
+  const MatrixView W = viewOf(wDgrad), dY = viewOf(dy);
   std::vector<std::int64_t> shape = x.shape;
   shape.insert(shape.begin(), o.tp);
   Checked all{HostTensor{shape, o.computeDtype, {}}, {}};
   for (int t = 0; t < o.tp; ++t) {
-    const std::vector<std::int64_t> rows = ownedIndices(W.rows, o.tp, o.stride, t);
+    const std::vector<std::int64_t> rows = ownedIndices(W.rows(), o.tp, o.stride, t);
+    const Eigen::Map<const Eigen::Array<std::int64_t, Eigen::Dynamic, 1>> owned(rows.data(), std::int64_t(rows.size()));
+    const Mat dYt = evaluate(dY(Eigen::all, owned)), Wt = evaluate(W(owned, Eigen::all));
     const std::int64_t n = std::int64_t(rows.size());
-    Mat dYt{dY.rows, n, {}}, Wt{n, W.cols, {}};
-    for (std::int64_t i = 0; i < dY.rows; ++i)
-      for (std::int64_t j : rows) dYt.v.push_back(dY.v[i * dY.cols + j]);
-    for (std::int64_t j : rows) Wt.v.insert(Wt.v.end(), W.v.begin() + j * W.cols, W.v.begin() + (j + 1) * W.cols);
     const Checked part = checked(o.accumulationUnit, x.shape, o.computeDtype, matmul(dYt, Wt),
                                  matmul(absMat(dYt), absMat(Wt)), n, 1, o.computeDtype);
     all.value.values.insert(all.value.values.end(), part.value.values.begin(), part.value.values.end());
@@ -254,9 +281,10 @@ static std::map<std::string, Checked> denseValues(const ReferenceOptions& o, con
       auto b = in.find("bias");
       const HostTensor& w = need(in, "weight");
       const int splitDim = o.kind == LayerKind::kColumn ? 0 : 1;
-      const HostTensor wDgrad = gemmOperand(o, w, 0, splitDim);
-      linearLayer(o, need(in, "input"), gemmOperand(o, w, 1, splitDim), wDgrad, b == in.end() ? nullptr : &b->second,
-                  need(in, "grad_output"), "", out, 0);
+      HostTensor fpropMxfp8, dgradMxfp8;
+      const HostTensor& wDgrad = gemmOperand(o, w, 0, splitDim, dgradMxfp8);
+      linearLayer(o, need(in, "input"), gemmOperand(o, w, 1, splitDim, fpropMxfp8), wDgrad,
+                  b == in.end() ? nullptr : &b->second, need(in, "grad_output"), "", out, 0);
       if (o.disableGradReduce) out["input.grad"] = partialDgrads(o, need(in, "input"), wDgrad, need(in, "grad_output"));
       break;
     }
@@ -286,54 +314,77 @@ static std::map<std::string, Checked> denseValues(const ReferenceOptions& o, con
     case LayerKind::kMlp: {
       // fc1 (column) -> GeLU -> fc2 (row), each with its bias; SPEC's MLP block.
       // fc1 is column-parallel, fc2 row-parallel (stride 1): each GEMM reads its own copy.
-      const HostTensor& x = need(in, "input");
+      // A bound is rel · (the same computation on |values|) plus the error that a rounded
+      // intermediate (GeLU(H), dH) carries through the products after it. Both terms are products
+      // with the same non-negative right operand: each bound is one product of the summed left ones.
+      const HostTensor &x = need(in, "input"), &dy = need(in, "grad_output");
       const HostTensor &w1 = need(in, "fc1.weight"), &w2 = need(in, "fc2.weight");
-      const HostTensor w1f = gemmOperand(o, w1, 1, 0), w1d = gemmOperand(o, w1, 0, 0);
-      const HostTensor w2f = gemmOperand(o, w2, 1, 1), w2d = gemmOperand(o, w2, 0, 1);
-      const Mat X = asMat(x), W1 = asMat(w1f), W2 = asMat(w2f);
-      const std::vector<double>& b1 = need(in, "fc1.bias").values;
-      const Mat H = linear(X, W1, &b1);  // (M, F)
-      Mat A = H, dGelu = H;
-      for (std::size_t i = 0; i < H.v.size(); ++i) {
-        A.v[i] = gelu(H.v[i]);
-        dGelu.v[i] = geluGrad(H.v[i]);
-      }
-      HostTensor a{withLast(x.shape, W1.rows), x.dtype, A.v};
-      const HostTensor& dy = need(in, "grad_output");
-      std::map<std::string, Checked> fc2;
-      linearLayer(o, a, w2f, w2d, &need(in, "fc2.bias"), dy, "", fc2, 2);
-      // GeLU's backward: dH = dA ⊙ GeLU'(H); then fc1's backward from dH.
-      HostTensor dh{a.shape, x.dtype, fc2["input.grad"].value.values};
-      for (std::size_t i = 0; i < dh.values.size(); ++i) dh.values[i] *= dGelu.v[i];
-      std::map<std::string, Checked> fc1;
-      linearLayer(o, x, w1f, w1d, &need(in, "fc1.bias"), dh, "", fc1, 2);
-      // fc1's input gradient went through fc2's dgrad, GeLU and fc1: widen its bound by fc2's
-      // reduction length through the magnitudes (|dY|·|W2| feeds |dH| up to max|GeLU'| < 1.13).
-      const double chain = double(W2.rows + 2) * unitRoundoff(DType::kFloat32) + 4 * unitRoundoff(o.computeDtype);
-      const Mat adH = [&] {
-        Mat m = matmul(absMat(asMat(dy)), absMat(asMat(w2d)));
-        for (double& v : m.v) v *= 1.13;
-        return m;
-      }();
-      const Mat adX = matmul(adH, absMat(asMat(w1d)));
-      for (std::size_t i = 0; i < adX.v.size(); ++i) fc1["input.grad"].bound[i] += chain * adX.v[i];
-      const Mat adW1 = transposeMatmul(adH, absMat(X));
-      for (std::size_t i = 0; i < adW1.v.size(); ++i) fc1["weight.grad"].bound[i] += chain * adW1.v[i];
-      const std::vector<double> adb1 = columnSums(adH);
-      for (std::size_t i = 0; i < adb1.size(); ++i) fc1["bias.grad"].bound[i] += chain * adb1[i];
-      // fc2's input is GeLU(H) rounded: its error feeds the output and fc2's wgrad.
-      const Mat aH = linear(absMat(X), absMat(W1), nullptr);
-      const double hErr = double(W1.cols + 2) * unitRoundoff(DType::kFloat32) + 2 * unitRoundoff(o.computeDtype);
-      const Mat outErr = linear(aH, absMat(W2), nullptr);
-      for (std::size_t i = 0; i < outErr.v.size(); ++i) fc2["output"].bound[i] += 1.13 * hErr * outErr.v[i];
-      const Mat w2Err = transposeMatmul(absMat(asMat(dy)), aH);
-      for (std::size_t i = 0; i < w2Err.v.size(); ++i) fc2["weight.grad"].bound[i] += 1.13 * hErr * w2Err.v[i];
-      out["output"] = std::move(fc2["output"]);
-      out["input.grad"] = std::move(fc1["input.grad"]);
-      out["fc1.weight.grad"] = std::move(fc1["weight.grad"]);
-      out["fc1.bias.grad"] = std::move(fc1["bias.grad"]);
-      out["fc2.weight.grad"] = std::move(fc2["weight.grad"]);
-      out["fc2.bias.grad"] = std::move(fc2["bias.grad"]);
+      const HostTensor &b1 = need(in, "fc1.bias"), &b2 = need(in, "fc2.bias");
+      HostTensor w1fMxfp8, w1dMxfp8, w2fMxfp8, w2dMxfp8;
+      const HostTensor &w1f = gemmOperand(o, w1, 1, 0, w1fMxfp8), &w1d = gemmOperand(o, w1, 0, 0, w1dMxfp8);
+      const HostTensor &w2f = gemmOperand(o, w2, 1, 1, w2fMxfp8), &w2d = gemmOperand(o, w2, 0, 1, w2dMxfp8);
+      const MatrixView X = viewOf(x), dY = viewOf(dy), W1 = viewOf(w1f), W1d = viewOf(w1d), W2 = viewOf(w2f),
+                       W2d = viewOf(w2d);
+      const std::int64_t tokens = X.rows(), h = X.cols(), f = W1.rows();
+      const bool threaded = worthAThread(2.0 * double(tokens) * double(h) * double(f));  // every product's size
+      const double uAcc = o.accumulationUnit;
+      const DType c = o.computeDtype;
+      const int stages = 3, T = o.tp;  // the GEMM's rounding and the MLP's two more; the T partial sums
+      // std::tie where a later lambda reads the result: a C++17 lambda cannot capture a structured binding.
+      Mat aX, adY, aW1, aW2, aW1d, aW2d;
+      std::tie(aX, adY) = both(threaded, [&] { return absMat(X); }, [&] { return absMat(dY); });
+      std::tie(aW1, aW2) = both(threaded, [&] { return absMat(W1); }, [&] { return absMat(W2); });
+      std::tie(aW1d, aW2d) = both(threaded, [&] { return absMat(W1d); }, [&] { return absMat(W2d); });
+
+      // H = X·W1ᵀ + b1, its magnitude aH = |X|·|W1|ᵀ, then GeLU(H) and GeLU'(H).
+      Mat H, aH, A, dGelu;
+      std::tie(H, aH) =
+          both(threaded, [&] { return linear(X, W1, &b1.values); }, [&] { return linear(aX, aW1, nullptr); });
+      std::tie(A, dGelu) =
+          both(threaded, [&] { return evaluate(MatrixView(H).unaryExpr([](double v) { return gelu(v); })); },
+               [&] { return evaluate(MatrixView(H).unaryExpr([](double v) { return geluGrad(v); })); });
+      // fc2 reads GeLU(H) rounded: an error of up to aErr·aH (|GeLU'| < 1.13) in each element.
+      const double aErr = 1.13 * (double(h + 2) * unitRoundoff(DType::kFloat32) + 2 * unitRoundoff(c));
+      // The bounds' (tokens, F) left operands, |intermediate| · rel + its carried error, one at a time.
+      Mat operand;
+
+      // fc2: y = A·W2ᵀ + b2; dA = dY·W2d; dW2 = dYᵀ·A; db2 = Σ dY.
+      const double relY = relativeBound(uAcc, f, stages + T, o.outputDtype);
+      const double relW2 = relativeBound(uAcc, tokens, stages, c);
+      const std::vector<double> boundB2 = evaluate(relY * viewOf(b2).cwiseAbs()).v;
+      auto [y, boundY] = both(threaded, [&] { return linear(A, W2, &b2.values); }, [&] {
+        return linear(evaluateInto(operand, relY * MatrixView(A).cwiseAbs() + aErr * MatrixView(aH)), aW2, &boundB2);
+      });
+      Mat dA, adA;
+      std::tie(dA, adA) = both(threaded, [&] { return matmul(dY, W2d); }, [&] { return matmul(adY, aW2d); });
+      auto [dW2, boundW2] = both(threaded, [&] { return transposeMatmul(dY, A); }, [&] {
+        return transposeMatmul(adY, evaluateInto(operand, relW2 * MatrixView(A).cwiseAbs() + aErr * MatrixView(aH)));
+      });
+      out["fc2.bias.grad"] = checked(uAcc, b2.shape, c, Mat{1, h, columnSums(dY)}, Mat{1, h, columnSums(adY)}, tokens,
+                                     stages + T, c);
+
+      // GeLU's backward: dH = dA ⊙ GeLU'(H), in dA's place. dH carries fc2's dgrad error, up to
+      // dhErr·adA (adA = |dY|·|W2d|), into fc1's backward.
+      for (std::size_t i = 0; i < dA.v.size(); ++i) dA.v[i] *= dGelu.v[i];
+      const Mat& dH = dA;
+      const double dhErr = 1.13 * (double(h + 2) * unitRoundoff(DType::kFloat32) + 4 * unitRoundoff(c));
+
+      // fc1: dX = dH·W1d; dW1 = dHᵀ·X; db1 = Σ dH.
+      const double relX = relativeBound(uAcc, f, stages + T, c), relW1 = relativeBound(uAcc, tokens, stages, c);
+      const double relB1 = relativeBound(uAcc, tokens, stages + T, c);
+      auto [dX, boundX] = both(threaded, [&] { return matmul(dH, W1d); }, [&] {
+        return matmul(evaluateInto(operand, relX * MatrixView(dH).cwiseAbs() + dhErr * MatrixView(adA)), aW1d);
+      });
+      auto [dW1, boundW1] = both(threaded, [&] { return transposeMatmul(dH, X); }, [&] {
+        return transposeMatmul(evaluateInto(operand, relW1 * MatrixView(dH).cwiseAbs() + dhErr * MatrixView(adA)), aX);
+      });
+
+      out["output"] = {HostTensor{withLast(x.shape, W2.rows()), o.outputDtype, std::move(y.v)}, std::move(boundY.v)};
+      out["input.grad"] = {HostTensor{x.shape, c, std::move(dX.v)}, std::move(boundX.v)};
+      out["fc1.weight.grad"] = {HostTensor{w1f.shape, c, std::move(dW1.v)}, std::move(boundW1.v)};
+      Mat db1Bound = evaluate((relB1 * MatrixView(dH).cwiseAbs() + dhErr * MatrixView(adA)).colwise().sum());
+      out["fc1.bias.grad"] = {HostTensor{b1.shape, c, columnSums(dH)}, std::move(db1Bound.v)};
+      out["fc2.weight.grad"] = {HostTensor{w2f.shape, c, std::move(dW2.v)}, std::move(boundW2.v)};
       break;
     }
   }

@@ -678,8 +678,9 @@ std::map<std::string, Checked> referenceFor(const RunConfig& c, const TensorMap&
   return reference;
 }
 
-std::vector<Verdict> verify(const RunConfig& c, const TensorMap& inputs, const TensorMap& results) {
+std::vector<Verdict> verify(const RunConfig& c, const TensorMap& inputs, const TensorMap& results, VerifyMode mode) {
   std::vector<Verdict> out;
+  if (mode == VerifyMode::kNone) return out;
   auto reference = referenceFor(c, inputs);
   for (auto& [name, ref] : reference) {
     auto it = results.find(name);
@@ -687,6 +688,10 @@ std::vector<Verdict> verify(const RunConfig& c, const TensorMap& inputs, const T
     const HostTensor& got = it->second;
     TPSIM_INTERNAL_ASSERT(got.shape == ref.value.shape, name, ": sharded ", got.shapeStr(), " vs dense ",
                           ref.value.shapeStr());
+    if (mode == VerifyMode::kExact) {  // the dense value as the result's storage holds it, no tolerance
+      ref.value = makeHost(ref.value.shape, got.dtype, std::move(ref.value.values));
+      std::fill(ref.bound.begin(), ref.bound.end(), 0.0);
+    }
     Verdict v{name, got.shapeStr()};
     for (std::size_t i = 0; i < got.values.size(); ++i) {
       const double err = std::fabs(got.values[i] - ref.value.values[i]);
