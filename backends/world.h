@@ -15,6 +15,7 @@
 
 #include "backends/collectives.h"
 #include "backends/errors.h"
+#include "backends/fault.h"
 #include "backends/rank_context.h"
 
 namespace tpsim {
@@ -27,6 +28,7 @@ struct WorldOptions {
   std::chrono::milliseconds timeout{60'000};     // default collective timeout
   std::size_t stackBytes = 0;                    // rank stack; 0 = 1 MiB (8 MiB under sanitizers)
   bool trace = false;                            // record every collective each rank issues
+  std::vector<Fault> faults;                     // injected on purpose (backends/fault.h); one per (rank, K)
 };
 
 // One collective as a rank issued it; filled when WorldOptions::trace is set.

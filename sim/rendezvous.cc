@@ -57,7 +57,9 @@ struct Fingerprint {
         return detail::concat("reduceScatter(", reduceOpName(reduce), ", ", t, inCount, " -> x", outCount, ")");
       case OpKind::kBroadcast: return detail::concat("broadcast(root ", root, ", ", t, outCount, ")");
       case OpKind::kAllToAll: return detail::concat("allToAll(", t, inCount, ")");
-      case OpKind::kBarrier: return "barrier()";
+      // A barrier carries data only when an injected count or dtype fault gave it some.
+      case OpKind::kBarrier:
+        return inCount == 0 && dtype == DType::kFloat32 ? "barrier()" : detail::concat("barrier(", t, inCount, ")");
       case OpKind::kSplit: return detail::concat("split(\"", label, "\")");
     }
     return "unknown";
@@ -85,6 +87,36 @@ struct GroupState {
   std::string name() const { return label + "[" + rankList(globalRanks) + "]"; }
 };
 
+// One rank's place in one group: its group rank and the sequence number of its next collective.
+struct Membership {
+  std::shared_ptr<GroupState> group;
+  int rank = 0;
+  std::uint64_t nextSeq = 0;
+};
+
+// What a rank with an injected op, count or dtype fault issues instead of fp on a group of n.
+Fingerprint tampered(Fingerprint fp, FaultKind kind, int n) {
+  const std::int64_t one = 1, many = n;
+  switch (kind) {
+    case FaultKind::kOp:
+      switch (fp.kind) {
+        case OpKind::kAllReduce: fp.kind = OpKind::kAllGather; fp.outCount = many * fp.inCount; break;
+        case OpKind::kAllGather: fp.kind = OpKind::kAllReduce; fp.outCount = fp.inCount; break;
+        case OpKind::kReduceScatter: fp.kind = OpKind::kAllGather; std::swap(fp.inCount, fp.outCount); break;
+        default: fp.kind = OpKind::kAllReduce; fp.inCount = fp.outCount; fp.root = 0; break;
+      }
+      fp.reduce = ReduceOp::kSum;
+      break;
+    case FaultKind::kCount:
+      fp.inCount += fp.kind == OpKind::kReduceScatter || fp.kind == OpKind::kAllToAll ? many : one;
+      fp.outCount += fp.kind == OpKind::kAllGather || fp.kind == OpKind::kAllToAll ? many : one;
+      break;
+    case FaultKind::kDtype: fp.dtype = fp.dtype == DType::kFloat32 ? DType::kBFloat16 : DType::kFloat32; break;
+    default: break;
+  }
+  return fp;
+}
+
 struct RankState;
 
 struct Op {
@@ -99,6 +131,7 @@ struct Op {
   std::vector<int> splitColor, splitKey;
   std::vector<std::pair<std::shared_ptr<GroupState>, int>> splitResult;  // per group rank
   bool done = false;
+  bool faulty = false;              // a member's issue was altered by an injected fault: move no data
   int abandonedBy = -1;             // a rank whose Work died during exception unwinding
   Clock::time_point firstArrival;
   Clock::duration timeout{};
@@ -111,7 +144,8 @@ struct Op {
   }
 };
 
-enum class RankStatus : std::uint8_t { kReady, kRunning, kParked, kFinished };
+// kStalled: an injected stall; to the fabric the rank is busy outside collectives (no deadlock).
+enum class RankStatus : std::uint8_t { kReady, kRunning, kParked, kStalled, kFinished };
 
 struct RankState {
   int rank = 0;
@@ -122,7 +156,14 @@ struct RankState {
   std::string error;  // what this rank's body threw
   Compute* compute = nullptr;
   std::unique_ptr<Collectives> world;
+  std::vector<std::shared_ptr<Membership>> groups;  // the world group first, then each split's
+  std::int64_t collectives = 0;                     // issued so far, splits not counted
+  std::string stallWhat;                            // under an injected stall: the collective held back
+  Clock::time_point stallDeadline;
 };
+
+// The request a stalling rank's fiber hands its worker; any other request is the Op it waits on.
+char kStallRequest;
 
 struct Worker {
   std::deque<RankState*> ready;
@@ -169,6 +210,8 @@ struct RunState {
   int running = 0;
   int readyCount = 0;
   int parked = 0;
+  int stalled = 0;
+  std::vector<std::string> injected;  // each injected fault that fired, for the failure's message
   // The first failure; after it every collective throws on every rank.
   bool failed = false;
   CollectiveFailure failureKind = CollectiveFailure::kPeerFailed;
@@ -199,7 +242,7 @@ struct RunState {
     failTime = Clock::now();
     transport->abort();
     for (auto& r : ranks)
-      if (r->status == RankStatus::kParked) wake(r.get());
+      if (r->status == RankStatus::kParked || r->status == RankStatus::kStalled) wake(r.get());
     for (auto& entry : pendingOps) entry.second->group->pending.clear();  // breaks group <-> op cycles
     pendingOps.clear();
     doneCv.notify_all();
@@ -207,10 +250,15 @@ struct RunState {
 
   // Caller holds mu.
   void wake(RankState* r) {
-    if (r->status != RankStatus::kParked) return;
+    if (r->status == RankStatus::kStalled) {
+      --stalled;
+    } else if (r->status == RankStatus::kParked) {
+      r->parkedOn = nullptr;
+      --parked;
+    } else {
+      return;
+    }
     r->status = RankStatus::kReady;
-    r->parkedOn = nullptr;
-    --parked;
     ++readyCount;
     Worker& w = workers[r->worker];
     w.ready.push_back(r);
@@ -223,6 +271,7 @@ struct RunState {
     switch (r.status) {
       case RankStatus::kFinished: return "finished";
       case RankStatus::kParked: return "waits on " + r.parkedOn->describe();
+      case RankStatus::kStalled: return "stalls (an injected fault) before issuing " + r.stallWhat;
       default: return "is running (outside collectives)";
     }
   }
@@ -239,7 +288,7 @@ struct RunState {
 
   // Caller holds mu. Called whenever a rank stops running; reports a deadlock at once.
   void checkDeadlock() {
-    if (failed || running > 0 || readyCount > 0 || parked == 0) return;
+    if (failed || running > 0 || readyCount > 0 || stalled > 0 || parked == 0) return;
     std::string msg = name + ": deadlock: every live rank is blocked and no pending collective can complete";
     for (auto& r : ranks) {
       if (r->status == RankStatus::kParked)
@@ -266,6 +315,20 @@ struct RunState {
                           "rank is merely slow)"));
       return;
     }
+    for (auto& r : ranks) {
+      if (r->status != RankStatus::kStalled || now <= r->stallDeadline) continue;
+      fail(CollectiveFailure::kTimeout,
+           detail::concat(name, ": timeout: rank ", r->rank, " stalled (an injected fault) for more than ",
+                          options.timeout.count(), " ms before issuing ", r->stallWhat));
+      return;
+    }
+  }
+
+  // The fault planned for `rank`'s k-th collective, or null.
+  const Fault* faultAt(int rank, std::int64_t k) const {
+    for (const Fault& f : options.faults)
+      if (f.rank == rank && f.collective == k) return &f;
+    return nullptr;
   }
 };
 
@@ -339,7 +402,7 @@ class SimWork final : public Work {
     waited_ = true;
     const TransportToken doneToken = op_->doneToken;
     lock.unlock();
-    if (op_->fp.kind != OpKind::kSplit) run_->transport->completed(self_->rank, doneToken);
+    if (op_->fp.kind != OpKind::kSplit && !op_->faulty) run_->transport->completed(self_->rank, doneToken);
   }
 
   bool isCompleted() override {
@@ -356,11 +419,19 @@ class SimWork final : public Work {
   bool waited_ = false;
 };
 
+// What a rank whose collective an injected fault skipped gets back: its output is left as is.
+class SkippedWork final : public Work {
+ public:
+  void wait() override {}
+  bool isCompleted() override { return true; }
+};
+
 class SimCollectives final : public Collectives {
  public:
   // Valid only inside the run() that made it: the run's state owns every rank's communicators.
-  SimCollectives(RunState* run, std::shared_ptr<GroupState> group, int rank, RankState* self)
-      : run_(run), group_(std::move(group)), rank_(rank), self_(self) {}
+  SimCollectives(RunState* run, std::shared_ptr<Membership> membership, RankState* self)
+      : run_(run), membership_(std::move(membership)), group_(membership_->group), rank_(membership_->rank),
+        self_(self) {}
 
   using Collectives::allReduce;
   int rank() const override { return rank_; }
@@ -425,7 +496,9 @@ class SimCollectives final : public Collectives {
     work->wait();
     auto [group, rank] = static_cast<SimWork&>(*work).op().splitResult[rank_];
     if (!group) return nullptr;
-    return std::make_unique<SimCollectives>(run_, std::move(group), rank, self_);
+    auto membership = std::make_shared<Membership>(Membership{std::move(group), rank, 0});
+    self_->groups.push_back(membership);
+    return std::make_unique<SimCollectives>(run_, std::move(membership), self_);
   }
 
  private:
@@ -453,18 +526,73 @@ class SimCollectives final : public Collectives {
 
   std::unique_ptr<Work> issue(const Fingerprint& fp, ConstView in, View out, Timeout timeout,
                               int color = 0, int key = 0) {
+    if (fp.kind == OpKind::kSplit) return issueOn(*membership_, fp, false, in, out, timeout, color, key);
+    const std::int64_t k = ++self_->collectives;
+    const Fault* fault = run_->faultAt(self_->rank, k);
+    if (!fault) return issueOn(*membership_, fp, false, in, out, timeout);
     RunState& run = *run_;
+    const std::string what = detail::concat("its collective ", k, ", ", fp.str(), " on ", group_->name(), " (seq ",
+                                            membership_->nextSeq, ")");
+    Membership* other = nullptr;
+    {
+      std::unique_lock<std::mutex> lock(run.mu, std::defer_lock);
+      lockSpinning(lock);
+      if (run.failed) throw run.failureFor(self_->rank);
+      run.injected.push_back(detail::concat("rank ", self_->rank, " ", fault->str(), ": ", what));
+      switch (fault->kind) {
+        case FaultKind::kSkip: return std::make_unique<SkippedWork>();
+        case FaultKind::kStall: stall(lock, what); break;
+        case FaultKind::kGroup:
+          // The world group, or for a world collective the group the rank split off last.
+          for (auto& m : self_->groups)
+            if (m != membership_ && other != self_->groups[0].get()) other = m.get();
+          break;
+        default: break;
+      }
+    }
+    switch (fault->kind) {
+      case FaultKind::kThrow: throw Error(detail::concat("injected fault: rank ", self_->rank, " throws at ", what));
+      case FaultKind::kGroup:
+        if (!other)
+          throw Error(detail::concat("injected fault: rank ", self_->rank, " is in no group but ", group_->name(),
+                                     " to issue ", what, " on"));
+        return issueOn(*other, fp, true, in, out, timeout);
+      default: return issueOn(*membership_, tampered(fp, fault->kind, size()), true, in, out, timeout);
+    }
+  }
+
+  // An injected stall: the rank's fiber waits, counted as busy rather than blocked, until the
+  // world fails (its timeout, at the latest), then throws like any collective of a failed world.
+  void stall(std::unique_lock<std::mutex>& lock, const std::string& what) {
+    RunState& run = *run_;
+    self_->stallWhat = what;
+    self_->stallDeadline = Clock::now() + run.options.timeout;
+    run.minTimeout = std::min<Clock::duration>(run.minTimeout, run.options.timeout);
+    while (!run.failed) {
+      lock.unlock();
+      self_->fiber->suspend(&kStallRequest);
+      lockSpinning(lock);
+    }
+    throw run.failureFor(self_->rank);
+  }
+
+  // Matches this rank's issue of `fp` on group m; `faulty` marks an issue an injected fault altered.
+  std::unique_ptr<Work> issueOn(Membership& m, const Fingerprint& fp, bool faulty, ConstView in, View out,
+                                Timeout timeout, int color = 0, int key = 0) {
+    RunState& run = *run_;
+    GroupState* const group = m.group.get();
     // Outside the lock: a GPU transport records an event on this rank's stream here.
     TransportToken token = fp.kind == OpKind::kSplit ? nullptr : run.transport->issued(self_->rank);
     std::unique_lock<std::mutex> lock(run.mu, std::defer_lock);
     lockSpinning(lock);
     if (run.failed) throw run.failureFor(self_->rank);
-    const std::uint64_t seq = nextSeq_++;
-    const int n = size();
-    std::shared_ptr<Op>& slot = group_->pending[seq];
+    const std::uint64_t seq = m.nextSeq++;
+    const int n = int(group->globalRanks.size());
+    const int rank = m.rank;
+    std::shared_ptr<Op>& slot = group->pending[seq];
     if (!slot) {
       slot = std::make_shared<Op>();
-      slot->group = group_;
+      slot->group = m.group;
       slot->seq = seq;
       slot->fp = fp;
       slot->issued.resize(n);
@@ -477,37 +605,38 @@ class SimCollectives final : public Collectives {
       slot->firstArrival = Clock::now();
       slot->timeout = timeout.count() > 0 ? Clock::duration(timeout) : Clock::duration(run.options.timeout);
       run.minTimeout = std::min(run.minTimeout, slot->timeout);
-      run.pendingOps[{group_.get(), seq}] = slot;
+      run.pendingOps[{group, seq}] = slot;
     }
     std::shared_ptr<Op> op = slot;
-    op->issued[rank_] = fp;
-    op->arrived[rank_] = 1;
+    op->faulty = op->faulty || faulty;
+    op->issued[rank] = fp;
+    op->arrived[rank] = 1;
     if (!(fp == op->fp)) {
-      std::string msg = detail::concat(run.name, ": collective mismatch on ", group_->name(), " at seq ", seq, ":");
+      std::string msg = detail::concat(run.name, ": collective mismatch on ", group->name(), " at seq ", seq, ":");
       for (int r = 0; r < n; ++r)
         if (op->arrived[r])
-          msg += detail::concat("\n  rank ", group_->globalRanks[r], " issued ", op->issued[r].str());
+          msg += detail::concat("\n  rank ", group->globalRanks[r], " issued ", op->issued[r].str());
       msg += "\nevery member must issue the same collectives in the same order";
       run.fail(CollectiveFailure::kMismatch, msg);
       throw run.failureFor(self_->rank);
     }
     ++op->arrivedCount;
-    op->in[rank_] = in;
-    op->out[rank_] = out;
-    op->splitColor[rank_] = color;
-    op->splitKey[rank_] = key;
-    op->tokens[rank_] = std::move(token);
+    op->in[rank] = in;
+    op->out[rank] = out;
+    op->splitColor[rank] = color;
+    op->splitKey[rank] = key;
+    op->tokens[rank] = std::move(token);
     if (run.options.trace)
       run.trace[self_->rank].push_back(
-          TraceEvent{opName(fp.kind), group_->name(), seq, dtypeName(fp.dtype),
+          TraceEvent{opName(fp.kind), group->name(), seq, dtypeName(fp.dtype),
                      fp.inCount * std::int64_t(dtypeSize(fp.dtype))});
     if (op->arrivedCount == n) {
-      group_->pending.erase(seq);
-      run.pendingOps.erase({group_.get(), seq});
+      group->pending.erase(seq);
+      run.pendingOps.erase({group, seq});
       if (op->abandonedBy < 0) {
         if (fp.kind == OpKind::kSplit) {
           completeSplit(*op);
-        } else {
+        } else if (!op->faulty) {  // every member agreed with a faulty issue: no fabric defines the data
           try {
             op->doneToken = run.transport->execute(collectiveOf(*op));
           } catch (const std::exception& e) {
@@ -525,26 +654,31 @@ class SimCollectives final : public Collectives {
   }
 
   RunState* run_;
+  std::shared_ptr<Membership> membership_;
   std::shared_ptr<GroupState> group_;
   int rank_;
   RankState* self_;
-  std::uint64_t nextSeq_ = 0;
 };
 
-// Caller holds mu. Rank r has just stopped running: it finished, or it parks on `op`.
-void afterSwitch(RunState& run, RankState* r, Op* op) {
+// Caller holds mu. Rank r has just stopped running: it finished, stalls, or it parks on the Op
+// its fiber handed over as `request`.
+void afterSwitch(RunState& run, RankState* r, void* request) {
   --run.running;
-  if (!op) {
+  Op* const op = request == &kStallRequest ? nullptr : static_cast<Op*>(request);
+  if (!r->fiber) {
     r->status = RankStatus::kFinished;
     --run.unfinished;
     --run.workers[r->worker].unfinished;
     if (run.unfinished == 0) run.doneCv.notify_all();
-  } else if (op->done || run.failed) {
+  } else if (run.failed || (op && op->done)) {
     r->status = RankStatus::kReady;
     ++run.readyCount;
     Worker& w = run.workers[r->worker];
     w.ready.push_back(r);
     w.readyHint.store(int(w.ready.size()), std::memory_order_relaxed);
+  } else if (!op) {
+    r->status = RankStatus::kStalled;
+    ++run.stalled;
   } else {
     r->status = RankStatus::kParked;
     r->parkedOn = op;
@@ -577,7 +711,7 @@ void workerLoop(std::shared_ptr<RunState> run, int index) {
     void* request = r->fiber->resume();
     if (r->fiber->finished()) r->fiber.reset();  // free the stack outside the lock
     lockSpinning(lock);
-    afterSwitch(s, r, r->fiber ? static_cast<Op*>(request) : nullptr);
+    afterSwitch(s, r, request);
   }
 }
 
@@ -611,6 +745,14 @@ Rendezvous::Rendezvous(std::string name, WorldOptions options) : impl_(std::make
   TPSIM_CHECK(options.size >= 1, where, ": size must be >= 1, got ", options.size);
   TPSIM_CHECK(options.threads >= 0, where, ": threads must be >= 0 (0 = automatic), got ", options.threads);
   TPSIM_CHECK(options.timeout.count() > 0, where, ": timeout must be > 0 ms, got ", options.timeout.count());
+  for (const Fault& f : options.faults) {
+    TPSIM_CHECK(f.rank >= 0 && f.rank < options.size, where, ": faults: expected ranks in [0, ", options.size,
+                "), got ", f.str());
+    TPSIM_CHECK(f.collective >= 1, where, ": faults: expected K >= 1, got ", f.str());
+    for (const Fault& g : options.faults)
+      TPSIM_CHECK(&f == &g || f.rank != g.rank || f.collective != g.collective, where,
+                  ": faults: expected one fault per rank and collective, got ", f.str(), " and ", g.str());
+  }
   if (options.threads == 0)
     options.threads = std::max(1, std::min<int>(options.size, int(std::thread::hardware_concurrency())));
   options.threads = std::min(options.threads, options.size);
@@ -648,7 +790,8 @@ void Rendezvous::run(const std::function<void(RankContext&)>& fn,
     s->rank = r;
     s->compute = computes[r].get();
     s->worker = r % o.threads;
-    s->world = std::make_unique<SimCollectives>(run.get(), worldGroup, r, s);
+    s->groups.push_back(std::make_shared<Membership>(Membership{worldGroup, r, 0}));
+    s->world = std::make_unique<SimCollectives>(run.get(), s->groups[0], s);
     s->fiber = std::make_unique<Fiber>(o.stackBytes, [runPtr = run.get(), s] { rankBody(*runPtr, *s); });
     run->workers[s->worker].ready.push_back(s);
     ++run->workers[s->worker].unfinished;
@@ -690,7 +833,13 @@ void Rendezvous::run(const std::function<void(RankContext&)>& fn,
       rankErrors[r->rank] = r->error;
     if (!rankErrors[r->rank].empty()) byMessage[rankErrors[r->rank]].push_back(r->rank);
   }
-  if (!run->failed) return;
+  if (!run->failed) {
+    for (const Fault& f : o.faults)
+      TPSIM_CHECK(run->ranks[f.rank]->collectives >= f.collective, impl_->name, ": injected fault ", f.str(),
+                  " never fired: rank ", f.rank, " issued ", run->ranks[f.rank]->collectives,
+                  " collectives (group splits not counted); expected K <= ", run->ranks[f.rank]->collectives);
+    return;
+  }
   const bool fromCollective = run->failureKind != CollectiveFailure::kPeerFailed;
   std::string cause = fromCollective ? run->failureMessage
                                      : detail::concat("rank ", run->failedRank, " failed: ",
@@ -699,7 +848,10 @@ void Rendezvous::run(const std::function<void(RankContext&)>& fn,
   for (const auto& [message, ranks] : byMessage)
     summary += detail::concat(ranks.size() == 1 ? "\n  rank " : "\n  ranks ", rankList(ranks), ": ",
                               message == run->failureMessage ? "the error above" : message);
-  throw WorldError(cause + (summary.empty() ? "" : "\nwhat each rank ended with:" + summary), std::move(rankErrors),
+  std::string injected = run->injected.empty() ? "" : "\ninjected faults that fired:";
+  for (const std::string& fault : run->injected) injected += "\n  " + fault;
+  throw WorldError(cause + (summary.empty() ? "" : "\nwhat each rank ended with:" + summary) + injected,
+                   std::move(rankErrors),
                    fromCollective, run->failureKind);
 }
 

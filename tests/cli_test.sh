@@ -247,5 +247,92 @@ check inf-result 1 "output: 2 NaN or Inf values, the first at flat index 0" -- \
   "$tpsim" run --layer column --tp 1 --load "$work/inf"
 check inf-result-column 1 "NON-FINITE" -- "$tpsim" run --layer column --tp 1 --load "$work/inf"
 
+# Injected faults: every rank's diagnostic and exit 3, within 1 s for all but a stall, which
+# --timeout ends.
+within() {  # within NAME MILLISECONDS -- command...: check ... that also finishes in time
+  local name="$1" limit="$2" start elapsed
+  shift 3
+  start=$(date +%s%N)
+  check "$name" "$@"
+  elapsed=$((($(date +%s%N) - start) / 1000000))
+  if [ "$elapsed" -ge "$limit" ]; then
+    echo "FAIL $name: took $elapsed ms, expected < $limit ms"
+    failures=$((failures + 1))
+  fi
+}
+within inject-skip 1000 -- 3 "rank 1 1:3:skip: its collective 3, allGather(fp32 x256 -> x512) on gtp_remat[1,5]" \
+  -- "$tpsim" demo --inject 1:3:skip
+within inject-op 1000 -- 3 "rank 1 issued allReduce(sum, fp32 x256)" -- "$tpsim" demo --inject 1:3:op
+within inject-count 1000 -- 3 "rank 1 issued allGather(fp32 x257 -> x514)" -- "$tpsim" demo --inject 1:3:count
+within inject-dtype 1000 -- 3 "rank 1 issued allGather(bf16 x256 -> x512)" -- "$tpsim" demo --inject 1:3:dtype
+within inject-group 1000 -- 3 "rank 1 has not issued it: it waits on allGather(fp32 x256 -> x512) on world[0-7]" \
+  -- "$tpsim" demo --inject 1:3:group
+# Repeatable: the second fault would come later; the first one fails the world.
+within inject-throw 1000 -- 3 "rank 1 failed: injected fault: rank 1 throws at its collective 3" \
+  -- "$tpsim" run --layer mlp --tp 4 --gtp-remat 2 --batch 4 --inject 1:3:throw --inject 2:9:skip
+within inject-stall 3000 -- 3 "rank 1 has not issued it: it stalls (an injected fault) before issuing its collective 1" \
+  -- "$tpsim" run --layer row --tp 2 --inject 1:1:stall --timeout 1
+for kind in skip op count dtype group throw; do
+  if ! grep -qF "what each rank ended with:" <<<"$("$tpsim" demo --inject 2:5:$kind 2>&1)"; then
+    echo "FAIL inject-$kind-every-rank: no per-rank diagnostics"
+    failures=$((failures + 1))
+  fi
+done
+check inject-rank 2 "--inject: expected RANK in [0, 8) (the world's --tp x --gtp-remat ranks), got 8 in '8:1:skip'" \
+  -- "$tpsim" demo --inject 8:1:skip
+check inject-k 2 "--inject: expected K >= 1 (the rank's K-th collective, counted from 1), got '0'" \
+  -- "$tpsim" run --layer row --inject 1:0:skip
+check inject-kind 2 "--inject: expected FAULT to be skip, op, count, dtype, group, throw or stall, got 'crash'" \
+  -- "$tpsim" run --layer row --inject 1:1:crash
+check inject-form 2 "--inject: expected RANK:K:FAULT (three fields separated by ':'), got '1-1-skip'" \
+  -- "$tpsim" demo --inject 1-1-skip
+check inject-never 2 "injected fault 1:99:skip never fired: rank 1 issued 2 collectives" \
+  -- "$tpsim" run --layer row --tp 2 --inject 1:99:skip
+check timeout-zero 2 "--timeout: expected a positive number of seconds" -- "$tpsim" demo --timeout 0
+check timeout-word 2 "--timeout: expected a positive number of seconds from 0.001 to 1000000 (like 1 or 0.5), got '1s'" \
+  -- "$tpsim" run --layer row --timeout 1s
+check inject-help 0 "RANK:K:FAULT" -- "$tpsim" demo --help
+
+# --trace: a Chrome Trace Event file that follows the format's rules (tests/trace_check.py), on
+# both clocks; run's normal output is unchanged but for one line.
+trace_check="$(dirname "$0")/trace_check.py"
+check trace-demo-model 0 "overlap = collectives under compute" -- \
+  "$tpsim" demo --trace "$work/demo.json" --clock model --device-model h100-nvlink
+check trace-demo-model-json 0 "trace_check: ok, 8 ranks" -- python3 "$trace_check" "$work/demo.json" model
+check trace-run-measured 0 "trace (clock measured) written to $work/run.json" -- \
+  "$tpsim" run --layer column --tp 4 --sequence-parallel --bias --trace "$work/run.json"
+check trace-run-measured-json 0 "trace_check: ok, 4 ranks" -- python3 "$trace_check" "$work/run.json"
+printf 'tflops.fp32 = 20\ntflops.bf16 = 300\ntflops.fp16 = 300\ntflops.fp64 = 10\nmemory_gbps = 2000\nlink_latency_us = 8\nlink_gbps = 25\n' \
+  >"$work/device.txt"
+check trace-run-file 0 "trace (clock model ($work/device.txt)) written" -- "$tpsim" run --layer row --tp 2 \
+  --input-is-parallel --gtp-remat 2 --batch 4 --trace "$work/file.json" --clock model --device-model "$work/device.txt"
+check trace-run-file-json 0 "trace_check: ok, 4 ranks" -- python3 "$trace_check" "$work/file.json" model
+if diff <("$tpsim" run --layer row --tp 2) <("$tpsim" run --layer row --tp 2 --trace "$work/same.json") | grep '^[<>]' \
+  | grep -qv "^> trace (clock measured) written to $work/same.json\|^> \$"; then
+  echo "FAIL trace-output: --trace changed run's output beyond its one line"
+  failures=$((failures + 1))
+fi
+# The checker itself refuses what the format forbids.
+meta='{"name":"process_name","ph":"M","ts":0,"pid":0,"tid":0,"args":{"name":"rank 0 (t=0, g=0)"}},
+{"name":"thread_name","ph":"M","ts":0,"pid":0,"tid":0,"args":{"name":"compute"}}'
+summary='"otherData":{"ranks":[]}'
+printf '{"traceEvents":[%s,{"name":"a","ph":"X","ts":0,"dur":2,"pid":0,"tid":0},{"name":"b","ph":"X","ts":1,"dur":2,"pid":0,"tid":0}],%s}' \
+  "$meta" "$summary" >"$work/overlap.json"
+check trace-check-overlap 1 "spans overlap without nesting on track (0, 0)" -- python3 "$trace_check" "$work/overlap.json"
+printf '{"traceEvents":[%s,{"name":"a","ph":"X","ts":0,"dur":2,"pid":0,"tid":0},{"name":"f","ph":"s","id":1,"ts":1,"pid":0,"tid":0}],%s}' \
+  "$meta" "$summary" >"$work/flow.json"
+check trace-check-flow 1 "flow 1 is not one start and one finish" -- python3 "$trace_check" "$work/flow.json"
+printf '{"traceEvents":[%s,{"name":"a","ph":"X","ts":0,"pid":0,"tid":0}],%s}' "$meta" "$summary" >"$work/dur.json"
+check trace-check-dur 1 "complete event without a duration" -- python3 "$trace_check" "$work/dur.json"
+check trace-clock 2 "--clock: expected measured or model, got 'wall'" -- "$tpsim" demo --trace "$work/x.json" --clock wall
+check trace-clock-alone 2 "--clock: applies with --trace FILE, got no --trace" -- "$tpsim" run --layer row --clock model
+check trace-device-measured 2 "--device-model: applies to --clock model, got --clock measured" -- \
+  "$tpsim" demo --trace "$work/x.json" --device-model pcie
+check trace-device-unknown 2 "--device-model: expected h100-nvlink, h200-nvlink, a100-nvlink, pcie or a readable key=value file, got 'b200'" \
+  -- "$tpsim" demo --trace "$work/x.json" --clock model --device-model b200
+check trace-dir 2 "--trace: expected a file path in an existing directory, got '$work/nowhere/t.json'" -- \
+  "$tpsim" run --layer row --trace "$work/nowhere/t.json"
+check trace-empty 2 "--trace: expected a file path, got an empty path" -- "$tpsim" demo --trace ""
+
 echo "$passed passed, $failures failed"
 [ "$failures" -eq 0 ]

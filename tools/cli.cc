@@ -2,6 +2,9 @@
 
 #include <boost/program_options/parsers.hpp>
 #include <cctype>
+#include <cmath>
+
+#include "backends/errors.h"
 
 namespace tpsim::tools {
 
@@ -35,6 +38,49 @@ std::uint64_t parseSeed(const std::string& text) {
   }
   if (!ok) throw UsageError{"--seed: expected an integer in 0..2^64-1, got '" + text + "'"};
   return v;
+}
+
+const char kInjectHelp[] =
+    "RANK:K:FAULT, repeatable: rank RANK, at its K-th collective (counted from 1 over all its groups, "
+    "group splits not counted: the order `tpsim demo` lists), does FAULT: skip (does not issue it), op, count, "
+    "dtype or group (issues another one), throw (the rank throws), stall (blocks until --timeout). The run "
+    "ends with every rank's diagnostic and exit 3";
+const char kTimeoutHelp[] =
+    "seconds a collective may wait for its members before the world fails (exit 3); a positive number";
+
+const char kTraceHelp[] =
+    "write a Chrome Trace Event file (Perfetto, chrome://tracing): a process per rank, compute and "
+    "communication tracks, a span per op and collective, arrows between a collective's members";
+const char kClockHelp[] = "measured (this run's wall time per rank) | model (--device-model's roofline and links)";
+const char kDeviceModelHelp[] =
+    "--clock model: h100-nvlink | h200-nvlink | a100-nvlink | pcie | FILE of key = value lines (tflops.fp32, "
+    "tflops.bf16, tflops.fp16, tflops.fp64, memory_gbps, link_latency_us, link_gbps)";
+
+std::vector<Fault> parseInjections(const std::vector<std::string>& specs) {
+  std::vector<Fault> faults;
+  for (const std::string& spec : specs) {
+    try {
+      faults.push_back(parseFault(spec));
+    } catch (const InvalidArgument& e) {
+      throw UsageError{std::string("--inject: ") + e.what()};
+    }
+  }
+  return faults;
+}
+
+std::chrono::milliseconds parseTimeout(const std::string& text) {
+  std::size_t used = 0;
+  double seconds = 0;
+  try {
+    seconds = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  // Whole milliseconds, at most about 11 days: the watchdog's clock arithmetic stays far from overflow.
+  if (used == 0 || used != text.size() || !(seconds >= 0.001 && seconds <= 1e6))
+    throw UsageError{"--timeout: expected a positive number of seconds from 0.001 to 1000000 (like 1 or 0.5), got '" +
+                     text + "'"};
+  return std::chrono::milliseconds(std::llround(seconds * 1000));
 }
 
 std::vector<int> parseIntList(const std::string& option, const std::string& text) {

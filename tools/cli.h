@@ -7,9 +7,12 @@
 
 #include <boost/program_options/options_description.hpp>
 #include <boost/program_options/variables_map.hpp>
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "backends/fault.h"
 
 namespace tpsim::tools {
 
@@ -31,6 +34,18 @@ boost::program_options::variables_map parseOptions(const std::vector<std::string
                                                    const boost::program_options::options_description& options);
 // "1234" -> 1234 for --seed: digits only, so "-1" is refused instead of wrapping to 2^64 - 1.
 std::uint64_t parseSeed(const std::string& text);
+
+// The help of --inject and --timeout, which run and demo share.
+extern const char kInjectHelp[];
+extern const char kTimeoutHelp[];
+// The help of --trace, --clock and --device-model, which run and demo share.
+extern const char kTraceHelp[];
+extern const char kClockHelp[];
+extern const char kDeviceModelHelp[];
+// --inject RANK:K:FAULT, each one (backends/fault.h). Throws UsageError naming --inject.
+std::vector<Fault> parseInjections(const std::vector<std::string>& specs);
+// --timeout SECONDS: a positive number ("1", "0.5"), in milliseconds. Throws UsageError.
+std::chrono::milliseconds parseTimeout(const std::string& text);
 
 // "1,2,4" -> {1, 2, 4}; "2..64" -> powers of two from 2 to 64. Throws UsageError naming `option`.
 std::vector<int> parseIntList(const std::string& option, const std::string& text);

@@ -25,7 +25,9 @@ int demoMain(const std::vector<std::string>& args) {
   c.inFeatures = 16;
   c.ffnHidden = 64;
   c.gtpRemat = 2;
-  std::string dtype = "fp32", seed;
+  std::string dtype = "fp32", seed, timeout = "60";
+  std::vector<std::string> injects;
+  TraceOptions trace;
   bool noSequenceParallel = false;
   po::options_description opts("tpsim demo [options]");
   opts.add_options()
@@ -42,7 +44,12 @@ int demoMain(const std::vector<std::string>& args) {
       ("seed", po::value(&seed)->default_value(std::to_string(c.seed)), "seed of the generated data")
       ("threads,t", po::value(&c.threads)->default_value(c.threads), "sim threads (0 = every core): min(threads, ranks) run ranks, the rest share large GEMMs")
       ("backend,B", po::value(&c.backend)->default_value(c.backend),
-       "sim | gpu: the simulator, or CUDA devices (exit 2 with the reason where none is usable)");
+       "sim | gpu: the simulator, or CUDA devices (exit 2 with the reason where none is usable)")
+      ("timeout", po::value(&timeout)->default_value(timeout)->value_name("SECONDS"), kTimeoutHelp)
+      ("inject", po::value(&injects)->composing()->value_name("RANK:K:FAULT"), kInjectHelp)
+      ("trace", po::value(&trace.file)->value_name("FILE.json"), kTraceHelp)
+      ("clock", po::value(&trace.clock)->default_value(trace.clock), kClockHelp)
+      ("device-model", po::value(&trace.device)->default_value(trace.device), kDeviceModelHelp);
   const po::variables_map vm = parseOptions(args, opts);
   if (vm.count("help")) {
     std::cout << opts << "\n" << kExitCodes;
@@ -52,8 +59,13 @@ int demoMain(const std::vector<std::string>& args) {
     throw UsageError{"--dtype: expected fp32, bf16 or fp16, got '" + dtype + "'"};
   c.dtype = parseDType(dtype);
   c.seed = parseSeed(seed);
+  c.faults = parseInjections(injects);
+  c.timeout = parseTimeout(timeout);
   c.sequenceParallel = !noSequenceParallel && c.tp > 1;
   c.validate();
+  if (vm.count("trace") && trace.file.empty()) throw UsageError{"--trace: expected a file path, got an empty path"};
+  checkTraceOptions(trace, !vm["clock"].defaulted(), !vm["device-model"].defaulted());
+  c.record = !trace.file.empty();
   if (!isBackendName(c.backend)) throw UsageError{"--backend: expected sim or gpu, got '" + c.backend + "'"};
   if (const std::string whyNot = backendUnusableReason(c.backend); !whyNot.empty())
     throw UsageError{"--backend " + c.backend + ": cannot run here: " + whyNot};
@@ -97,6 +109,13 @@ int demoMain(const std::vector<std::string>& args) {
     notes += nonFiniteNote(v);
   }
   if (!notes.empty()) std::printf("\n%s", notes.c_str());
+  if (c.record) {
+    const std::vector<RankSummary> summary = writeTrace(trace, r.records, c.tp);
+    std::printf("\n# timeline, clock %s, written to %s; per rank in µs: compute ops, collectives from issue to "
+                "completion,\n# exposed = waiting for one, overlap = collectives under compute, other = the rest "
+                "(host work outside ops)\n%s",
+                trace.clockText().c_str(), trace.file.c_str(), summaryTable(summary).c_str());
+  }
   std::printf("\n%s\n", ok ? "every output and gradient agrees with the unsharded MLP" : "MISMATCH");
   return ok ? 0 : 1;
 }

@@ -118,7 +118,9 @@ DType parseFloatDtype(const std::string& flag, const std::string& s) {
 int runMain(const std::vector<std::string>& args) {
   RunConfig c;
   std::string layer, dtype = "fp32", outputDtype, mainGradDtype = "fp32", loadDir, saveDir,
-      gtpReduce = "mean", weightFormat = "native", verification = "bound", seed;
+      gtpReduce = "mean", weightFormat = "native", verification = "bound", seed, timeout = "60";
+  std::vector<std::string> injects;
+  TraceOptions trace;
   po::options_description par("Parallelism");
   par.add_options()
       ("help,h", "show this help")
@@ -169,9 +171,17 @@ int runMain(const std::vector<std::string>& args) {
       ("verify", po::value(&verification)->default_value(verification),
        "bound: each result within its data-derived bound of the unsharded computation in fp64 | exact: "
        "each element equal to that result rounded to the result's dtype (max|err| = 0; holds where every "
-       "step is exact, e.g. small-integer data without GeLU) | none: skip the reference (exit 0)");
+       "step is exact, e.g. small-integer data without GeLU) | none: skip the reference (exit 0)")
+      ("timeout", po::value(&timeout)->default_value(timeout)->value_name("SECONDS"), kTimeoutHelp);
+  po::options_description faults("Faults (what a broken rank looks like to its peers)");
+  faults.add_options()("inject", po::value(&injects)->composing()->value_name("RANK:K:FAULT"), kInjectHelp);
+  po::options_description timeline("Timeline");
+  timeline.add_options()
+      ("trace", po::value(&trace.file)->value_name("FILE.json"), kTraceHelp)
+      ("clock", po::value(&trace.clock)->default_value(trace.clock), kClockHelp)
+      ("device-model", po::value(&trace.device)->default_value(trace.device), kDeviceModelHelp);
   po::options_description all("tpsim run --layer KIND [options]");
-  all.add(par).add(lay).add(size).add(run);
+  all.add(par).add(lay).add(size).add(run).add(faults).add(timeline);
   const po::variables_map vm = parseOptions(args, all);
   if (vm.count("help")) {
     std::cout << all << "\n" << kExitCodes;
@@ -179,6 +189,8 @@ int runMain(const std::vector<std::string>& args) {
   }
   if (layer.empty()) throw UsageError{"--layer is required: column, row, embedding or mlp"};
   c.seed = parseSeed(seed);
+  c.faults = parseInjections(injects);
+  c.timeout = parseTimeout(timeout);
   // An empty path would silently mean "no --load" or "no --save".
   for (const char* flag : {"load", "save"})
     if (vm.count(flag) && vm[flag].as<std::string>().empty())
@@ -200,6 +212,9 @@ int runMain(const std::vector<std::string>& args) {
   if (const std::string whyNot = backendUnusableReason(c.backend); !whyNot.empty())
     throw UsageError{"--backend " + c.backend + ": cannot run here: " + whyNot};
   c.validate();
+  if (vm.count("trace") && trace.file.empty()) throw UsageError{"--trace: expected a file path, got an empty path"};
+  checkTraceOptions(trace, !vm["clock"].defaulted(), !vm["device-model"].defaulted());
+  c.record = !trace.file.empty();
 
   if (!saveDir.empty()) prepareSaveDir(saveDir);
   std::printf("# tpsim run: %s\n", c.str().c_str());
@@ -233,6 +248,10 @@ int runMain(const std::vector<std::string>& args) {
     if (loadDir.empty()) outputs.insert(inputs.begin(), inputs.end());
     save(saveDir, outputs);
     std::printf("\nsaved to %s\n", saveDir.c_str());
+  }
+  if (c.record) {
+    writeTrace(trace, result.records, c.tp);
+    std::printf("\ntrace (clock %s) written to %s\n", trace.clockText().c_str(), trace.file.c_str());
   }
   const char* conclusion = verifyMode == VerifyMode::kNone    ? "verification skipped (--verify none)"
                            : !ok                               ? "MISMATCH"

@@ -179,6 +179,15 @@ void RunConfig::validate() const {
   TPSIM_CHECK(weightFormat == WeightFormat::kNative || gtpRemat == 1 || blockAligned,
               "--pad-for-alignment: expected a positive multiple of 32 for --weight-format mxfp8 with --gtp-remat ",
               gtpRemat, ", got ", padForAlignment);
+  const int worldSize = tp * gtpRemat;
+  for (const Fault& f : faults) {
+    TPSIM_CHECK(f.rank < worldSize, "--inject: expected RANK in [0, ", worldSize, ") (the world's --tp x --gtp-remat "
+                "ranks), got ", f.rank, " in '", f.str(), "'");
+    for (const Fault& g : faults)
+      TPSIM_CHECK(&f == &g || f.rank != g.rank || f.collective != g.collective, "--inject: expected one fault per "
+                  "rank and collective, got '", f.str(), "' and '", g.str(), "'");
+  }
+  TPSIM_CHECK(timeout.count() > 0, "--timeout: expected a positive number of seconds, got ", timeout.count(), " ms");
   for (auto [flag, v] : {std::pair{"seq", seq}, {"batch", batch}, {"in-features", inFeatures},
                          {"out-features", outFeatures}, {"ffn-hidden", ffnHidden}, {"vocab", vocab}})
     TPSIM_CHECK(v >= 1, "--", flag, ": expected >= 1, got ", v);
@@ -201,6 +210,8 @@ std::string RunConfig::str() const {
   if (gtpRemat > 1)
     s += detail::concat(" gtp-remat=", gtpRemat, " pad-for-alignment=", padForAlignment, " gtp-reduce=",
                         gtpReduceMean ? "mean" : "sum", fp32AccumReduceScatter ? " fp32-accum-reduce-scatter" : "");
+  for (const Fault& f : faults) s += " inject=" + f.str();
+  if (timeout != RunConfig().timeout) s += detail::concat(" timeout=", double(timeout.count()) / 1000, "s");
   return s + detail::concat(" seed=", seed);
 }
 
@@ -360,10 +371,23 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
   wo.size = sizes.world;
   wo.threads = c.threads;
   wo.trace = true;
+  wo.faults = c.faults;
+  wo.timeout = c.timeout;
   const std::unique_ptr<World> world = makeWorld(c.backend, wo);
   const InitMethod unused = initMethodNormal(0.02);  // weights are copied in
   const bool embeddingBatchFirst = c.layer == LayerKind::kEmbedding && !c.reduceScatterEmbeddings;
-  world->run([&](RankContext& ctx) {
+  std::vector<RankRecord> records(c.record ? sizes.world : 0);
+  const TraceClock::time_point t0 = TraceClock::now();
+  world->run([&](RankContext& base) {
+    // Under --trace every op goes through a logging decorator; the layers see no difference.
+    std::unique_ptr<Compute> loggedCompute;
+    std::unique_ptr<Collectives> loggedComm;
+    if (c.record) {
+      RankRecord& record = records[base.comm.rank()];
+      loggedCompute = recordingCompute(base.compute, record, t0);
+      loggedComm = recordingCollectives(base.comm, record, t0);
+    }
+    RankContext ctx{c.record ? *loggedCompute : base.compute, c.record ? *loggedComm : base.comm};
     Compute& compute = ctx.compute;
     const int r = ctx.comm.rank();
     ProcessGroups pg(ctx.comm, layout);
@@ -539,6 +563,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
   RunResult r;
   r.shards = per.shards;
   r.trace = world->trace();
+  r.records = std::move(records);
   auto peers = [&](const std::string& name, int t) {
     std::vector<HostTensor> out;
     for (int g = 0; g < G; ++g) out.push_back(per.results[t + T * g].at(name));
@@ -710,6 +735,8 @@ std::string commandLine(const RunConfig& c, const std::string& loadDir) {
     if (c.fp32AccumReduceScatter) s += " --fp32-accum-reduce-scatter";
   }
   if (c.threads != 0) s += detail::concat(" --threads ", c.threads);
+  for (const Fault& f : c.faults) s += " --inject " + f.str();
+  if (c.timeout != RunConfig().timeout) s += detail::concat(" --timeout ", double(c.timeout.count()) / 1000);
   if (c.backend != "sim") s += " --backend " + c.backend;
   s += detail::concat(" --seed ", c.seed);
   if (!loadDir.empty()) {

@@ -12,6 +12,7 @@
 // the full-batch gradient).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -19,6 +20,7 @@
 
 #include "backends/world.h"
 #include "tools/reference.h"
+#include "tools/trace.h"
 
 namespace tpsim::tools {
 
@@ -49,6 +51,9 @@ struct RunConfig {
   std::uint64_t seed = 1234;
   std::string backend = "sim";  // tools/backend.h
   int threads = 0;
+  std::vector<Fault> faults;                   // --inject: ranks that misbehave on purpose
+  std::chrono::milliseconds timeout{60'000};   // --timeout: the world's collective timeout
+  bool record = false;                         // log every op for a trace (RunResult::records)
   // Shapes of generated data (ignored for tensors loaded from files).
   std::int64_t seq = 8, batch = 2, inFeatures = 16, outFeatures = 16, ffnHidden = 64, vocab = 32;
 
@@ -66,6 +71,7 @@ struct RunResult {
   TensorMap results;                               // unsharded, named as in reference.h
   std::vector<std::vector<std::string>> shards;    // per rank: "fc1.weight (16, 32) = rows [0, 16) of (64, 32)"
   std::vector<std::vector<TraceEvent>> trace; // per rank: every collective it issued
+  std::vector<RankRecord> records;             // per rank, with RunConfig::record: its ops in order
 };
 
 RunResult runSharded(const RunConfig& config, const TensorMap& inputs);
