@@ -8,8 +8,11 @@
 #include <boost/program_options/options_description.hpp>
 #include <boost/program_options/variables_map.hpp>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include "tools/runner.h"
 
 namespace tpsim::tools {
 
@@ -25,6 +28,23 @@ int demoMain(const std::vector<std::string>& args);
 int benchMain(const std::vector<std::string>& args);
 int runMain(const std::vector<std::string>& args);
 
+// A `tpsim run` command line, parsed and checked: all runMain decides before it touches a file or
+// allocates a tensor. parseRunArgs throws UsageError or InvalidArgument naming the flag.
+struct RunArgs {
+  RunConfig config;
+  VerifyMode verify = VerifyMode::kBound;
+  std::string loadDir, saveDir;            // "" when not given
+  std::optional<std::int64_t> maxMemory;   // --max-memory, bytes
+  std::string help;                        // --help: the text to print (and nothing to run)
+};
+RunArgs parseRunArgs(const std::vector<std::string>& args);
+// `tpsim demo`'s command line: its MLP configuration, or the --help text.
+struct DemoArgs {
+  RunConfig config;
+  std::string help;
+};
+DemoArgs parseDemoArgs(const std::vector<std::string>& args);
+
 // Parses `args` against `options` into a notified variables_map. Throws UsageError for a stray
 // word: Boost would drop it silently, so `--bias false` would run with the bias on.
 boost::program_options::variables_map parseOptions(const std::vector<std::string>& args,
@@ -32,9 +52,11 @@ boost::program_options::variables_map parseOptions(const std::vector<std::string
 // "1234" -> 1234 for --seed: digits only, so "-1" is refused instead of wrapping to 2^64 - 1.
 std::uint64_t parseSeed(const std::string& text);
 
-// "1,2,4" -> {1, 2, 4}; "2..64" -> powers of two from 2 to 64. Throws UsageError naming `option`.
+// "1,2,4" -> {1, 2, 4}; "2..64" -> powers of two from 2 to 64 (never empty). Throws UsageError
+// naming `option`.
 std::vector<int> parseIntList(const std::string& option, const std::string& text);
-// "128", "64K", "16M", "1G" -> bytes. Throws UsageError naming `option`.
+// "128", "64K", "16M", "1G" (or k, m, g) -> bytes, at most 2^63 - 1. Throws UsageError naming
+// `option`.
 long long parseSize(const std::string& option, const std::string& text);
 // parseSize's inverse: 268435456 -> "256M", 1536 -> "1536".
 std::string sizeText(long long bytes);
