@@ -143,7 +143,7 @@ check max-memory-bad 2 "--max-memory: expected a size like 128, 64K, 16M or 1G" 
 check max-memory-zero 2 "--max-memory: expected a positive size" -- "$tpsim" run --layer mlp --max-memory 0
 check max-memory-fits 0 "sharded results agree" -- "$tpsim" run --layer mlp --max-memory 512M
 # ASan reserves terabytes of address space, which a limit on it would refuse.
-if ! ldd "$tpsim" 2>/dev/null | grep -q libasan; then
+if ! grep -qa __asan_init "$tpsim"; then
   check out-of-memory 2 "out of memory: the run needs more than this machine has; its size comes from --seq" -- \
     bash -c 'ulimit -v 200000 && exec "$1" run --layer column --seq 1000000 --batch 1' _ "$tpsim"
 fi
