@@ -82,6 +82,11 @@ if ! "$tpsim" run --layer row --backend gpu >/dev/null 2>&1; then
   check gpu-unusable-bench 2 "--backend gpu: cannot run here: " -- "$tpsim" bench --backend gpu
 fi
 check bench-bad-backend 2 "--backend: expected sim or gpu, got 'tpu'" -- "$tpsim" bench --backend tpu
+check bench-size-overflow 2 "--min-bytes: expected a size like 128, 64K, 16M or 1G (at most 2^63 - 1 bytes)" -- \
+  "$tpsim" bench --min-bytes 4611686018427387904k
+check bench-empty-range 2 "--ranks: expected positive integers like 1,2,4 or 2..64 (a range from low to high)" -- \
+  "$tpsim" bench --ranks 64..2
+check bench-gpu-empty-range 2 "--fabric-ranks: expected positive integers" -- "$tpsim" bench --backend gpu -R 8..2
 check bench-gpu-what 2 "--what: with --backend gpu expected layers, fabric or all, got 'latency'" -- \
   "$tpsim" bench --backend gpu -W latency
 check bench-gpu-tp 2 "--mlp-tp: every TP size must be <= 64 and divide --tokens and --ffn" -- \

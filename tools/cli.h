@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "tools/bench_gpu.h"
 #include "tools/runner.h"
 
 namespace tpsim::tools {
@@ -44,6 +45,30 @@ struct DemoArgs {
   std::string help;
 };
 DemoArgs parseDemoArgs(const std::vector<std::string>& args);
+
+// `tpsim bench`'s simulator sections (tools/bench.cc).
+struct BenchConfig {
+  std::string what = "all";
+  std::vector<int> ranks;
+  std::string ranksText;  // --ranks as given, for the header
+  int threads = 0;
+  int iters = 5000;
+  int bwRanks = 8;
+  long long minBytes = 0, maxBytes = 0;
+  int bwIters = 5;
+  int gemmReps = 3;
+  std::int64_t tokens = 2048, hidden = 1024, ffn = 4096;
+  std::vector<int> mlpTp;
+  int mlpReps = 2;
+};
+// `tpsim bench`'s command line: the simulator's configuration, or with --backend gpu the GPU's.
+struct BenchArgs {
+  bool gpuBackend = false;
+  BenchConfig sim;
+  GpuBenchConfig gpu;
+  std::string help;
+};
+BenchArgs parseBenchArgs(const std::vector<std::string>& args);
 
 // Parses `args` against `options` into a notified variables_map. Throws UsageError for a stray
 // word: Boost would drop it silently, so `--bias false` would run with the bias on.

@@ -1,6 +1,6 @@
-// libFuzzer target: `tpsim run` and `tpsim demo` argument handling, parsing and validation up to
-// the run, with argv built from the input (the first byte picks the command, '\0' separates the
-// words). A usage error or InvalidArgument is the expected answer to a bad command line; for a
+// libFuzzer target: `tpsim run`, `tpsim demo` and `tpsim bench` argument handling, parsing and
+// validation up to the run, with argv built from the input (the first byte picks the command, '\0'
+// separates the words). A usage error or InvalidArgument is the expected answer to a bad command line; for a
 // good one, the memory estimate and the printed configuration must not fail either.
 #include <boost/program_options/errors.hpp>
 #include <cstdint>
@@ -20,16 +20,18 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     else args.back() += char(data[i]);
   }
   try {
-    if (data[0] % 2 == 0) {
+    if (data[0] % 3 == 0) {
       const RunArgs a = parseRunArgs(args);
       if (a.help.empty() && a.loadDir.empty()) {
         (void)bytesText(estimateRunBytes(a.config, generatedShapes(a.config), a.verify));
         (void)a.config.str();
         (void)commandLine(a.config);
       }
-    } else {
+    } else if (data[0] % 3 == 1) {
       const DemoArgs a = parseDemoArgs(args);
       if (a.help.empty()) (void)generatedShapes(a.config);
+    } else {
+      (void)parseBenchArgs(args);
     }
   } catch (const UsageError&) {
   } catch (const tpsim::InvalidArgument&) {
