@@ -192,8 +192,8 @@ RunArgs parseRunArgs(const std::vector<std::string>& args) {
        "each element equal to that result rounded to the result's dtype (max|err| = 0; holds where every "
        "step is exact, e.g. small-integer data without GeLU) | none: skip the reference (exit 0)")
       ("max-memory", po::value(&maxMemory),
-       "refuse (exit 2) a run whose estimated peak memory exceeds SIZE (bytes, or 512M, 8G); runs "
-       "estimated above the memory available are refused without it too");
+       "refuse (exit 2) a run whose estimated peak memory exceeds SIZE (bytes, or 512M, 8G); without it, "
+       "or with more, the limit is the memory available");
   po::options_description all("tpsim run --layer KIND [options]");
   all.add(par).add(lay).add(size).add(run);
   const po::variables_map vm = parseOptions(args, all);
