@@ -27,7 +27,7 @@ for target in "${targets[@]}"; do
   if ! "build-fuzz/tests/fuzz/tpsim_fuzz_$target" "${args[@]}" "build-fuzz/corpus/$target" \
       "tests/fuzz/corpus/$target" >"$log" 2>&1; then
     tail -n 40 "$log"
-    crash=$(ls -t build-fuzz/crashes/"$target"-* 2>/dev/null | head -n 1)
+    crash=$(ls -t build-fuzz/crashes/"$target"-* 2>/dev/null | head -n 1 || true)
     echo "tools/fuzz.sh: tpsim_fuzz_$target failed; input: ${crash:-none written, see $log}" >&2
     echo "  replay: build-fuzz/tests/fuzz/tpsim_fuzz_$target ${crash:-FILE}" >&2
     echo "  fix it, then add the input to tests/fuzz/corpus/$target/" >&2
