@@ -36,7 +36,7 @@ std::optional<double> readNumber(const std::string& file) {
 //         + 2H        the MLP's per-rank intermediates (H, GeLU(H), dA, dH in fp32)
 //   verify: 4W + 8H   the reference's |W| copies and products, the MLP's (tokens, F) matrices;
 //                     freed run memory that malloc keeps is why it adds to the run, not maxes.
-// Estimate / peak RSS measured with /usr/bin/time -v (Release, 2-core VM), 27 runs: 1.17-1.62.
+// Estimate / peak RSS measured with /usr/bin/time -v (Release, 2-core VM), 26 runs: 1.17-1.62.
 // column (s=256, b=4, K=N=1024) T=1 1.46, T=4 1.47 (--verify none 1.34), T=8 SP bias 1.50,
 // T=4 G=2 1.49, --disable-grad-reduce 1.46; (s=16, b=2, K=2048, N=4096) T=2 1.56 (none 1.17);
 // mxfp8 T=8 G=4 1.44; row T=4 1.24, SP 1.60; embedding (V=8192, h=512) T=1 1.36, T=4 1.21,
