@@ -6,6 +6,7 @@
 #include <boost/context/detail/fcontext.hpp>
 #include <cerrno>
 #include <cstring>
+#include <cxxabi.h>  // abi::__cxa_get_globals, as the C++ runtime declares it (gcc and clang agree)
 #include <utility>
 
 #include "backends/errors.h"
@@ -32,10 +33,6 @@
 #include <sanitizer/tsan_interface.h>
 #endif
 
-namespace abi_detail {
-struct EhGlobals;
-}
-extern "C" abi_detail::EhGlobals* __cxa_get_globals() noexcept;
 
 namespace tpsim::sim {
 namespace ctx = boost::context::detail;
@@ -103,7 +100,7 @@ Fiber::~Fiber() {
 }
 
 void Fiber::swapExceptionState() {
-  auto* globals = reinterpret_cast<EhState*>(__cxa_get_globals());
+  auto* globals = reinterpret_cast<EhState*>(abi::__cxa_get_globals());
   std::swap(*globals, eh_);
 }
 

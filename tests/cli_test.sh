@@ -82,6 +82,11 @@ if ! "$tpsim" run --layer row --backend gpu >/dev/null 2>&1; then
   check gpu-unusable-bench 2 "--backend gpu: cannot run here: " -- "$tpsim" bench --backend gpu
 fi
 check bench-bad-backend 2 "--backend: expected sim or gpu, got 'tpu'" -- "$tpsim" bench --backend tpu
+check bench-size-overflow 2 "--min-bytes: expected a size like 128, 64K, 16M or 1G (at most 2^63 - 1 bytes)" -- \
+  "$tpsim" bench --min-bytes 4611686018427387904k
+check bench-empty-range 2 "--ranks: expected positive integers like 1,2,4 or 2..64 (a range from low to high)" -- \
+  "$tpsim" bench --ranks 64..2
+check bench-gpu-empty-range 2 "--fabric-ranks: expected positive integers" -- "$tpsim" bench --backend gpu -R 8..2
 check bench-gpu-what 2 "--what: with --backend gpu expected layers, fabric or all, got 'latency'" -- \
   "$tpsim" bench --backend gpu -W latency
 check bench-gpu-tp 2 "--mlp-tp: every TP size must be <= 64 and divide --tokens and --ffn" -- \
@@ -133,8 +138,20 @@ check load-symlink-loop 2 "tpsim run: '$work/loop': expected a usable path, got 
   "$tpsim" run --layer column --load "$work/loop"
 touch "$work/plain"
 check save-unusable 2 "'$work/plain/out'" -- "$tpsim" run --layer column --save "$work/plain/out"
-check out-of-memory 2 "out of memory: the run needs more than this machine has; its size comes from --seq" -- \
-  "$tpsim" run --layer column --seq 1000000000000 --batch 1
+# Memory: a run estimated above the memory available, or --max-memory, is refused before anything
+# is allocated (so at once); an allocation that fails anyway is an error naming the size flags.
+check memory-estimate 2 "expected a run that fits in memory, got an estimated peak of" -- \
+  timeout 10 "$tpsim" run --layer column --seq 4000000000 --batch 2
+check max-memory 2 "more than --max-memory 1.0 MiB" -- "$tpsim" run --layer mlp --max-memory 1M
+check max-memory-bad 2 "--max-memory: expected a size like 128, 64K, 16M or 1G" -- \
+  "$tpsim" run --layer mlp --max-memory 12Q
+check max-memory-zero 2 "--max-memory: expected a positive size" -- "$tpsim" run --layer mlp --max-memory 0
+check max-memory-fits 0 "sharded results agree" -- "$tpsim" run --layer mlp --max-memory 512M
+# ASan reserves terabytes of address space, which a limit on it would refuse.
+if ! grep -qa __asan_init "$tpsim"; then
+  check out-of-memory 2 "out of memory: the run needs more than this machine has; its size comes from --seq" -- \
+    bash -c 'ulimit -v 200000 && exec "$1" run --layer column --seq 1000000 --batch 1' _ "$tpsim"
+fi
 check gtp-split 2 "the TP-local rows N / --tp = 2 must be divisible by --gtp-remat (with --pad-for-alignment 0) = 4" \
   -- "$tpsim" run --layer column --tp 1 --gtp-remat 4 --batch 4 --out-features 2 --pad-for-alignment 0
 # The tools' own messages start with "tpsim run: "; main does not repeat it.

@@ -19,6 +19,7 @@
 #include <fstream>
 #include <iostream>
 #include <mutex>
+#include <sstream>
 #include <thread>
 #include <unistd.h>
 #include <vector>
@@ -46,20 +47,6 @@ using Clock = std::chrono::steady_clock;
 double secondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
-
-struct BenchConfig {
-  std::string what = "all";
-  std::vector<int> ranks;
-  int threads = 0;
-  int iters = 5000;
-  int bwRanks = 8;
-  long long minBytes = 0, maxBytes = 0;
-  int bwIters = 5;
-  int gemmReps = 3;
-  std::int64_t tokens = 2048, hidden = 1024, ffn = 4096;
-  std::vector<int> mlpTp;
-  int mlpReps = 2;
-};
 
 // --- latency ----------------------------------------------------------------------------------
 
@@ -457,9 +444,10 @@ void benchMlp(const BenchConfig& c) {
 }
 }  // namespace
 
-int benchMain(const std::vector<std::string>& args) {
-  BenchConfig c;
-  GpuBenchConfig g;  // its defaults, where --backend gpu differs from the simulator's
+BenchArgs parseBenchArgs(const std::vector<std::string>& args) {
+  BenchArgs out;
+  BenchConfig& c = out.sim;
+  GpuBenchConfig& g = out.gpu;  // its defaults, where --backend gpu differs from the simulator's
   std::string backend = "sim", ranks = "2..1024", minBytes = "1M", maxBytes = "64M", mlpTp = "1,2,4,8",
               fabricRanks = "2,4,8";
   auto gpuDefault = [](const std::string& help, const std::string& value) { return help + "; gpu: " + value; };
@@ -499,11 +487,14 @@ int benchMain(const std::vector<std::string>& args) {
   all.add(run).add(size);
   const po::variables_map vm = parseOptions(args, all);
   if (vm.count("help")) {
-    std::cout << all << "\n";
-    return 0;
+    std::ostringstream help;
+    help << all << "\n";
+    out.help = help.str();
+    return out;
   }
   if (!isBackendName(backend)) throw UsageError{"--backend: expected sim or gpu, got '" + backend + "'"};
-  if (backend == "gpu") {
+  out.gpuBackend = backend == "gpu";
+  if (out.gpuBackend) {
     auto given = [&](const char* name) { return !vm[name].defaulted(); };
     g.what = c.what;
     g.threads = c.threads;
@@ -531,16 +522,15 @@ int benchMain(const std::vector<std::string>& args) {
     if (g.minBytes < 4 * maxRanks || g.maxBytes < g.minBytes)
       throw UsageError{"--min-bytes/--max-bytes: expected 4·fabric-ranks <= min <= max, got " + minBytes + " and " +
                        sizeText(g.maxBytes)};
-    const std::string whyNot = backendUnusableReason("gpu");
-#if TPSIM_HAVE_GPU
-    if (whyNot.empty()) return benchGpu(g);
-#endif
-    throw UsageError{"--backend gpu: cannot run here: " + whyNot};
+    if (const std::string whyNot = backendUnusableReason("gpu"); !whyNot.empty())
+      throw UsageError{"--backend gpu: cannot run here: " + whyNot};
+    return out;
   }
   c.ranks = parseIntList("ranks", ranks);
   // The baseline starts one OS thread per rank.
   if (const int most = *std::max_element(c.ranks.begin(), c.ranks.end()); most > 1024)
     throw UsageError{"--ranks: expected rank counts <= 1024, got " + std::to_string(most)};
+  c.ranksText = ranks;
   c.mlpTp = parseIntList("mlp-tp", mlpTp);
   c.minBytes = parseSize("min-bytes", minBytes);
   c.maxBytes = parseSize("max-bytes", maxBytes);
@@ -554,10 +544,22 @@ int benchMain(const std::vector<std::string>& args) {
     throw UsageError{"--min-bytes/--max-bytes: expected 4·bw-ranks <= min <= max, got " + minBytes + " and " +
                      maxBytes};
   if (c.bwIters < 1 || c.gemmReps < 1) throw UsageError{"--bw-iters and --gemm-reps must be >= 1"};
+  return out;
+}
 
+int benchMain(const std::vector<std::string>& args) {
+  const BenchArgs parsed = parseBenchArgs(args);
+  if (!parsed.help.empty()) {
+    std::cout << parsed.help;
+    return 0;
+  }
+#if TPSIM_HAVE_GPU
+  if (parsed.gpuBackend) return benchGpu(parsed.gpu);  // parseBenchArgs refused it where it cannot run
+#endif
+  const BenchConfig& c = parsed.sim;
   std::printf("# tpsim bench: what=%s threads=%d (hardware %u) ranks=%s iters=%d bw-ranks=%d bytes=%s..%s isa=%s\n",
-              c.what.c_str(), c.threads, std::thread::hardware_concurrency(), ranks.c_str(), c.iters, c.bwRanks,
-              minBytes.c_str(), maxBytes.c_str(), TPSIM_ISA);
+              c.what.c_str(), c.threads, std::thread::hardware_concurrency(), c.ranksText.c_str(), c.iters, c.bwRanks,
+              sizeText(c.minBytes).c_str(), sizeText(c.maxBytes).c_str(), TPSIM_ISA);
   if (c.what == "all" || c.what == "latency") benchLatency(c);
   long wrong = 0;
   if (c.what == "all" || c.what == "bandwidth") wrong = benchBandwidth(c);

@@ -2,7 +2,9 @@
 
 #include <boost/program_options/parsers.hpp>
 #include <cctype>
+#include <charconv>
 #include <cmath>
+#include <limits>
 
 #include "backends/errors.h"
 
@@ -84,21 +86,19 @@ std::chrono::milliseconds parseTimeout(const std::string& text) {
 }
 
 std::vector<int> parseIntList(const std::string& option, const std::string& text) {
+  auto fail = [&](const std::string& why) {
+    return UsageError{"--" + option + ": expected positive integers like 1,2,4 or 2..64" + why + ", got '" + text + "'"};
+  };
   auto toInt = [&](const std::string& s) {
-    std::size_t used = 0;
     int v = 0;
-    try {
-      v = std::stoi(s, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != s.size() || v < 1)
-      throw UsageError{"--" + option + ": expected positive integers like 1,2,4 or 2..64, got '" + text + "'"};
+    const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+    if (s.empty() || ec != std::errc() || end != s.data() + s.size() || v < 1) throw fail("");
     return v;
   };
   std::vector<int> out;
   if (auto dots = text.find(".."); dots != std::string::npos) {
     const int lo = toInt(text.substr(0, dots)), hi = toInt(text.substr(dots + 2));
+    if (lo > hi) throw fail(" (a range from low to high)");
     for (long long v = lo; v <= hi; v *= 2) out.push_back(int(v));
     return out;
   }
@@ -113,22 +113,20 @@ std::vector<int> parseIntList(const std::string& option, const std::string& text
 }
 
 long long parseSize(const std::string& option, const std::string& text) {
-  std::size_t used = 0;
   long long v = -1;
-  try {
-    v = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  const std::string suffix = text.substr(used);
-  long long scale = 1;
-  if (suffix == "K" || suffix == "k") scale = 1LL << 10;
-  else if (suffix == "M" || suffix == "m") scale = 1LL << 20;
-  else if (suffix == "G" || suffix == "g") scale = 1LL << 30;
-  else if (!suffix.empty()) used = 0;
-  if (used == 0 || v < 0)
-    throw UsageError{"--" + option + ": expected a size like 128, 64K, 16M or 1G, got '" + text + "'"};
-  return v * scale;
+  const char* const end = text.data() + text.size();
+  // from_chars takes no '+', space or base prefix; a '-' is refused below.
+  const auto [used, ec] = std::from_chars(text.data(), end, v);
+  const std::string suffix(used, end);
+  int shift = -1;
+  if (suffix.empty()) shift = 0;
+  else if (suffix == "K" || suffix == "k") shift = 10;
+  else if (suffix == "M" || suffix == "m") shift = 20;
+  else if (suffix == "G" || suffix == "g") shift = 30;
+  if (ec != std::errc() || v < 0 || shift < 0 || v > (std::numeric_limits<long long>::max() >> shift))
+    throw UsageError{"--" + option + ": expected a size like 128, 64K, 16M or 1G (at most 2^63 - 1 bytes), got '" +
+                     text + "'"};
+  return v << shift;
 }
 
 std::string sizeText(long long bytes) {

@@ -9,10 +9,14 @@
 #include <boost/program_options/variables_map.hpp>
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "backends/fault.h"
+#include "tools/bench_gpu.h"
+#include "tools/runner.h"
+#include "tools/trace.h"
 
 namespace tpsim::tools {
 
@@ -28,6 +32,48 @@ int demoMain(const std::vector<std::string>& args);
 int benchMain(const std::vector<std::string>& args);
 int runMain(const std::vector<std::string>& args);
 
+// A `tpsim run` command line, parsed and checked: all runMain decides before it touches a file or
+// allocates a tensor. parseRunArgs throws UsageError or InvalidArgument naming the flag.
+struct RunArgs {
+  RunConfig config;
+  VerifyMode verify = VerifyMode::kBound;
+  std::string loadDir, saveDir;            // "" when not given
+  std::optional<std::int64_t> maxMemory;   // --max-memory, bytes
+  TraceOptions trace;                      // --trace, --clock, --device-model
+  std::string help;                        // --help: the text to print (and nothing to run)
+};
+RunArgs parseRunArgs(const std::vector<std::string>& args);
+// `tpsim demo`'s command line: its MLP configuration, or the --help text.
+struct DemoArgs {
+  RunConfig config;
+  std::string help;
+};
+DemoArgs parseDemoArgs(const std::vector<std::string>& args);
+
+// `tpsim bench`'s simulator sections (tools/bench.cc).
+struct BenchConfig {
+  std::string what = "all";
+  std::vector<int> ranks;
+  std::string ranksText;  // --ranks as given, for the header
+  int threads = 0;
+  int iters = 5000;
+  int bwRanks = 8;
+  long long minBytes = 0, maxBytes = 0;
+  int bwIters = 5;
+  int gemmReps = 3;
+  std::int64_t tokens = 2048, hidden = 1024, ffn = 4096;
+  std::vector<int> mlpTp;
+  int mlpReps = 2;
+};
+// `tpsim bench`'s command line: the simulator's configuration, or with --backend gpu the GPU's.
+struct BenchArgs {
+  bool gpuBackend = false;
+  BenchConfig sim;
+  GpuBenchConfig gpu;
+  std::string help;
+};
+BenchArgs parseBenchArgs(const std::vector<std::string>& args);
+
 // Parses `args` against `options` into a notified variables_map. Throws UsageError for a stray
 // word: Boost would drop it silently, so `--bias false` would run with the bias on.
 boost::program_options::variables_map parseOptions(const std::vector<std::string>& args,
@@ -35,21 +81,13 @@ boost::program_options::variables_map parseOptions(const std::vector<std::string
 // "1234" -> 1234 for --seed: digits only, so "-1" is refused instead of wrapping to 2^64 - 1.
 std::uint64_t parseSeed(const std::string& text);
 
-// The help of --inject and --timeout, which run and demo share.
-extern const char kInjectHelp[];
-extern const char kTimeoutHelp[];
-// The help of --trace, --clock and --device-model, which run and demo share.
-extern const char kTraceHelp[];
-extern const char kClockHelp[];
-extern const char kDeviceModelHelp[];
-// --inject RANK:K:FAULT, each one (backends/fault.h). Throws UsageError naming --inject.
-std::vector<Fault> parseInjections(const std::vector<std::string>& specs);
-// --timeout SECONDS: a positive number ("1", "0.5"), in milliseconds. Throws UsageError.
-std::chrono::milliseconds parseTimeout(const std::string& text);
-
-// "1,2,4" -> {1, 2, 4}; "2..64" -> powers of two from 2 to 64. Throws UsageError naming `option`.
+#include "backends/fault.h"
+#include "tools/bench_gpu.h"
+#include "tools/runner.h"
+#include "tools/trace.h"
 std::vector<int> parseIntList(const std::string& option, const std::string& text);
-// "128", "64K", "16M", "1G" -> bytes. Throws UsageError naming `option`.
+// "128", "64K", "16M", "1G" (or k, m, g) -> bytes, at most 2^63 - 1. Throws UsageError naming
+// `option`.
 long long parseSize(const std::string& option, const std::string& text);
 // parseSize's inverse: 268435456 -> "256M", 1536 -> "1536".
 std::string sizeText(long long bytes);

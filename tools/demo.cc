@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <iostream>
 #include <map>
+#include <sstream>
 
 #include "tools/backend.h"
 #include "tools/cli.h"
@@ -16,8 +17,9 @@ namespace po = boost::program_options;
 
 namespace tpsim::tools {
 
-int demoMain(const std::vector<std::string>& args) {
-  RunConfig c;
+DemoArgs parseDemoArgs(const std::vector<std::string>& args) {
+  DemoArgs out;
+  RunConfig& c = out.config;
   c.layer = LayerKind::kMlp;
   c.tp = 4;
   c.sequenceParallel = true;
@@ -52,8 +54,10 @@ int demoMain(const std::vector<std::string>& args) {
       ("device-model", po::value(&trace.device)->default_value(trace.device), kDeviceModelHelp);
   const po::variables_map vm = parseOptions(args, opts);
   if (vm.count("help")) {
-    std::cout << opts << "\n" << kExitCodes;
-    return 0;
+    std::ostringstream help;
+    help << opts << "\n" << kExitCodes;
+    out.help = help.str();
+    return out;
   }
   if (dtype != "fp32" && dtype != "bf16" && dtype != "fp16")
     throw UsageError{"--dtype: expected fp32, bf16 or fp16, got '" + dtype + "'"};
@@ -69,7 +73,16 @@ int demoMain(const std::vector<std::string>& args) {
   if (!isBackendName(c.backend)) throw UsageError{"--backend: expected sim or gpu, got '" + c.backend + "'"};
   if (const std::string whyNot = backendUnusableReason(c.backend); !whyNot.empty())
     throw UsageError{"--backend " + c.backend + ": cannot run here: " + whyNot};
+  return out;
+}
 
+int demoMain(const std::vector<std::string>& args) {
+  const DemoArgs parsed = parseDemoArgs(args);
+  if (!parsed.help.empty()) {
+    std::cout << parsed.help;
+    return 0;
+  }
+  const RunConfig& c = parsed.config;
   std::printf("# tpsim demo: MLP block y = GeLU(x·W1ᵀ + b1)·W2ᵀ + b2 on %d %s ranks\n", c.tp * c.gtpRemat,
               c.backend == "sim" ? "simulated" : "GPU");
   std::printf("# fc1 = ColumnParallelLinear(h=%lld -> F=%lld), fc2 = RowParallelLinear(F -> h, input_is_parallel)\n",

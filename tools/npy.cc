@@ -273,8 +273,16 @@ std::string shapeString(const std::vector<std::int64_t>& shape) {
   return s + (shape.size() == 1 ? ",)" : ")");
 }
 
-NpyArray readNpy(const std::string& path) {
-  const std::string where = "readNpy '" + path + "'";
+namespace {
+
+// An open .npy file positioned at its data, whose header and size have been checked.
+struct OpenNpy {
+  File file;
+  Header header;
+  std::uint64_t dataBytes = 0;
+};
+
+OpenNpy openNpy(const std::string& path, const std::string& where) {
   std::error_code ec;
   // Before opening: opening a FIFO blocks until a writer comes, possibly forever. status()
   // follows symlinks, so a link to a FIFO or a device is refused too.
@@ -332,11 +340,22 @@ NpyArray readNpy(const std::string& path) {
                                    " trailing bytes after the array; write one array per file "
                                    "with np.save");
 
-  NpyArray array;
-  array.dtype = header.dtype;
-  array.shape = std::move(header.shape);
-  array.data.resize(*bytes);
-  readExactly(file.get(), array.data.data(), array.data.size(), where, "data");
+  return {std::move(file), std::move(header), *bytes};
+}
+
+}  // namespace
+
+NpyArray readNpyHeader(const std::string& path) {
+  OpenNpy npy = openNpy(path, "readNpy '" + path + "'");
+  return {npy.header.dtype, std::move(npy.header.shape), {}};
+}
+
+NpyArray readNpy(const std::string& path) {
+  const std::string where = "readNpy '" + path + "'";
+  OpenNpy npy = openNpy(path, where);
+  NpyArray array{npy.header.dtype, std::move(npy.header.shape), {}};
+  array.data.resize(npy.dataBytes);
+  readExactly(npy.file.get(), array.data.data(), array.data.size(), where, "data");
   return array;
 }
 

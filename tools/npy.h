@@ -25,6 +25,9 @@ struct NpyArray {
 // '<f8' (kFloat64) and '<i8' (kInt64); '|' or '=' in place of '<' where they mean little-endian
 // on this machine. Throws InvalidArgument naming the file for anything else.
 NpyArray readNpy(const std::string& path);
+// readNpy's dtype and shape, with the same checks of the header and the file size, but no data
+// read (`data` stays empty): what a caller needs to size the work before reading it.
+NpyArray readNpyHeader(const std::string& path);
 
 // Writes `data` (row-major, little-endian, one element per index of `shape`) to `path` byte for
 // byte as numpy.save does: version 1.0, or 2.0 if the header would exceed 65535 bytes. bf16 has

@@ -5,10 +5,12 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <sstream>
 
 #include "backends/errors.h"
 #include "tools/backend.h"
 #include "tools/cli.h"
+#include "tools/memory.h"
 #include "tools/npy.h"
 #include "tools/runner.h"
 
@@ -37,9 +39,10 @@ HostTensor fromNpy(const NpyArray& a, DType want, const std::string& file) {
   return makeHost(a.shape, want, std::move(values));  // 16-bit --dtype: rounded once, here
 }
 
-TensorMap load(const RunConfig& c, const std::string& dir) {
+// DIR/NAME.npy for each input of c's layer, checked to exist.
+std::vector<std::pair<std::string, std::string>> inputFiles(const RunConfig& c, const std::string& dir) {
   TPSIM_CHECK(std::filesystem::is_directory(dir), "--load: ", dir, " is not a directory");
-  TensorMap m;
+  std::vector<std::pair<std::string, std::string>> files;  // (name, path)
   for (const std::string& name : inputNames(c)) {
     const std::string file = (std::filesystem::path(dir) / (name + ".npy")).string();
     TPSIM_CHECK(std::filesystem::exists(file), "--load: ", file, " is missing; --layer ", layerName(c.layer),
@@ -48,6 +51,21 @@ TensorMap load(const RunConfig& c, const std::string& dir) {
                   for (const auto& n : inputNames(c)) all += (all.empty() ? "" : ", ") + n + ".npy";
                   return all;
                 }());
+    files.push_back({name, file});
+  }
+  return files;
+}
+
+// The inputs' shapes from the headers alone, to size the run before reading the data.
+ShapeMap loadShapes(const RunConfig& c, const std::string& dir) {
+  ShapeMap m;
+  for (const auto& [name, file] : inputFiles(c, dir)) m[name] = readNpyHeader(file).shape;
+  return m;
+}
+
+TensorMap load(const RunConfig& c, const std::string& dir) {
+  TensorMap m;
+  for (const auto& [name, file] : inputFiles(c, dir)) {
     const bool ids = c.layer == LayerKind::kEmbedding && name == "input";
     m[name] = fromNpy(readNpy(file), ids ? DType::kInt64 : c.dtype, file);
   }
@@ -115,12 +133,15 @@ DType parseFloatDtype(const std::string& flag, const std::string& s) {
 
 }  // namespace
 
-int runMain(const std::vector<std::string>& args) {
-  RunConfig c;
-  std::string layer, dtype = "fp32", outputDtype, mainGradDtype = "fp32", loadDir, saveDir,
+RunArgs parseRunArgs(const std::vector<std::string>& args) {
+  RunArgs out;
+  RunConfig& c = out.config;
+  std::string& loadDir = out.loadDir;
+  std::string& saveDir = out.saveDir;
+  std::string layer, dtype = "fp32", outputDtype, mainGradDtype = "fp32", maxMemory,
       gtpReduce = "mean", weightFormat = "native", verification = "bound", seed, timeout = "60";
   std::vector<std::string> injects;
-  TraceOptions trace;
+  TraceOptions& trace = out.trace;
   po::options_description par("Parallelism");
   par.add_options()
       ("help,h", "show this help")
@@ -172,6 +193,9 @@ int runMain(const std::vector<std::string>& args) {
        "bound: each result within its data-derived bound of the unsharded computation in fp64 | exact: "
        "each element equal to that result rounded to the result's dtype (max|err| = 0; holds where every "
        "step is exact, e.g. small-integer data without GeLU) | none: skip the reference (exit 0)")
+      ("max-memory", po::value(&maxMemory),
+       "refuse (exit 2) a run whose estimated peak memory exceeds SIZE (bytes, or 512M, 8G); without it, "
+       "or with more, the limit is the memory available")
       ("timeout", po::value(&timeout)->default_value(timeout)->value_name("SECONDS"), kTimeoutHelp);
   po::options_description faults("Faults (what a broken rank looks like to its peers)");
   faults.add_options()("inject", po::value(&injects)->composing()->value_name("RANK:K:FAULT"), kInjectHelp);
@@ -184,8 +208,10 @@ int runMain(const std::vector<std::string>& args) {
   all.add(par).add(lay).add(size).add(run).add(faults).add(timeline);
   const po::variables_map vm = parseOptions(args, all);
   if (vm.count("help")) {
-    std::cout << all << "\n" << kExitCodes;
-    return 0;
+    std::ostringstream help;
+    help << all << "\n" << kExitCodes;
+    out.help = help.str();
+    return out;
   }
   if (layer.empty()) throw UsageError{"--layer is required: column, row, embedding or mlp"};
   c.seed = parseSeed(seed);
@@ -207,7 +233,12 @@ int runMain(const std::vector<std::string>& args) {
   if (weightFormat != "native" && weightFormat != "mxfp8")
     throw UsageError{"--weight-format: expected native or mxfp8, got '" + weightFormat + "'"};
   c.weightFormat = parseWeightFormat(weightFormat);
-  const VerifyMode verifyMode = parseVerify(verification);
+  out.verify = parseVerify(verification);
+  if (vm.count("max-memory")) {
+    out.maxMemory = parseSize("max-memory", maxMemory);
+    if (*out.maxMemory < 1)
+      throw UsageError{"--max-memory: expected a positive size like 512M or 8G, got '" + maxMemory + "'"};
+  }
   if (!isBackendName(c.backend)) throw UsageError{"--backend: expected sim or gpu, got '" + c.backend + "'"};
   if (const std::string whyNot = backendUnusableReason(c.backend); !whyNot.empty())
     throw UsageError{"--backend " + c.backend + ": cannot run here: " + whyNot};
@@ -215,6 +246,22 @@ int runMain(const std::vector<std::string>& args) {
   if (vm.count("trace") && trace.file.empty()) throw UsageError{"--trace: expected a file path, got an empty path"};
   checkTraceOptions(trace, !vm["clock"].defaulted(), !vm["device-model"].defaulted());
   c.record = !trace.file.empty();
+  return out;
+}
+
+int runMain(const std::vector<std::string>& args) {
+  const RunArgs parsed = parseRunArgs(args);
+  if (!parsed.help.empty()) {
+    std::cout << parsed.help;
+    return 0;
+  }
+  const RunConfig& c = parsed.config;
+  const std::string &loadDir = parsed.loadDir, &saveDir = parsed.saveDir;
+  const VerifyMode verifyMode = parsed.verify;
+  const TraceOptions& trace = parsed.trace;
+  // Before anything is allocated: a run that cannot fit is refused, not killed by the kernel.
+  checkMemory(c, loadDir.empty() ? generatedShapes(c) : loadShapes(c, loadDir), verifyMode, parsed.maxMemory,
+              loadDir);
 
   if (!saveDir.empty()) prepareSaveDir(saveDir);
   std::printf("# tpsim run: %s\n", c.str().c_str());

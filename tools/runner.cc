@@ -1,6 +1,7 @@
 #include "tools/runner.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <mutex>
 #include <random>
@@ -188,6 +189,7 @@ void RunConfig::validate() const {
                   "rank and collective, got '", f.str(), "' and '", g.str(), "'");
   }
   TPSIM_CHECK(timeout.count() > 0, "--timeout: expected a positive number of seconds, got ", timeout.count(), " ms");
+  TPSIM_CHECK(threads >= 0, "--threads: expected >= 0 (0 = every core), got ", threads);
   for (auto [flag, v] : {std::pair{"seq", seq}, {"batch", batch}, {"in-features", inFeatures},
                          {"out-features", outFeatures}, {"ffn-hidden", ffnHidden}, {"vocab", vocab}})
     TPSIM_CHECK(v >= 1, "--", flag, ": expected >= 1, got ", v);
@@ -215,63 +217,80 @@ std::string RunConfig::str() const {
   return s + detail::concat(" seed=", seed);
 }
 
+ShapeMap generatedShapes(const RunConfig& c) {
+  const std::int64_t s = c.seq, b = c.batch, k = c.inFeatures, n = c.outFeatures, v = c.vocab, f = c.ffnHidden;
+  ShapeMap m;
+  // Every tensor's bytes as doubles checked once, so no product of these sizes can wrap later.
+  auto add = [&](const std::string& name, std::vector<std::int64_t> dims, const std::string& flags) {
+    std::int64_t bytes = sizeof(double);
+    for (std::int64_t d : dims) bytes = checkedMul(bytes, d, flags);
+    m[name] = std::move(dims);
+  };
+  switch (c.layer) {
+    case LayerKind::kColumn:
+    case LayerKind::kRow:
+      add("input", {s, b, k}, "--seq x --batch x --in-features");
+      add("weight", {n, k}, "--out-features x --in-features");
+      if (c.bias) add("bias", {n}, "--out-features");
+      add("grad_output", {s, b, n}, "--seq x --batch x --out-features");
+      break;
+    case LayerKind::kEmbedding:
+      add("input", {b, s}, "--batch x --seq");
+      add("weight", {v, n}, "--vocab x --out-features");
+      add("grad_output", c.reduceScatterEmbeddings ? std::vector{s, b, n} : std::vector{b, s, n},
+          "--seq x --batch x --out-features");
+      break;
+    case LayerKind::kMlp:
+      add("input", {s, b, k}, "--seq x --batch x --in-features");
+      add("fc1.weight", {f, k}, "--ffn-hidden x --in-features");
+      add("fc1.bias", {f}, "--ffn-hidden");
+      add("fc2.weight", {k, f}, "--in-features x --ffn-hidden");
+      add("fc2.bias", {k}, "--in-features");
+      add("grad_output", {s, b, k}, "--seq x --batch x --in-features");
+      break;
+  }
+  return m;
+}
+
 TensorMap generateInputs(const RunConfig& c) {
+  const ShapeMap shapes = generatedShapes(c);
   std::mt19937_64 rng(c.seed);
-  auto normal = [&](std::vector<std::int64_t> shape, double sigma) {
+  auto normal = [&](const std::string& name, double sigma) {
+    const std::vector<std::int64_t>& shape = shapes.at(name);
     std::normal_distribution<double> dist(0.0, sigma);
     std::int64_t n = 1;
     for (auto d : shape) n *= d;
     std::vector<double> v(static_cast<std::size_t>(n));
     for (double& x : v) x = dist(rng);
-    return makeHost(std::move(shape), c.dtype, std::move(v));
+    return makeHost(shape, c.dtype, std::move(v));
   };
-  const std::int64_t s = c.seq, b = c.batch, k = c.inFeatures, n = c.outFeatures;
-  // Every generated tensor's bytes as doubles, checked once, so the products below cannot wrap.
-  auto fits = [](std::vector<std::int64_t> dims, const std::string& flags) {
-    std::int64_t n = sizeof(double);
-    for (std::int64_t d : dims) n = checkedMul(n, d, flags);
-  };
-  switch (c.layer) {
-    case LayerKind::kColumn:
-    case LayerKind::kRow:
-      fits({s, b, k}, "--seq x --batch x --in-features");
-      fits({s, b, n}, "--seq x --batch x --out-features");
-      fits({n, k}, "--out-features x --in-features");
-      break;
-    case LayerKind::kEmbedding:
-      fits({s, b, n}, "--seq x --batch x --out-features");
-      fits({c.vocab, n}, "--vocab x --out-features");
-      break;
-    case LayerKind::kMlp:
-      fits({s, b, k}, "--seq x --batch x --in-features");
-      fits({c.ffnHidden, k}, "--ffn-hidden x --in-features");
-      break;
-  }
+  const std::int64_t k = c.inFeatures;
+  // The draws keep their order (input, weight, bias, grad_output), so a seed makes the same data.
   TensorMap m;
   switch (c.layer) {
     case LayerKind::kColumn:
     case LayerKind::kRow:
-      m["input"] = normal({s, b, k}, 1.0);
-      m["weight"] = normal({n, k}, 1.0 / std::sqrt(double(k)));
-      if (c.bias) m["bias"] = normal({n}, 0.1);
-      m["grad_output"] = normal({s, b, n}, 1.0);
+      m["input"] = normal("input", 1.0);
+      m["weight"] = normal("weight", 1.0 / std::sqrt(double(k)));
+      if (c.bias) m["bias"] = normal("bias", 0.1);
+      m["grad_output"] = normal("grad_output", 1.0);
       break;
     case LayerKind::kEmbedding: {
       std::uniform_int_distribution<std::int64_t> id(0, c.vocab - 1);
-      std::vector<double> ids(static_cast<std::size_t>(b * s));
+      std::vector<double> ids(static_cast<std::size_t>(c.batch * c.seq));
       for (double& x : ids) x = double(id(rng));
-      m["input"] = makeHost({b, s}, DType::kInt64, std::move(ids));
-      m["weight"] = normal({c.vocab, n}, 1.0);
-      m["grad_output"] = c.reduceScatterEmbeddings ? normal({s, b, n}, 1.0) : normal({b, s, n}, 1.0);
+      m["input"] = makeHost(shapes.at("input"), DType::kInt64, std::move(ids));
+      m["weight"] = normal("weight", 1.0);
+      m["grad_output"] = normal("grad_output", 1.0);
       break;
     }
     case LayerKind::kMlp:
-      m["input"] = normal({s, b, k}, 1.0);
-      m["fc1.weight"] = normal({c.ffnHidden, k}, 1.0 / std::sqrt(double(k)));
-      m["fc1.bias"] = normal({c.ffnHidden}, 0.1);
-      m["fc2.weight"] = normal({k, c.ffnHidden}, 1.0 / std::sqrt(double(c.ffnHidden)));
-      m["fc2.bias"] = normal({k}, 0.1);
-      m["grad_output"] = normal({s, b, k}, 1.0);
+      m["input"] = normal("input", 1.0);
+      m["fc1.weight"] = normal("fc1.weight", 1.0 / std::sqrt(double(k)));
+      m["fc1.bias"] = normal("fc1.bias", 0.1);
+      m["fc2.weight"] = normal("fc2.weight", 1.0 / std::sqrt(double(c.ffnHidden)));
+      m["fc2.bias"] = normal("fc2.bias", 0.1);
+      m["grad_output"] = normal("grad_output", 1.0);
       break;
   }
   return m;
@@ -378,7 +397,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
   const bool embeddingBatchFirst = c.layer == LayerKind::kEmbedding && !c.reduceScatterEmbeddings;
   std::vector<RankRecord> records(c.record ? sizes.world : 0);
   const TraceClock::time_point t0 = TraceClock::now();
-  world->run([&](RankContext& base) {
+  auto rankMain = [&](RankContext& base) {
     // Under --trace every op goes through a logging decorator; the layers see no difference.
     std::unique_ptr<Compute> loggedCompute;
     std::unique_ptr<Collectives> loggedComm;
@@ -556,7 +575,23 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         break;
       }
     }
-  });
+  };
+  // A rank out of memory fails the world like any rank error; it is reported as what it is, an
+  // allocation failure (exit 2 in the CLI), not as a failure of the simulated world.
+  std::atomic<bool> outOfMemory{false};
+  try {
+    world->run([&](RankContext& ctx) {
+      try {
+        rankMain(ctx);
+      } catch (const std::bad_alloc&) {
+        outOfMemory = true;
+        throw;
+      }
+    });
+  } catch (const WorldError&) {
+    if (outOfMemory) throw std::bad_alloc();
+    throw;
+  }
 
   // Back to the unsharded layout: first across the GTP_remat peers of each TP rank t (global
   // rank t + T·g), then across TP as without GTP_remat.

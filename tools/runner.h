@@ -57,11 +57,17 @@ struct RunConfig {
   // Shapes of generated data (ignored for tensors loaded from files).
   std::int64_t seq = 8, batch = 2, inFeatures = 16, outFeatures = 16, ffnHidden = 64, vocab = 32;
 
-  // Throws InvalidArgument naming the flag for combinations Megatron rejects or cannot express.
+  // Throws InvalidArgument naming the flag for combinations Megatron rejects or cannot express,
+  // and for values out of range.
   void validate() const;
   std::string str() const;  // the effective configuration, one line
 };
 
+// name -> shape of the unsharded inputs, as TensorMap names them.
+using ShapeMap = std::map<std::string, std::vector<std::int64_t>>;
+// The shapes of generateInputs' tensors. Throws InvalidArgument naming the flags when a tensor's
+// size in bytes (as doubles) does not fit in int64.
+ShapeMap generatedShapes(const RunConfig& config);
 // Seeded data with the configured shapes, rounded to the configured dtype.
 TensorMap generateInputs(const RunConfig& config);
 // Checks that loaded tensors have consistent shapes and dtypes; messages name the file.

@@ -1,0 +1,37 @@
+// How much memory a `tpsim run` will take at its peak, estimated from its configuration and input
+// shapes before any tensor is allocated, and how much this machine has to give it.
+//
+// The estimate is a model of the run's largest buffers (the global tensors as doubles, every
+// rank's copies and shards, the verifier's double-precision working set) with coefficients fitted
+// to measured peaks so that it errs high, not an accounting of every allocation.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "tools/runner.h"
+
+namespace tpsim::tools {
+
+// The peak resident memory, in bytes, of runSharded plus verify(`verify`) on inputs of `shapes`.
+double estimateRunBytes(const RunConfig& config, const ShapeMap& shapes, VerifyMode verify);
+
+// What the kernel can give this process: MemAvailable from /proc/meminfo, or what is left under
+// the cgroup's memory limit when that is lower. nullopt where neither can be read.
+struct AvailableMemory {
+  std::int64_t bytes = 0;
+  std::string source;  // "MemAvailable in /proc/meminfo", ...
+};
+std::optional<AvailableMemory> availableMemory();
+
+// Throws InvalidArgument, naming the flags, the estimate and the limit, when the estimate exceeds
+// the memory available or `maxMemory` (--max-memory). `inputs` says where the shapes come from:
+// "" for generated data (the size flags), or the --load directory.
+void checkMemory(const RunConfig& config, const ShapeMap& shapes, VerifyMode verify,
+                 std::optional<std::int64_t> maxMemory, const std::string& loadDir);
+
+// 1536 -> "1.5 KiB", 3221225472 -> "3.0 GiB": a size for a message.
+std::string bytesText(double bytes);
+
+}  // namespace tpsim::tools
