@@ -100,7 +100,9 @@ std::vector<Block> blocksOf(const TensorPlacement& p, int t, int g) {
       const std::int64_t b = std::max(lo, q.local), e = std::min(hi, q.local + q.size);
       if (b < e) mine.push_back({q.global + (b - q.local), e - b, b - lo});
     }
-    if (std::max(lo, extent) < hi) mine.push_back({std::max(lo, extent) - extent, hi - std::max(lo, extent), std::max(lo, extent) - lo, true});
+    // Pad rows: `global` counts from the slice's first pad row.
+    if (const std::int64_t padFrom = std::max(lo, extent); padFrom < hi)
+      mine.push_back({padFrom - extent, hi - padFrom, padFrom - lo, true});
     pieces[d] = mine;
   }
   // Runs adjacent both globally and locally are one block (stride chunks at T = 1).
@@ -138,6 +140,23 @@ std::vector<Block> blocksOf(const TensorPlacement& p, int t, int g) {
     while (d >= 0 && ++at[d] == pieces[d].size()) at[d--] = 0;
     if (d < 0) break;
   }
+  return out;
+}
+
+std::vector<Holder> holdersOf(const TensorPlacement& p, const std::vector<std::int64_t>& at) {
+  TPSIM_CHECK(at.size() == p.shape.size(), "holdersOf ", p.name, ": expected an index of rank ", p.shape.size(),
+              ", got rank ", at.size());
+  std::vector<Holder> out;
+  for (int g = 0; g < p.gtp.size; ++g)
+    for (int t = 0; t < p.tp.size; ++t)
+      for (const Block& b : blocksOf(p, t, g)) {
+        bool inside = true;
+        for (std::size_t d = 0; d < at.size(); ++d) inside = inside && b.layout[d].begin <= at[d] && at[d] < b.layout[d].end;
+        if (!inside) continue;
+        Holder h{t, g, b.local, b.pad};
+        for (std::size_t d = 0; d < at.size(); ++d) h.local[d] += at[d] - b.layout[d].begin;
+        out.push_back(std::move(h));
+      }
   return out;
 }
 

@@ -77,6 +77,16 @@ struct Block {
 // once over that axis; a kReplicate or kPartial axis gives each of its ranks the same blocks.
 std::vector<Block> blocksOf(const TensorPlacement& placement, int t, int g);
 
+// blocksOf's inverse: every rank holding the element at `layoutIndex` (coordinates of
+// layoutShape()), with where it sits in that rank's tensor. One holder per copy: a kShard axis
+// contributes one rank, a kReplicate or kPartial axis all of its ranks.
+struct Holder {
+  int t = 0, g = 0;
+  std::vector<std::int64_t> local;  // index in the rank's tensor
+  bool pad = false;
+};
+std::vector<Holder> holdersOf(const TensorPlacement& placement, const std::vector<std::int64_t>& layoutIndex);
+
 // The rank's tensor shape: the extents of its blocks.
 std::vector<std::int64_t> localShape(const TensorPlacement& placement, int t, int g);
 

@@ -63,6 +63,15 @@ void expectTiles(const TensorPlacement& p, const std::string& where) {
       }
   const int copies = (p.tp.kind == AxisKind::kShard ? 1 : p.tp.size) * (p.gtp.kind == AxisKind::kShard ? 1 : p.gtp.size);
   for (std::int64_t k = 0; k < n; ++k) ASSERT_EQ(cover[k], copies) << where << " " << p.name << " at layout flat " << k;
+  // holdersOf inverts blocksOf; at the layout's last element: one holder per copy, inside its tensor.
+  std::vector<std::int64_t> last;
+  for (auto d : shape) last.push_back(d - 1);
+  const auto holders = holdersOf(p, last);
+  ASSERT_EQ(int(holders.size()), copies) << where << " " << p.name;
+  for (const Holder& h : holders) {
+    const auto local = localShape(p, h.t, h.g);
+    for (std::size_t d = 0; d < local.size(); ++d) EXPECT_LT(h.local[d], local[d]) << where << " " << p.name;
+  }
 }
 
 // Builds the layer on T x G ranks with CPU initialization from a master holding flat index + 1, and
@@ -180,6 +189,20 @@ TEST(Placement, ColumnWeightPadRowsFollowEachTpSlice) {
   EXPECT_EQ(padZeroCount(p, 1, 0), 8 * 4);
   EXPECT_EQ(padZeroCount(p, 1, 1), 16 * 4);  // spill: GTP rank 1 is all padding
   EXPECT_EQ(localShape(p, 0, 1), (std::vector<std::int64_t>{16, 4}));
+  // Layout row 33 is global row 9, TP rank 1's second row, on GTP_remat rank 0; row 20 is padding
+  // of TP slice 0, row 4 of GTP_remat rank 1's shard.
+  const auto row33 = holdersOf(p, {33, 2});
+  ASSERT_EQ(row33.size(), 1u);
+  EXPECT_EQ(row33[0].t, 1);
+  EXPECT_EQ(row33[0].g, 0);
+  EXPECT_EQ(row33[0].local, (std::vector<std::int64_t>{1, 2}));
+  EXPECT_FALSE(row33[0].pad);
+  const auto row20 = holdersOf(p, {20, 0});
+  ASSERT_EQ(row20.size(), 1u);
+  EXPECT_EQ(row20[0].t, 0);
+  EXPECT_EQ(row20[0].g, 1);
+  EXPECT_EQ(row20[0].local, (std::vector<std::int64_t>{4, 0}));
+  EXPECT_TRUE(row20[0].pad);
 }
 
 TEST(Placement, PartialSumsAndReplicatedTensorsAreFullCopies) {

@@ -100,6 +100,14 @@ std::vector<Rect> rectsOf(const TensorPlacement& p) {
   return out;
 }
 
+// The layout index drawn at row r, column c (columns flatten the dims after the first).
+std::vector<std::int64_t> indexAt(const TensorPlacement& p, std::int64_t r, std::int64_t c) {
+  const auto shape = p.layoutShape();
+  if (shape.size() == 1) return {r};
+  if (shape.size() == 2) return {r, c};
+  return {r, c / shape[2], c % shape[2]};
+}
+
 int copiesOf(const TensorPlacement& p) {
   return (p.tp.kind == AxisKind::kShard ? 1 : p.tp.size) * (p.gtp.kind == AxisKind::kShard ? 1 : p.gtp.size);
 }
@@ -259,11 +267,10 @@ std::string drawText(const TensorPlacement& p, bool colour, const std::set<std::
       const std::int64_t r = rb[seg], c = cb[cseg];
       std::vector<int> holders;
       bool pad = false;
-      for (const Rect& x : rects)
-        if (x.r0 <= r && r < x.r1 && x.c0 <= c && c < x.c1) {
-          holders.push_back(x.t + T * x.g);
-          pad = pad || x.pad;
-        }
+      for (const Holder& x : holdersOf(p, indexAt(p, r, c))) {
+        holders.push_back(x.t + T * x.g);
+        pad = pad || x.pad;
+      }
       char ch = '?';
       int bg = 250;
       if (holders.size() == 1) {
