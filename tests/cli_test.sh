@@ -60,8 +60,17 @@ check layout-duplicates 0 "r2 (t=0, g=1) (8,): [0, 8); gtp_local_pad_zero_count 
   "$tpsim" layout --layer column --tp 2 --gtp-remat 2 --bias
 check layout-partial 0 "fc2.output.partial (8, 2, 16) output: TP: partial sums, reduce-scatter over TP" -- \
   "$tpsim" layout --layer mlp --tp 2 --sequence-parallel
-if "$tpsim" layout --layer row --tp 2 | grep -qF $'\033['; then
+if grep -qF $'\033[' <<<"$("$tpsim" layout --layer row --tp 2)"; then
   echo "FAIL layout-plain: ANSI colour written to a pipe"; failures=$((failures + 1))
+fi
+# On a terminal (script(1) gives it one) the grid is coloured, unless NO_COLOR is set.
+if command -v script >/dev/null; then
+  if ! grep -qF $'\033[30;48;5;' <<<"$(script -qc "'$tpsim' layout --layer row --tp 2" /dev/null)"; then
+    echo "FAIL layout-colour: no ANSI colour on a terminal"; failures=$((failures + 1))
+  fi
+  if grep -qF $'\033[' <<<"$(script -qc "NO_COLOR=1 '$tpsim' layout --layer row --tp 2" /dev/null)"; then
+    echo "FAIL layout-no-colour: ANSI colour with NO_COLOR set"; failures=$((failures + 1))
+  fi
 fi
 check layout-svg 0 "wrote $work/col.svg" -- "$tpsim" layout --layer column --tp 2 --gtp-remat 2 --bias --svg "$work/col.svg"
 check layout-svg-tiles 0 "panels tile exactly" -- /usr/bin/python3 "$(dirname "$0")/layout_svg_check.py" "$work/col.svg" \

@@ -262,6 +262,7 @@ std::string drawText(const TensorPlacement& p, bool colour, const std::set<std::
     std::string line = boundary ? std::to_string(rb[seg]) : "";
     line = std::string(std::size_t(margin) - line.size(), ' ') + line + (boundary ? "-" : "|");
     std::size_t cseg = 0;
+    int lastBg = -1;
     for (int col = 0; col < cp.back(); ++col) {
       while (cseg + 1 < cp.size() && cp[cseg + 1] <= col) ++cseg;
       const std::int64_t r = rb[seg], c = cb[cseg];
@@ -287,10 +288,11 @@ std::string drawText(const TensorPlacement& p, bool colour, const std::set<std::
         ch = it->second;
         bg = it->second % 2 ? 252 : 246;
       }
-      if (colour) line += detail::concat("\033[30;48;5;", bg, "m", ch, "\033[0m");
-      else line += ch;
+      if (colour && bg != lastBg) line += detail::concat("\033[30;48;5;", bg, "m");  // one escape per run
+      lastBg = bg;
+      line += ch;
     }
-    out += line + "\n";
+    out += line + (colour ? "\033[0m\n" : "\n");
   }
   out += std::string(std::size_t(margin) - std::to_string(R).size(), ' ') + std::to_string(R) + "\n";
   out += "  digits and letters a-z: the rank r = t + T*g holding the cells; '/' hatches GTP_remat pad rows\n";
