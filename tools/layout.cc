@@ -9,7 +9,6 @@
 #include <iostream>
 #include <map>
 #include <mutex>
-#include <optional>
 #include <set>
 #include <unistd.h>
 
