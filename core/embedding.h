@@ -46,6 +46,7 @@ class VocabParallelEmbedding {
   std::int64_t numEmbeddingsPerPartition() const { return vocab_.last - vocab_.first; }
   std::int64_t vocabStartIndex() const { return vocab_.first; }
   std::int64_t vocabEndIndex() const { return vocab_.last; }
+  const VocabParallelEmbeddingOptions& options() const { return options_; }
 
  private:
   LayerContext ctx_;

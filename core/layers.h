@@ -88,6 +88,7 @@ class ColumnParallelLinear {
   std::int64_t inputSize() const { return inputSize_; }
   std::int64_t outputSize() const { return outputSize_; }
   std::int64_t outputSizePerPartition() const { return outputSizePerPartition_; }
+  const ColumnParallelOptions& options() const { return options_; }
   WeightFormat weightFormat() const { return config_.weightFormat; }
   Compute& compute() const { return ctx_.compute; }
 
@@ -138,7 +139,10 @@ class RowParallelLinear {
   Parameter* bias() { return bias_ ? &*bias_ : nullptr; }
   const Tensor& masterWeight() const { return masterWeight_; }
   bool sequenceParallel() const { return sequenceParallel_; }
+  std::int64_t inputSize() const { return inputSize_; }
+  std::int64_t outputSize() const { return outputSize_; }
   std::int64_t inputSizePerPartition() const { return inputSizePerPartition_; }
+  const RowParallelOptions& options() const { return options_; }
   WeightFormat weightFormat() const { return config_.weightFormat; }
   Compute& compute() const { return ctx_.compute; }
 

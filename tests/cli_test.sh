@@ -50,6 +50,57 @@ check disable-grad-reduce-sp 2 "--disable-grad-reduce: not with --sequence-paral
   "$tpsim" run --layer column --tp 2 --sequence-parallel --disable-grad-reduce
 check run-help 0 "--disable-grad-reduce" -- "$tpsim" run --help
 
+# tpsim layout: the blocks each rank holds, drawn as text and as an SVG page whose panels the XML
+# checker finds tiled exactly once per copy.
+check layout-text 0 "r3 (t=1, g=1) (16, 16): pad rows [0, 16) of its 16; gtp_local_pad_zero_count 256" -- \
+  "$tpsim" layout --layer column --tp 2 --gtp-remat 2 --bias
+check layout-pad-marks 0 "0-0000000000000000" -- "$tpsim" layout --layer column --tp 2 --gtp-remat 2
+check layout-hatch 0 "/0/0/0/0/0/0/0/0" -- "$tpsim" layout --layer column --tp 2 --gtp-remat 2
+check layout-duplicates 0 "r2 (t=0, g=1) (8,): [0, 8); gtp_local_pad_zero_count 0; duplicate filters: skipped" -- \
+  "$tpsim" layout --layer column --tp 2 --gtp-remat 2 --bias
+check layout-partial 0 "fc2.output.partial (8, 2, 16) output: TP: partial sums, reduce-scatter over TP" -- \
+  "$tpsim" layout --layer mlp --tp 2 --sequence-parallel
+if grep -qF $'\033[' <<<"$("$tpsim" layout --layer row --tp 2)"; then
+  echo "FAIL layout-plain: ANSI colour written to a pipe"; failures=$((failures + 1))
+fi
+# On a terminal (script(1) gives it one) the grid is coloured, unless NO_COLOR is set.
+if command -v script >/dev/null; then
+  if ! grep -qF $'\033[30;48;5;' <<<"$(script -qc "'$tpsim' layout --layer row --tp 2" /dev/null)"; then
+    echo "FAIL layout-colour: no ANSI colour on a terminal"; failures=$((failures + 1))
+  fi
+  if grep -qF $'\033[' <<<"$(script -qc "NO_COLOR=1 '$tpsim' layout --layer row --tp 2" /dev/null)"; then
+    echo "FAIL layout-no-colour: ANSI colour with NO_COLOR set"; failures=$((failures + 1))
+  fi
+fi
+check layout-svg 0 "wrote $work/col.svg" -- "$tpsim" layout --layer column --tp 2 --gtp-remat 2 --bias --svg "$work/col.svg"
+check layout-svg-tiles 0 "panels tile exactly" -- /usr/bin/python3 "$(dirname "$0")/layout_svg_check.py" "$work/col.svg" \
+  weight bias output input.grad.partial weight.grad
+for args in "--layer mlp --tp 4 --gtp-remat 2 --sequence-parallel" "--layer row --tp 4 --stride 2 --input-is-parallel --bias" \
+  "--layer embedding --tp 2 --gtp-remat 2 --reduce-scatter-embeddings --vocab 40" \
+  "--layer column --tp 4 --gtp-remat 2 --stride 2 --out-features 4096 --in-features 1000 --pad-for-alignment 64"; do
+  # shellcheck disable=SC2086
+  "$tpsim" layout $args --svg "$work/l.svg" >/dev/null 2>&1
+  check "layout-svg-tiles $args" 0 "panels tile exactly" -- /usr/bin/python3 "$(dirname "$0")/layout_svg_check.py" "$work/l.svg"
+done
+check layout-no-layer 2 "--layer is required" -- "$tpsim" layout --tp 2
+check layout-bad-layer 2 "--layer: expected column, row, embedding or mlp, got 'conv'" -- "$tpsim" layout --layer conv
+check layout-bad-flag 2 "unrecognised option '--frob'" -- "$tpsim" layout --layer column --frob
+check layout-bad-tp 2 "--tp: expected 1..64, got 0" -- "$tpsim" layout --layer column --tp 0
+check layout-indivisible 2 "--out-features = 10 must be divisible by --tp x --stride = 4" -- \
+  "$tpsim" layout --layer column --tp 4 --out-features 10
+check layout-svg-dir 2 "--svg: " -- "$tpsim" layout --layer column --svg "$work/no/such/dir/x.svg"
+check layout-svg-empty 2 "--svg: expected a file name" -- "$tpsim" layout --layer column --svg ""
+mkdir -p "$work/svgdir"
+check layout-svg-is-dir 2 "--svg: expected $work/svgdir to be absent or a regular file" -- \
+  "$tpsim" layout --layer column --svg "$work/svgdir"
+echo keep >"$work/svg-outside"
+ln -s "$work/svg-outside" "$work/svg-link"
+check layout-svg-symlink 0 "wrote $work/svg-link" -- "$tpsim" layout --layer row --svg "$work/svg-link"
+if [ "$(cat "$work/svg-outside")" != keep ] || [ -L "$work/svg-link" ]; then
+  echo "FAIL layout-svg-symlink: the SVG was written through the symlink"; failures=$((failures + 1))
+fi
+check layout-help 0 "--svg" -- "$tpsim" layout --help
+
 # Save generated inputs and results, replay from the files: identical results, byte for byte.
 check save 0 "saved to $work/a" -- "$tpsim" run --layer mlp --tp 4 --sequence-parallel --dtype bf16 --save "$work/a"
 check load 0 "sharded results agree" -- "$tpsim" run --layer mlp --tp 2 --sequence-parallel --dtype bf16 \

@@ -11,6 +11,7 @@
 #include "backends/world.h"
 #include "tools/backend.h"
 #include "tools/cli.h"
+#include "tools/layout.h"
 #include "tpsim_config.h"
 
 namespace {
@@ -23,6 +24,8 @@ const char* kUsage =
     "commands:\n"
     "  demo    an MLP block (column fc1, GeLU, row fc2) at TP=4 with sequence parallelism, verified\n"
     "  run     one layer sharded on your own tensors (.npy) or generated ones, verified\n"
+    "  layout  every tensor of a layer drawn as the blocks each rank holds: padding, copies, partial\n"
+    "          sums, pad counts and the duplicate filters' choice (text, or an SVG page with --svg)\n"
     "  bench   simulator overheads: tiny-collective latency, collective bandwidth, GEMM throughput;\n"
     "          with --backend gpu: the layers against cuBLASLt and PyTorch, DeviceFabric bandwidth\n"
     "  devices the backends this build has (sim, gpu) and whether each can run here, with the reason\n"
@@ -59,6 +62,7 @@ int main(int argc, char** argv) {
     if (command == "demo") return tpsim::tools::demoMain(args);
     if (command == "bench") return tpsim::tools::benchMain(args);
     if (command == "run") return tpsim::tools::runMain(args);
+    if (command == "layout") return tpsim::tools::layoutMain(args);
     if (command == "devices") {
       if (args.size() == 1 && (args[0] == "--help" || args[0] == "-h")) {
         std::puts("tpsim devices: the backends this build has and whether each can run here (exit 0 either way)");
@@ -70,7 +74,8 @@ int main(int argc, char** argv) {
     }
     throw tpsim::tools::UsageError{"unknown command '" + command + "'"};
   } catch (const tpsim::tools::UsageError& e) {
-    const bool known = command == "demo" || command == "bench" || command == "run" || command == "devices";
+    const bool known = command == "demo" || command == "bench" || command == "run" || command == "layout" ||
+                       command == "devices";
     std::fprintf(stderr, "tpsim%s%s: %s\nTry 'tpsim%s%s --help'\n", known ? " " : "", known ? command.c_str() : "",
                  e.message.c_str(), known ? " " : "", known ? command.c_str() : "");
     return 2;

@@ -1,0 +1,623 @@
+#include "tools/layout.h"
+
+#include <boost/program_options.hpp>
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <set>
+#include <unistd.h>
+
+#include "backends/errors.h"
+#include "core/gtp.h"
+#include "core/process_groups.h"
+#include "tools/backend.h"
+#include "tools/cli.h"
+
+namespace po = boost::program_options;
+
+namespace tpsim::tools {
+namespace {
+
+constexpr int kMaxTextCols = 64, kMaxTextRows = 32;
+
+// The shape checks of `tpsim run` on generated data (checkInputs), named by flag.
+void checkShapes(const RunConfig& c) {
+  const int T = c.tp, G = c.gtpRemat;
+  auto divisible = [](const std::string& what, std::int64_t v, std::int64_t by, const std::string& why) {
+    TPSIM_CHECK(v % by == 0, what, " = ", v, " must be divisible by ", why, " = ", by);
+  };
+  auto gtpSplits = [&](const std::string& what, std::int64_t dim0) {
+    if (G > 1 && c.padForAlignment == 0) divisible(what, dim0, G, "--gtp-remat (with --pad-for-alignment 0)");
+  };
+  const bool sequenceSplit = c.layer == LayerKind::kEmbedding ? c.reduceScatterEmbeddings : c.sequenceParallel;
+  if (sequenceSplit) divisible("--seq", c.seq, T, "--tp");
+  divisible("--batch", c.batch, G, "--gtp-remat");
+  switch (c.layer) {
+    case LayerKind::kEmbedding:
+      divisible("--vocab", c.vocab, T, "--tp");
+      gtpSplits("--vocab / --tp", c.vocab / T);
+      break;
+    case LayerKind::kMlp:
+      divisible("--ffn-hidden", c.ffnHidden, T, "--tp");
+      gtpSplits("--ffn-hidden / --tp", c.ffnHidden / T);
+      gtpSplits("--in-features (fc2's rows)", c.inFeatures);
+      break;
+    case LayerKind::kColumn:
+      divisible("--out-features", c.outFeatures, std::int64_t(T) * c.stride, "--tp x --stride");
+      gtpSplits("--out-features / --tp", c.outFeatures / T);
+      break;
+    case LayerKind::kRow:
+      divisible("--in-features", c.inFeatures, std::int64_t(T) * c.stride, "--tp x --stride");
+      gtpSplits("--out-features", c.outFeatures);
+      break;
+  }
+}
+
+// A block drawn in two dims: rows are dim 0, columns the later dims flattened (a 1-D tensor is one
+// column), all in layout coordinates.
+struct Rect {
+  std::int64_t r0, r1, c0, c1;
+  int t, g;
+  bool pad;
+};
+
+std::int64_t rowsOf(const TensorPlacement& p) { return p.layoutShape()[0]; }
+std::int64_t colsOf(const TensorPlacement& p) {
+  std::int64_t n = 1;
+  for (std::size_t d = 1; d < p.shape.size(); ++d) n *= p.layoutShape()[d];
+  return n;
+}
+
+std::vector<Rect> rectsOf(const TensorPlacement& p) {
+  std::vector<Rect> out;
+  const auto shape = p.layoutShape();
+  for (int g = 0; g < p.gtp.size; ++g)
+    for (int t = 0; t < p.tp.size; ++t)
+      for (const Block& b : blocksOf(p, t, g)) {
+        const Range rows = b.layout[0];
+        if (shape.size() == 1) {
+          out.push_back({rows.begin, rows.end, 0, 1, t, g, b.pad});
+        } else if (shape.size() == 2) {
+          out.push_back({rows.begin, rows.end, b.layout[1].begin, b.layout[1].end, t, g, b.pad});
+        } else {
+          TPSIM_INTERNAL_ASSERT(shape.size() == 3, "layout draws tensors of rank <= 3, got ", p.name);
+          const std::int64_t inner = shape[2];
+          if (b.layout[2].begin == 0 && b.layout[2].end == inner) {
+            out.push_back({rows.begin, rows.end, b.layout[1].begin * inner, b.layout[1].end * inner, t, g, b.pad});
+          } else {
+            for (std::int64_t i = b.layout[1].begin; i < b.layout[1].end; ++i)
+              out.push_back({rows.begin, rows.end, i * inner + b.layout[2].begin, i * inner + b.layout[2].end, t, g,
+                             b.pad});
+          }
+        }
+      }
+  return out;
+}
+
+// The layout index drawn at row r, column c (columns flatten the dims after the first).
+std::vector<std::int64_t> indexAt(const TensorPlacement& p, std::int64_t r, std::int64_t c) {
+  const auto shape = p.layoutShape();
+  if (shape.size() == 1) return {r};
+  if (shape.size() == 2) return {r, c};
+  return {r, c / shape[2], c % shape[2]};
+}
+
+int copiesOf(const TensorPlacement& p) {
+  return (p.tp.kind == AxisKind::kShard ? 1 : p.tp.size) * (p.gtp.kind == AxisKind::kShard ? 1 : p.gtp.size);
+}
+
+// Positions on a scale of at most `cap` units for the sorted boundaries 0 = b_0 < ... < b_k: one
+// unit per element when the extent fits, else each segment gets minUnits plus its share of the
+// rest, so every block stays visible; with more segments than that allows, plain proportion.
+std::vector<int> scaled(const std::vector<std::int64_t>& bounds, int cap, int minUnits) {
+  const std::int64_t extent = bounds.back();
+  const std::int64_t k = std::int64_t(bounds.size()) - 1;
+  std::vector<int> pos;
+  if (extent <= cap && minUnits <= 1) {
+    for (auto b : bounds) pos.push_back(int(b));
+  } else if (k * minUnits <= cap) {
+    const std::int64_t spare = cap - k * minUnits;
+    pos.push_back(0);
+    for (std::int64_t i = 1; i <= k; ++i)
+      pos.push_back(pos.back() + minUnits + int(spare * (bounds[i] - bounds[i - 1]) / extent));
+  } else {
+    for (auto b : bounds) pos.push_back(int(b * cap / extent));
+  }
+  return pos;
+}
+
+std::vector<std::int64_t> boundaries(const std::vector<Rect>& rects, std::int64_t extent, bool rows) {
+  std::set<std::int64_t> s{0, extent};
+  for (const Rect& r : rects) {
+    s.insert(rows ? r.r0 : r.c0);
+    s.insert(rows ? r.r1 : r.c1);
+  }
+  return {s.begin(), s.end()};
+}
+
+std::string rankLabel(int t, int g, int T) { return detail::concat("r", t + T * g, " (t=", t, ", g=", g, ")"); }
+
+std::string roleName(TensorRole r) {
+  switch (r) {
+    case TensorRole::kParameter: return "parameter";
+    case TensorRole::kInput: return "input";
+    case TensorRole::kOutput: return "output";
+    case TensorRole::kGradient: return "gradient";
+  }
+  return "";
+}
+
+std::string shapeText(const std::vector<std::int64_t>& s) {
+  std::string out = "(";
+  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + (s.size() == 1 ? ",)" : ")");
+}
+
+std::string placementText(const TensorPlacement& p) {
+  std::string s = "TP: ";
+  switch (p.tp.kind) {
+    case AxisKind::kShard:
+      s += detail::concat("shard dim ", p.tp.dim, p.vocab ? " (vocabulary ranges)" : "");
+      if (p.tp.stride > 1) s += detail::concat(", stride ", p.tp.stride, " (interleaved chunks)");
+      break;
+    case AxisKind::kReplicate: s += "replicated"; break;
+    case AxisKind::kPartial: s += "partial sums, " + p.reduction; break;
+  }
+  if (p.gtp.size > 1) {
+    s += "; GTP_remat: ";
+    if (p.gtp.kind == AxisKind::kReplicate) s += "replicated";
+    else if (p.role == TensorRole::kParameter || p.gtpShard)
+      s += detail::concat("shard dim 0 of the TP-local tensor, ", p.gtp.padLength, " pad rows per TP slice");
+    else s += detail::concat("shard dim ", p.gtp.dim, " (the batch: peers are data parallel)");
+  }
+  return s;
+}
+
+bool isParameterOrItsGradient(const TensorPlacement& p, const std::set<std::string>& params) {
+  return p.role == TensorRole::kParameter ||
+         (p.name.size() > 5 && p.name.compare(p.name.size() - 5, 5, ".grad") == 0 &&
+          params.count(p.name.substr(0, p.name.size() - 5)));
+}
+
+std::set<std::string> parameterNames(const std::vector<TensorPlacement>& ps) {
+  std::set<std::string> out;
+  for (const auto& p : ps)
+    if (p.role == TensorRole::kParameter) out.insert(p.name);
+  return out;
+}
+
+// What rank (t, g) holds, in global logical coordinates: "[0, 8) x [0, 16) + pad rows [8, 16)".
+std::string holdsText(const TensorPlacement& p, int t, int g) {
+  std::string s;
+  for (const Block& b : blocksOf(p, t, g)) {
+    s += s.empty() ? "" : " + ";
+    if (b.pad) {
+      s += detail::concat("pad rows [", b.local[0], ", ", b.local[0] + b.layout[0].size(), ") of its ",
+                          localShape(p, t, g)[0]);
+      continue;
+    }
+    for (std::size_t d = 0; d < b.global.size(); ++d)
+      s += detail::concat(d ? " x " : "", "[", b.global[d].begin, ", ", b.global[d].end, ")");
+  }
+  return s;
+}
+
+// The per-rank lines under a drawing.
+std::vector<std::string> rankLines(const TensorPlacement& p, bool paramLike) {
+  std::vector<std::string> out;
+  for (int g = 0; g < p.gtp.size; ++g)
+    for (int t = 0; t < p.tp.size; ++t) {
+      std::string s = detail::concat(rankLabel(t, g, p.tp.size), " ", shapeText(localShape(p, t, g)), ": ",
+                                     holdsText(p, t, g));
+      if (paramLike)
+        s += detail::concat("; gtp_local_pad_zero_count ", padZeroCount(p, t, g), "; duplicate filters: ",
+                            p.countedOn(t, g) ? "counted" : "skipped");
+      out.push_back(s);
+    }
+  return out;
+}
+
+const int kPalette[] = {75, 209, 114, 221, 177, 80, 203, 150, 111, 215, 156, 183, 44, 173, 105, 168};
+const char* kSvgPalette[] = {"#4e79a7", "#f28e2b", "#59a14f", "#edc948", "#b07aa1", "#76b7b2", "#e15759", "#9c755f",
+                             "#86bcb6", "#ff9da7", "#8cd17d", "#d4a6c8", "#499894", "#f1ce63", "#79706e", "#d37295"};
+
+char rankChar(int r) { return r < 10 ? char('0' + r) : r < 36 ? char('a' + r - 10) : '*'; }
+
+std::string drawText(const TensorPlacement& p, bool colour, const std::set<std::string>& params) {
+  const std::int64_t R = rowsOf(p), C = colsOf(p);
+  const std::vector<Rect> rects = rectsOf(p);
+  const auto rb = boundaries(rects, R, true), cb = boundaries(rects, C, false);
+  const auto rp = scaled(rb, kMaxTextRows, 1), cp = scaled(cb, kMaxTextCols, 1);
+  const int T = p.tp.size;
+  std::string out = detail::concat(p.name, " ", shapeText(p.shape), " ", roleName(p.role), ": ", placementText(p), "\n");
+  if (p.layoutShape() != p.shape)
+    out += detail::concat("  drawn with its pad rows: ", shapeText(p.layoutShape()),
+                          "; row labels count drawn rows, the rank lines global rows\n");
+  if (p.shape.size() == 3) out += "  columns: dims 1 and 2 flattened (dim 1 major)\n";
+  const int margin = int(std::to_string(R).size()) + 1;
+  // Column boundary labels where they do not overlap the previous one.
+  std::string labels(std::size_t(margin + 1 + cp.back() + 8), ' ');
+  int free = 0;
+  for (std::size_t i = 0; i < cb.size(); ++i) {
+    const std::string text = std::to_string(cb[i]);
+    const int at = margin + 1 + cp[i];
+    if (at < free) continue;
+    labels.replace(std::size_t(at), text.size(), text);
+    free = at + int(text.size()) + 1;
+  }
+  while (!labels.empty() && labels.back() == ' ') labels.pop_back();
+  out += labels + "\n";
+  std::map<std::vector<int>, char> sets;  // holders of more than one rank -> 'A', 'B', ...
+  std::vector<std::string> legend;
+  std::size_t seg = 0;
+  for (int row = 0; row < rp.back(); ++row) {
+    while (seg + 1 < rp.size() && rp[seg + 1] <= row) ++seg;
+    const bool boundary = rp[seg] == row;
+    std::string line = boundary ? std::to_string(rb[seg]) : "";
+    line = std::string(std::size_t(margin) - line.size(), ' ') + line + (boundary ? "-" : "|");
+    std::size_t cseg = 0;
+    int lastBg = -1;
+    for (int col = 0; col < cp.back(); ++col) {
+      while (cseg + 1 < cp.size() && cp[cseg + 1] <= col) ++cseg;
+      const std::int64_t r = rb[seg], c = cb[cseg];
+      std::vector<int> holders;
+      bool pad = false;
+      for (const Holder& x : holdersOf(p, indexAt(p, r, c))) {
+        holders.push_back(x.t + T * x.g);
+        pad = pad || x.pad;
+      }
+      char ch = '?';
+      int bg = 250;
+      if (holders.size() == 1) {
+        ch = pad && (row + col) % 2 ? '/' : rankChar(holders[0]);  // pad rows hatched, their holder shown
+        bg = kPalette[holders[0] % 16];
+      } else if (!holders.empty()) {
+        auto [it, added] = sets.emplace(holders, char('A' + sets.size() % 26));
+        if (added) {
+          std::string who;
+          for (int h : holders) who += detail::concat(who.empty() ? "" : " ", "r", h);
+          legend.push_back(detail::concat("  ", it->second, " = the same elements on ", who,
+                                          p.tp.kind == AxisKind::kPartial ? " (each a partial sum)" : ""));
+        }
+        ch = it->second;
+        bg = it->second % 2 ? 252 : 246;
+      }
+      if (colour && bg != lastBg) line += detail::concat("\033[30;48;5;", bg, "m");  // one escape per run
+      lastBg = bg;
+      line += ch;
+    }
+    out += line + (colour ? "\033[0m\n" : "\n");
+  }
+  out += std::string(std::size_t(margin) - std::to_string(R).size(), ' ') + std::to_string(R) + "\n";
+  out += "  digits and letters a-z: the rank r = t + T*g holding the cells; '/' hatches GTP_remat pad rows\n";
+  for (const auto& l : legend) out += l + "\n";
+  for (const auto& l : rankLines(p, isParameterOrItsGradient(p, params))) out += "  " + l + "\n";
+  return out;
+}
+
+std::string xmlEscape(const std::string& s) {
+  std::string out;
+  for (char ch : s) {
+    switch (ch) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      default: out += ch;
+    }
+  }
+  return out;
+}
+
+void writeAtomically(const std::string& file, const std::string& text) {
+  namespace fs = std::filesystem;
+  TPSIM_CHECK(!file.empty(), "--svg: expected a file name, got an empty path");
+  const fs::path target(file);
+  const fs::file_type type = fs::symlink_status(target).type();
+  TPSIM_CHECK(type == fs::file_type::not_found || type == fs::file_type::regular || type == fs::file_type::symlink,
+              "--svg: expected ", file, " to be absent or a regular file, got another kind of file");
+  const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
+  // The temporary sits beside the target so that rename() is atomic; rename replaces a symlink at
+  // the target instead of writing through it.
+  const fs::path tmp = dir / ("." + target.filename().string() + ".partial");
+  std::error_code ec;
+  fs::remove(tmp, ec);
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    TPSIM_CHECK(f.good(), "--svg: cannot write ", file, " (cannot create ", tmp.string(), ")");
+    f << text;
+    f.close();
+    if (!f.good()) {
+      fs::remove(tmp, ec);
+      TPSIM_CHECK(false, "--svg: cannot write ", file, " (writing ", tmp.string(), " failed)");
+    }
+  }
+  fs::rename(tmp, target, ec);
+  if (ec) {
+    std::error_code ignored;
+    fs::remove(tmp, ignored);
+    TPSIM_CHECK(false, "--svg: cannot write ", file, " (", ec.message(), ")");
+  }
+}
+
+LayerKind parseLayer(const std::string& s) {
+  for (LayerKind k : {LayerKind::kColumn, LayerKind::kRow, LayerKind::kEmbedding, LayerKind::kMlp})
+    if (s == layerName(k)) return k;
+  throw UsageError{"--layer: expected column, row, embedding or mlp, got '" + s + "'"};
+}
+
+std::string configLine(const RunConfig& c) {
+  std::string s = detail::concat("layer=", layerName(c.layer), " tp=", c.tp, " gtp-remat=", c.gtpRemat);
+  if (c.gtpRemat > 1) s += detail::concat(" pad-for-alignment=", c.padForAlignment);
+  if (c.sequenceParallel) s += " sequence-parallel";
+  if (c.bias) s += " bias";
+  if (c.gatherOutput) s += " gather-output";
+  if (c.inputIsParallel) s += " input-is-parallel";
+  if (c.reduceScatterEmbeddings) s += " reduce-scatter-embeddings";
+  if (c.disableGradReduce) s += " disable-grad-reduce";
+  if (c.stride > 1) s += detail::concat(" stride=", c.stride);
+  s += detail::concat(" seq=", c.seq, " batch=", c.batch);
+  switch (c.layer) {
+    case LayerKind::kColumn:
+    case LayerKind::kRow: return s + detail::concat(" in-features=", c.inFeatures, " out-features=", c.outFeatures);
+    case LayerKind::kEmbedding: return s + detail::concat(" out-features=", c.outFeatures, " vocab=", c.vocab);
+    case LayerKind::kMlp: return s + detail::concat(" in-features=", c.inFeatures, " ffn-hidden=", c.ffnHidden);
+  }
+  return s;
+}
+
+}  // namespace
+
+std::vector<TensorPlacement> layoutPlacements(const RunConfig& c) {
+  c.validate();
+  checkShapes(c);
+  const int T = c.tp, G = c.gtpRemat;
+  ParallelSizes sizes;
+  sizes.world = T * G;
+  sizes.tp = T;
+  sizes.gtpRemat = G;
+  const ParallelLayout layout(sizes);
+  WorldOptions wo;
+  wo.size = sizes.world;
+  std::mutex mu;
+  std::vector<TensorPlacement> out;
+  const InitMethod unused = initMethodNormal(0.02);
+  makeWorld("sim", wo)->run([&](RankContext& ctx) {
+    ProcessGroups pg(ctx.comm, layout);
+    ModelParallelConfig mp;
+    mp.tensorModelParallelSize = T;
+    mp.sequenceParallel = c.sequenceParallel;
+    mp.performInitialization = false;  // only the shapes and attributes are read
+    mp.paramsDtype = DType::kBFloat16;  // the smallest a weight can be
+    mp.gtpRematSize = G;
+    mp.gtpPadForAlignment = c.padForAlignment;
+    GtpGradReducer reducer(ctx.compute, GtpReduceOptions::fromConfig(mp, false));
+    const LayerContext lc{ctx.compute, pg.tp(), nullptr, nullptr, &pg.gtpRemat(), &pg.dpCp(), &reducer};
+    std::vector<TensorPlacement> ps;
+    switch (c.layer) {
+      case LayerKind::kColumn: {
+        ColumnParallelOptions o;
+        o.bias = c.bias;
+        o.gatherOutput = c.gatherOutput;
+        o.stride = c.stride;
+        o.disableGradReduce = c.disableGradReduce;
+        ColumnParallelLinear layer(lc, mp, c.inFeatures, c.outFeatures, unused, o);
+        ps = layerPlacements(layer, c.seq, c.batch);
+        break;
+      }
+      case LayerKind::kRow: {
+        RowParallelOptions o;
+        o.bias = c.bias;
+        o.inputIsParallel = c.inputIsParallel;
+        o.stride = c.stride;
+        RowParallelLinear layer(lc, mp, c.inFeatures, c.outFeatures, unused, o);
+        ps = layerPlacements(layer, c.seq, c.batch);
+        break;
+      }
+      case LayerKind::kEmbedding: {
+        VocabParallelEmbeddingOptions o;
+        o.reduceScatterEmbeddings = c.reduceScatterEmbeddings;
+        mp.sequenceParallel = false;  // the embedding's sequence parallelism is reduce_scatter_embeddings
+        VocabParallelEmbedding layer(lc, mp, c.vocab, c.outFeatures, unused, o);
+        ps = layerPlacements(layer, c.seq, c.batch);
+        break;
+      }
+      case LayerKind::kMlp: {
+        ColumnParallelOptions o1;
+        o1.name = "fc1";
+        RowParallelOptions o2;
+        o2.inputIsParallel = true;
+        o2.name = "fc2";
+        ColumnParallelLinear fc1(lc, mp, c.inFeatures, c.ffnHidden, unused, o1);
+        RowParallelLinear fc2(lc, mp, c.ffnHidden, c.inFeatures, unused, o2);
+        ps = layerPlacements(fc1, c.seq, c.batch, "fc1.");
+        for (auto& p : layerPlacements(fc2, c.seq, c.batch, "fc2.")) ps.push_back(std::move(p));
+        break;
+      }
+    }
+    if (ctx.comm.rank() == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      out = std::move(ps);
+    }
+  });
+  return out;
+}
+
+std::string layoutText(const RunConfig& c, const std::vector<TensorPlacement>& ps, bool colour) {
+  std::string out = detail::concat("# tpsim layout: ", configLine(c), "\n");
+  out += detail::concat("# ", c.tp * c.gtpRemat, " ranks; rank r = t + T*g holds TP rank t, GTP_remat rank g\n");
+  const std::set<std::string> params = parameterNames(ps);
+  for (const auto& p : ps) out += "\n" + drawText(p, colour, params);
+  return out;
+}
+
+std::string layoutSvg(const RunConfig& c, const std::vector<TensorPlacement>& ps) {
+  constexpr int kWidth = 1180, kLeft = 60, kBoxW = 520, kBoxH = 280, kLine = 15;
+  const std::set<std::string> params = parameterNames(ps);
+  const int T = c.tp, G = c.gtpRemat;
+  std::string body;
+  int y = 20;
+  body += detail::concat("<text x=\"10\" y=\"", y, "\" class=\"title\">tpsim layout: ", xmlEscape(configLine(c)),
+                         "</text>\n");
+  y += 22;
+  // Legend: a swatch per rank, the hatching, the stripes of copies.
+  for (int r = 0; r < T * G; ++r) {
+    const int x = 10 + (r % 8) * 120, row = y + (r / 8) * 20;
+    body += detail::concat("<rect x=\"", x, "\" y=\"", row - 11, "\" width=\"14\" height=\"14\" fill=\"",
+                           kSvgPalette[r % 16], "\"/><text x=\"", x + 18, "\" y=\"", row, "\">",
+                           xmlEscape(rankLabel(r % T, r / T, T)), "</text>\n");
+  }
+  y += ((T * G + 7) / 8) * 20;
+  body += detail::concat("<rect x=\"10\" y=\"", y - 11, "\" width=\"14\" height=\"14\" fill=\"#bbbbbb\"/>",
+                         "<rect x=\"10\" y=\"", y - 11, "\" width=\"14\" height=\"14\" fill=\"url(#hatch)\"/>",
+                         "<text x=\"28\" y=\"", y, "\">GTP_remat pad rows (zeros)</text>",
+                         "<text x=\"250\" y=\"", y, "\">replicated or partial: one stripe per rank holding a copy; "
+                         "dashed frame: partial sums</text>\n");
+  y += 24;
+  for (const TensorPlacement& p : ps) {
+    const std::int64_t R = rowsOf(p), C = colsOf(p);
+    const std::vector<Rect> rects = rectsOf(p);
+    // Drawn to scale in the panel's longer direction, at least 24 px across the other.
+    int w = kBoxW, h = kBoxH;
+    if (double(C) / double(kBoxW) >= double(R) / double(kBoxH)) h = std::max(24, int(double(kBoxW) * double(R) / double(C)));
+    else w = std::max(24, int(double(kBoxH) * double(C) / double(R)));
+    const auto rb = boundaries(rects, R, true), cb = boundaries(rects, C, false);
+    const auto rp = scaled(rb, h, 3), cp = scaled(cb, w, 3);
+    h = rp.back();
+    w = cp.back();
+    body += detail::concat("<g class=\"panel\" data-tensor=\"", xmlEscape(p.name), "\" data-rows=\"", R,
+                           "\" data-cols=\"", C, "\" data-copies=\"", copiesOf(p), "\">\n");
+    body += detail::concat("<text x=\"10\" y=\"", y, "\" class=\"name\">", xmlEscape(p.name), " ",
+                           shapeText(p.shape), " ", roleName(p.role), "</text>\n");
+    y += kLine;
+    body += detail::concat("<text x=\"10\" y=\"", y, "\">", xmlEscape(placementText(p)),
+                           p.layoutShape() != p.shape ? xmlEscape("; drawn with its pad rows " + shapeText(p.layoutShape())) : "",
+                           p.shape.size() == 3 ? "; columns: dims 1 and 2 flattened" : "", "</text>\n");
+    y += kLine + 14;  // room for the column labels
+    const int top = y;
+    auto px = [&](const std::vector<std::int64_t>& bounds, const std::vector<int>& pos, std::int64_t v) {
+      return pos[std::size_t(std::lower_bound(bounds.begin(), bounds.end(), v) - bounds.begin())];
+    };
+    int lastLabel = -100;
+    for (std::size_t i = 0; i < cb.size(); ++i)
+      if (kLeft + cp[i] - lastLabel >= 28) {
+        lastLabel = kLeft + cp[i];
+        body += detail::concat("<text x=\"", lastLabel, "\" y=\"", top - 3, "\" class=\"idx\">", cb[i], "</text>\n");
+      }
+    lastLabel = -100;
+    for (std::size_t i = 0; i < rb.size(); ++i)
+      if (top + rp[i] - lastLabel >= 11) {
+        lastLabel = top + rp[i];
+        body += detail::concat("<text x=\"", kLeft - 4, "\" y=\"", lastLabel + 4, "\" class=\"idx\" text-anchor=\"end\">",
+                               rb[i], "</text>\n");
+      }
+    // Copies of the same box (replicated, partial) side by side as stripes.
+    std::map<std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t>, std::vector<const Rect*>> boxes;
+    for (const Rect& r : rects) boxes[{r.r0, r.r1, r.c0, r.c1}].push_back(&r);
+    for (const auto& [box, holders] : boxes) {
+      const auto [r0, r1, c0, c1] = box;
+      const double x0 = kLeft + px(cb, cp, c0), x1 = kLeft + px(cb, cp, c1);
+      const double y0 = top + px(rb, rp, r0), y1 = top + px(rb, rp, r1);
+      const double stripe = (x1 - x0) / double(holders.size());
+      for (std::size_t i = 0; i < holders.size(); ++i) {
+        const Rect& r = *holders[i];
+        const int rank = r.t + T * r.g;
+        const std::string geometry = detail::concat("x=\"", x0 + stripe * double(i), "\" y=\"", y0, "\" width=\"",
+                                                    stripe, "\" height=\"", y1 - y0, "\"");
+        body += detail::concat("<rect class=\"block\" ", geometry, " fill=\"", kSvgPalette[rank % 16],
+                               "\" data-rank=\"", rank, "\" data-t=\"", r.t, "\" data-g=\"", r.g, "\" data-pad=\"",
+                               r.pad ? 1 : 0, "\" data-rows=\"", r0, " ", r1, "\" data-cols=\"", c0, " ", c1,
+                               "\"><title>", xmlEscape(rankLabel(r.t, r.g, T)), r.pad ? " pad rows" : "",
+                               "</title></rect>\n");
+        if (r.pad) body += "<rect class=\"hatch\" " + geometry + " fill=\"url(#hatch)\"/>\n";
+      }
+      if (holders.size() == 1 && x1 - x0 >= 24 && y1 - y0 >= 12)
+        body += detail::concat("<text x=\"", (x0 + x1) / 2, "\" y=\"", (y0 + y1) / 2 + 4,
+                               "\" class=\"lbl\" text-anchor=\"middle\">r", holders[0]->t + T * holders[0]->g,
+                               "</text>\n");
+    }
+    body += detail::concat("<rect x=\"", kLeft, "\" y=\"", top, "\" width=\"", w, "\" height=\"", h,
+                           "\" fill=\"none\" stroke=\"#222\"", p.tp.kind == AxisKind::kPartial ? " stroke-dasharray=\"6 3\"" : "",
+                           "/>\n");
+    body += detail::concat("<text x=\"", kLeft - 4, "\" y=\"", top + h + 4, "\" class=\"idx\" text-anchor=\"end\">", R,
+                           "</text>\n");
+    // The per-rank lines beside the drawing, or under it when it is wide.
+    int ly = w <= kBoxW - 160 ? top + 10 : top + h + 18;
+    const int lx = w <= kBoxW - 160 ? kLeft + w + 16 : kLeft;
+    for (const auto& line : rankLines(p, isParameterOrItsGradient(p, params))) {
+      body += detail::concat("<text x=\"", lx, "\" y=\"", ly, "\" class=\"rank\">", xmlEscape(line), "</text>\n");
+      ly += 13;
+    }
+    y = std::max(top + h + 10, ly) + 24;
+    body += "</g>\n";
+  }
+  std::string svg = detail::concat(
+      "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"", kWidth,
+      "\" height=\"", y, "\" viewBox=\"0 0 ", kWidth, " ", y, "\" font-family=\"DejaVu Sans, Arial, sans-serif\" "
+      "font-size=\"12\">\n<defs><pattern id=\"hatch\" width=\"6\" height=\"6\" patternUnits=\"userSpaceOnUse\" "
+      "patternTransform=\"rotate(45)\"><line x1=\"0\" y1=\"0\" x2=\"0\" y2=\"6\" stroke=\"#000\" stroke-width=\"2\" "
+      "stroke-opacity=\"0.55\"/></pattern>\n<style>.title{font-size:15px;font-weight:bold}.name{font-weight:bold}"
+      ".idx{font-size:10px;fill:#444}.rank{font-size:11px;font-family:DejaVu Sans Mono,monospace}"
+      ".lbl{font-size:11px;fill:#fff}</style></defs>\n<rect width=\"100%\" height=\"100%\" fill=\"#fff\"/>\n");
+  return svg + body + "</svg>\n";
+}
+
+int layoutMain(const std::vector<std::string>& args) {
+  RunConfig c;
+  std::string layer, svg;
+  po::options_description par("Parallelism");
+  par.add_options()
+      ("help,h", "show this help")
+      ("layer,l", po::value(&layer), "column | row | embedding | mlp (required)")
+      ("tp,p", po::value(&c.tp)->default_value(c.tp), "tensor-parallel size T (ranks)")
+      ("sequence-parallel,S", po::bool_switch(&c.sequenceParallel), "shard activations along the sequence")
+      ("gtp-remat,G", po::value(&c.gtpRemat)->default_value(c.gtpRemat),
+       "GTP_remat size G: weights sharded again over G peers that split the batch (world T x G)")
+      ("pad-for-alignment", po::value(&c.padForAlignment)->default_value(c.padForAlignment),
+       "GTP_remat: pad dim 0 to a multiple of A x G (0 = no padding; dim 0 must divide by G)");
+  po::options_description lay("Layer options (Megatron's constructor arguments)");
+  lay.add_options()
+      ("bias", po::bool_switch(&c.bias), "column/row: with a bias")
+      ("gather-output", po::bool_switch(&c.gatherOutput), "column: all-gather the output")
+      ("input-is-parallel", po::bool_switch(&c.inputIsParallel), "row: the input is already split along K")
+      ("reduce-scatter-embeddings", po::bool_switch(&c.reduceScatterEmbeddings),
+       "embedding: reduce-scatter the output along the sequence")
+      ("disable-grad-reduce", po::bool_switch(&c.disableGradReduce),
+       "column: no TP reduction of the input gradient (each rank's partial)")
+      ("stride", po::value(&c.stride)->default_value(c.stride), "column/row: interleaved partition stride");
+  po::options_description size("Problem size");
+  size.add_options()
+      ("seq,s", po::value(&c.seq)->default_value(c.seq), "sequence length s")
+      ("batch,b", po::value(&c.batch)->default_value(c.batch), "micro-batch b")
+      ("in-features,k", po::value(&c.inFeatures)->default_value(c.inFeatures), "K (the MLP's hidden size h)")
+      ("out-features,n", po::value(&c.outFeatures)->default_value(c.outFeatures), "N (the embedding's h)")
+      ("ffn-hidden,f", po::value(&c.ffnHidden)->default_value(c.ffnHidden), "mlp: ffn hidden size F")
+      ("vocab,V", po::value(&c.vocab)->default_value(c.vocab), "embedding: vocabulary size V");
+  po::options_description output("Output");
+  output.add_options()("svg", po::value(&svg), "also write the drawing as one standalone SVG page to FILE");
+  po::options_description all("tpsim layout --layer KIND [options]");
+  all.add(par).add(lay).add(size).add(output);
+  const po::variables_map vm = parseOptions(args, all);
+  if (vm.count("help")) {
+    std::cout << all << "\nText on stdout, coloured on a terminal unless NO_COLOR is set.\n"
+              << "exit codes: 0 drawn, 2 bad flags or sizes, or an --svg path that cannot be written\n";
+    return 0;
+  }
+  if (layer.empty()) throw UsageError{"--layer is required: column, row, embedding or mlp"};
+  if (vm.count("svg") && svg.empty()) throw UsageError{"--svg: expected a file name, got an empty path"};
+  c.layer = parseLayer(layer);
+  const std::vector<TensorPlacement> placements = layoutPlacements(c);
+  const char* noColour = std::getenv("NO_COLOR");
+  const bool colour = isatty(fileno(stdout)) && (noColour == nullptr || *noColour == '\0');
+  if (!svg.empty()) writeAtomically(svg, layoutSvg(c, placements));  // a bad path fails before any output
+  std::fputs(layoutText(c, placements, colour).c_str(), stdout);
+  if (!svg.empty()) std::printf("\nwrote %s\n", svg.c_str());
+  return 0;
+}
+
+}  // namespace tpsim::tools
