@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "backends/errors.h"
@@ -328,7 +329,14 @@ void CheckpointWriter::commit(const std::string& dir) const {
   // Keys, checked before anything is written.
   std::map<std::string, CheckpointKey> keys;
   std::map<int, std::vector<SafetensorsEntry>> files;  // writer -> its tensors
-  for (const Held& h : chunks_) {
+  // Rank threads add in any order; the files and the index do not depend on it.
+  std::vector<const Held*> held;
+  for (const Held& h : chunks_) held.push_back(&h);
+  std::sort(held.begin(), held.end(), [](const Held* a, const Held* b) {
+    return std::tie(a->chunk.writer, a->key, a->chunk.globalOffset) < std::tie(b->chunk.writer, b->key, b->chunk.globalOffset);
+  });
+  for (const Held* hp : held) {
+    const Held& h = *hp;
     CheckpointKey& k = keys[h.key];
     const RowMap m = rowMap(h.savedGlobalShape, h.chunk.paddedAxis, h.chunk.gtpPadding);
     const Ints logical = logicalShape(h.savedGlobalShape, m);
@@ -388,9 +396,18 @@ void CheckpointWriter::commit(const std::string& dir) const {
                               {"saved_global_shape", k.savedGlobalShape},
                               {"chunks", chunks}};
   }
-  for (const auto& [name, o] : objects_)
-    index["objects"][name] = {{"global_shape", o.globalShape}, {"offsets", o.offsets}, {"writers", o.writers},
+  for (const auto& [name, o] : objects_) {
+    std::vector<std::pair<int, Ints>> cells;
+    for (std::size_t i = 0; i < o.writers.size(); ++i) cells.push_back({o.writers[i], o.offsets[i]});
+    std::sort(cells.begin(), cells.end());
+    json offsets = json::array(), writers = json::array();
+    for (const auto& [w, off] : cells) {
+      writers.push_back(w);
+      offsets.push_back(off);
+    }
+    index["objects"][name] = {{"global_shape", o.globalShape}, {"offsets", offsets}, {"writers", writers},
                               {"value", nullptr}};
+  }
   writeAtomically(root / kIndexName, index.dump(1) + "\n");
 }
 
