@@ -24,6 +24,7 @@ extern const char kExitCodes[];
 int demoMain(const std::vector<std::string>& args);
 int benchMain(const std::vector<std::string>& args);
 int runMain(const std::vector<std::string>& args);
+int checkpointMain(const std::vector<std::string>& args);
 
 // Parses `args` against `options` into a notified variables_map. Throws UsageError for a stray
 // word: Boost would drop it silently, so `--bias false` would run with the bias on.

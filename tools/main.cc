@@ -25,6 +25,8 @@ const char* kUsage =
     "  run     one layer sharded on your own tensors (.npy) or generated ones, verified\n"
     "  bench   simulator overheads: tiny-collective latency, collective bandwidth, GEMM throughput;\n"
     "          with --backend gpu: the layers against cuBLASLt and PyTorch, DeviceFabric bandwidth\n"
+    "  checkpoint inspect DIR: the keys, shapes, chunks and writers of a `run --save-checkpoint`;\n"
+    "          checkpoint consolidate DIR FILE.safetensors: its tensors unsharded in one file\n"
     "  devices the backends this build has (sim, gpu) and whether each can run here, with the reason\n"
     "\n"
     "'tpsim <command> --help' lists a command's options.\n"
@@ -54,6 +56,7 @@ int main(int argc, char** argv) {
     if (command == "demo") return tpsim::tools::demoMain(args);
     if (command == "bench") return tpsim::tools::benchMain(args);
     if (command == "run") return tpsim::tools::runMain(args);
+    if (command == "checkpoint") return tpsim::tools::checkpointMain(args);
     if (command == "devices") {
       if (args.size() == 1 && (args[0] == "--help" || args[0] == "-h")) {
         std::puts("tpsim devices: the backends this build has and whether each can run here (exit 0 either way)");
@@ -65,7 +68,8 @@ int main(int argc, char** argv) {
     }
     throw tpsim::tools::UsageError{"unknown command '" + command + "'"};
   } catch (const tpsim::tools::UsageError& e) {
-    const bool known = command == "demo" || command == "bench" || command == "run" || command == "devices";
+    const bool known = command == "demo" || command == "bench" || command == "run" || command == "checkpoint" ||
+                       command == "devices";
     std::fprintf(stderr, "tpsim%s%s: %s\nTry 'tpsim%s%s --help'\n", known ? " " : "", known ? command.c_str() : "",
                  e.message.c_str(), known ? " " : "", known ? command.c_str() : "");
     return 2;

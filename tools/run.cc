@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 
 #include "backends/errors.h"
 #include "tools/backend.h"
@@ -27,6 +28,20 @@ std::vector<std::string> inputNames(const RunConfig& c) {
   }
 }
 
+// The parameters among inputNames: what a checkpoint holds, under the same names.
+std::vector<std::string> paramNames(const RunConfig& c) {
+  std::vector<std::string> out;
+  for (const std::string& n : inputNames(c))
+    if (n != "input" && n != "grad_output") out.push_back(n);
+  return out;
+}
+
+std::string joinNames(const std::vector<std::string>& names, const std::string& suffix = "") {
+  std::string all;
+  for (const auto& n : names) all += (all.empty() ? "" : ", ") + n + suffix;
+  return all;
+}
+
 HostTensor fromNpy(const NpyArray& a, DType want, const std::string& file) {
   const bool ids = want == DType::kInt64;
   TPSIM_CHECK(ids == (a.dtype == DType::kInt64), file, ": expected ", ids ? "int64 token ids" : "float32 or float16 values",
@@ -37,29 +52,58 @@ HostTensor fromNpy(const NpyArray& a, DType want, const std::string& file) {
   return makeHost(a.shape, want, std::move(values));  // 16-bit --dtype: rounded once, here
 }
 
-TensorMap load(const RunConfig& c, const std::string& dir) {
+// withParams false: input and grad_output only (the parameters come from --load-checkpoint).
+TensorMap load(const RunConfig& c, const std::string& dir, bool withParams) {
   TPSIM_CHECK(std::filesystem::is_directory(dir), "--load: ", dir, " is not a directory");
   TensorMap m;
-  for (const std::string& name : inputNames(c)) {
+  const std::vector<std::string> names = withParams ? inputNames(c) : std::vector<std::string>{"input", "grad_output"};
+  for (const std::string& name : names) {
     const std::string file = (std::filesystem::path(dir) / (name + ".npy")).string();
     TPSIM_CHECK(std::filesystem::exists(file), "--load: ", file, " is missing; --layer ", layerName(c.layer),
-                " reads ", [&] {
-                  std::string all;
-                  for (const auto& n : inputNames(c)) all += (all.empty() ? "" : ", ") + n + ".npy";
-                  return all;
-                }());
+                " reads ", joinNames(names, ".npy"));
     const bool ids = c.layer == LayerKind::kEmbedding && name == "input";
     m[name] = fromNpy(readNpy(file), ids ? DType::kInt64 : c.dtype, file);
   }
   return m;
 }
 
-// --save DIR, before the run: an existing directory, or one created now.
-void prepareSaveDir(const std::string& dir) {
+// --save DIR or --save-checkpoint DIR, before the run: an existing directory, or one created now.
+void prepareSaveDir(const std::string& flag, const std::string& dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
-  TPSIM_CHECK(!ec && std::filesystem::is_directory(dir), "--save: expected a directory or a path where one can be "
-              "created, got '", dir, "' (", ec ? ec.message() : "not a directory", ")");
+  TPSIM_CHECK(!ec && std::filesystem::is_directory(dir), "--", flag, ": expected a directory or a path where one can "
+              "be created, got '", dir, "' (", ec ? ec.message() : "not a directory", ")");
+}
+
+// The parameters of --load-checkpoint, unsharded (pad rows dropped) and rounded to --dtype: the dense
+// reference's copy (the ranks read their own chunks). The shape flags follow them, so that generated
+// input and grad_output fit.
+TensorMap checkpointParams(RunConfig& c, const CheckpointReader& reader, const std::string& dir) {
+  TensorMap m;
+  std::vector<std::string> held;
+  for (const auto& [key, k] : reader.keys()) held.push_back(key);
+  for (const std::string& name : paramNames(c)) {
+    TPSIM_CHECK(reader.keys().count(name), "--load-checkpoint: expected key '", name, "' in ", dir, " (--layer ",
+                layerName(c.layer), c.bias ? " --bias" : "", " reads ", joinNames(paramNames(c)), "), got only ",
+                held.empty() ? "no keys" : joinNames(held));
+    const CheckpointKey& k = reader.key(name);
+    const std::size_t rank = name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0 ? 1 : 2;
+    TPSIM_CHECK(k.globalShape.size() == rank && isFloating(k.dtype), "--load-checkpoint: key '", name, "' in ", dir,
+                ": expected a floating tensor of rank ", rank, ", got ", dtypeName(k.dtype), " of shape ",
+                shapeString(k.globalShape));
+    const std::vector<char> bytes = reader.consolidated(name);
+    std::vector<double> values(bytes.size() / dtypeSize(k.dtype));
+    for (std::size_t i = 0; i < values.size(); ++i) values[i] = loadAsDouble(k.dtype, bytes.data() + i * dtypeSize(k.dtype));
+    m[name] = makeHost(k.globalShape, c.dtype, std::move(values));
+  }
+  const HostTensor& w = m.at(c.layer == LayerKind::kMlp ? "fc1.weight" : "weight");
+  switch (c.layer) {
+    case LayerKind::kColumn:
+    case LayerKind::kRow: c.outFeatures = w.shape[0], c.inFeatures = w.shape[1]; break;
+    case LayerKind::kEmbedding: c.vocab = w.shape[0], c.outFeatures = w.shape[1]; break;
+    case LayerKind::kMlp: c.ffnHidden = w.shape[0], c.inFeatures = w.shape[1]; break;
+  }
+  return m;
 }
 
 // All the outputs or none: each is written under a temporary name in DIR, and only when all are
@@ -111,7 +155,7 @@ DType parseFloatDtype(const std::string& flag, const std::string& s) {
 int runMain(const std::vector<std::string>& args) {
   RunConfig c;
   std::string layer, dtype = "fp32", outputDtype, mainGradDtype = "fp32", loadDir, saveDir,
-      gtpReduce = "mean", weightFormat = "native", seed;
+      gtpReduce = "mean", weightFormat = "native", seed, loadCheckpoint, saveCheckpoint;
   po::options_description par("Parallelism");
   par.add_options()
       ("help,h", "show this help")
@@ -158,7 +202,12 @@ int runMain(const std::vector<std::string>& args) {
       ("seed", po::value(&seed)->default_value(std::to_string(c.seed)), "seed of the generated data")
       ("threads,t", po::value(&c.threads)->default_value(c.threads), "sim worker threads (0 = min(cores, ranks))")
       ("load", po::value(&loadDir), "read the unsharded tensors from DIR/*.npy")
-      ("save", po::value(&saveDir), "write the unsharded results (and generated inputs) to DIR/*.npy");
+      ("save", po::value(&saveDir), "write the unsharded results (and generated inputs) to DIR/*.npy")
+      ("load-checkpoint", po::value(&loadCheckpoint),
+       "read the parameters from the checkpoint in DIR, saved at any --tp, --gtp-remat, --pad-for-alignment or "
+       "--dtype (input and grad_output still from --load or generated)")
+      ("save-checkpoint", po::value(&saveCheckpoint),
+       "write the parameters (as loaded or generated: run takes no step) as a sharded checkpoint to DIR");
   po::options_description all("tpsim run --layer KIND [options]");
   all.add(par).add(lay).add(size).add(run);
   const po::variables_map vm = parseOptions(args, all);
@@ -169,7 +218,7 @@ int runMain(const std::vector<std::string>& args) {
   if (layer.empty()) throw UsageError{"--layer is required: column, row, embedding or mlp"};
   c.seed = parseSeed(seed);
   // An empty path would silently mean "no --load" or "no --save".
-  for (const char* flag : {"load", "save"})
+  for (const char* flag : {"load", "save", "load-checkpoint", "save-checkpoint"})
     if (vm.count(flag) && vm[flag].as<std::string>().empty())
       throw UsageError{std::string("--") + flag + ": expected a directory, got an empty path"};
   c.layer = parseLayer(layer);
@@ -188,14 +237,26 @@ int runMain(const std::vector<std::string>& args) {
   if (const std::string whyNot = backendUnusableReason(c.backend); !whyNot.empty())
     throw UsageError{"--backend " + c.backend + ": cannot run here: " + whyNot};
   c.validate();
+  const bool checkpoints = !loadCheckpoint.empty() || !saveCheckpoint.empty();
+  if (checkpoints) checkCheckpointable(c);
 
-  if (!saveDir.empty()) prepareSaveDir(saveDir);
+  std::optional<CheckpointReader> reader;
+  TensorMap params;
+  if (!loadCheckpoint.empty()) {
+    reader.emplace(loadCheckpoint);
+    params = checkpointParams(c, *reader, loadCheckpoint);
+  }
+  if (!saveDir.empty()) prepareSaveDir("save", saveDir);
+  if (!saveCheckpoint.empty()) prepareSaveDir("save-checkpoint", saveCheckpoint);
   std::printf("# tpsim run: %s\n", c.str().c_str());
-  const TensorMap inputs = loadDir.empty() ? generateInputs(c) : load(c, loadDir);
-  std::printf("# inputs (%s):", loadDir.empty() ? "generated" : loadDir.c_str());
+  TensorMap inputs = loadDir.empty() ? generateInputs(c) : load(c, loadDir, !reader);
+  for (auto& [name, t] : params) inputs[name] = std::move(t);
+  std::printf("# inputs (%s%s%s):", loadDir.empty() ? "generated" : loadDir.c_str(),
+              reader ? "; parameters from checkpoint " : "", reader ? loadCheckpoint.c_str() : "");
   for (const auto& [name, t] : inputs) std::printf(" %s %s", name.c_str(), t.shapeStr().c_str());
   std::printf("\n");
-  const RunResult result = runSharded(c, inputs);
+  CheckpointWriter writer;
+  const RunResult result = runSharded(c, inputs, {reader ? &*reader : nullptr, saveCheckpoint.empty() ? nullptr : &writer});
   std::size_t collectives = 0, splits = 0;
   for (const auto& events : result.trace)
     for (const auto& e : events) ++(e.op == "split" ? splits : collectives);
@@ -216,6 +277,11 @@ int runMain(const std::vector<std::string>& args) {
     if (loadDir.empty()) outputs.insert(inputs.begin(), inputs.end());
     save(saveDir, outputs);
     std::printf("\nsaved to %s\n", saveDir.c_str());
+  }
+  if (!saveCheckpoint.empty()) {
+    writer.commit(saveCheckpoint);
+    std::printf("\ncheckpoint saved to %s (tpsim checkpoint inspect %s)\n", saveCheckpoint.c_str(),
+                saveCheckpoint.c_str());
   }
   std::printf("\n%s\n", ok ? "sharded results agree with the unsharded computation" : "MISMATCH");
   return ok ? 0 : 1;
