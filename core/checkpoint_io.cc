@@ -372,7 +372,7 @@ void CheckpointWriter::commit(const std::string& dir) const {
   std::vector<std::string> written;
   for (const auto& [writer, tensors] : files) {
     const std::string file = fileName(writer);
-    const std::string bytes = safetensorsBytes(tensors, {{"format", "tpsim"}, {"rank", std::to_string(writer)}});
+    const std::string bytes = safetensorsBytes(tensors, {{"source", "tpsim checkpoint"}, {"rank", std::to_string(writer)}});
     std::uint64_t headerLen = 0;
     for (int i = 0; i < 8; ++i) headerLen |= std::uint64_t(static_cast<unsigned char>(bytes[i])) << (8 * i);
     writeAtomically(root / file, bytes);
