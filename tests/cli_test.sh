@@ -267,7 +267,11 @@ check ckpt-no-dir 2 "checkpoint $work/none: expected a directory, got nothing th
 check ckpt-empty 2 "--save-checkpoint: expected a directory, got an empty path" -- \
   "$tpsim" run --layer column --save-checkpoint ""
 cp -r "$ck" "$work/ck-bad"
-printf '\x00' | dd of="$work/ck-bad/rank-00002.safetensors" bs=1 seek=300 conv=notrunc status=none
+# The last byte is data (rank 2 holds real rows); it is changed, whatever it was.
+bad="$work/ck-bad/rank-00002.safetensors"
+last=$(tail -c 1 "$bad" | od -An -tu1 | tr -d ' ')
+printf "\\x$(printf %02x $(((last + 1) % 256)))" | dd of="$bad" bs=1 seek=$(($(stat -c %s "$bad") - 1)) \
+  conv=notrunc status=none
 check ckpt-corrupt 2 "in rank-00002.safetensors: expected data checksum" -- \
   "$tpsim" checkpoint inspect "$work/ck-bad"
 truncate -s -1 "$work/ck-bad/rank-00002.safetensors"
