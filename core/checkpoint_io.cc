@@ -56,14 +56,21 @@ struct RowMap {
   std::int64_t slicePad = 0, dLog = 0;
 };
 
-RowMap rowMap(const Ints& savedGlobalShape, int axis, const std::optional<GtpPadding>& pad) {
+// `where` names the chunk when the padding record cannot describe the global shape.
+RowMap rowMap(const Ints& savedGlobalShape, int axis, const std::optional<GtpPadding>& pad, const std::string& where) {
   RowMap m;
   m.axis = axis;
   if (!pad || pad->padLength == 0) return m;
   const bool interleaved = pad->tpAxis == 0 && pad->tpSize > 1;
+  const std::int64_t extent = savedGlobalShape[std::size_t(axis)];
+  TPSIM_CHECK(pad->tpSize >= 1 && pad->padLength > 0 && (!interleaved || extent % pad->tpSize == 0), where,
+              ": expected padded axis ", axis, " of ", shapeStr(savedGlobalShape), " to hold tp_size ", pad->tpSize,
+              " equal slices, got a remainder");
   m.padded = true;
-  m.slicePad = interleaved ? savedGlobalShape[axis] / pad->tpSize : savedGlobalShape[axis];
+  m.slicePad = interleaved ? extent / pad->tpSize : extent;
   m.dLog = m.slicePad - pad->padLength;
+  TPSIM_CHECK(m.dLog >= 0, where, ": expected pad_length ", pad->padLength, " <= the ", m.slicePad,
+              " padded rows of a TP slice, got more");
   return m;
 }
 
@@ -220,10 +227,24 @@ auto parsing(const std::string& where, F&& f) -> decltype(f()) {
   }
 }
 
+// Dims non-negative and their product below 2^48 elements, so that no offset arithmetic can overflow.
 Ints readShape(const json& j, const std::string& where, const char* field) {
   Ints s = j.at(field).get<Ints>();
-  for (std::int64_t d : s) TPSIM_CHECK(d >= 0, where, ": ", field, " must be non-negative, got ", shapeStr(s));
+  std::int64_t n = 1;
+  for (std::int64_t d : s) {
+    TPSIM_CHECK(d >= 0 && d < (std::int64_t(1) << 48) && (d == 0 || n <= (std::int64_t(1) << 48) / d), where, ": ",
+                field, ": expected non-negative dims of fewer than 2^48 elements, got ", shapeStr(s));
+    n = d == 0 ? n : n * d;
+  }
   return s;
+}
+
+// The 16 hex digits hex64 writes; anything else is a corrupt index, not a number.
+std::uint64_t readHex64(const json& j, const std::string& where, const char* field) {
+  const std::string text = j.at(field).get<std::string>();
+  TPSIM_CHECK(text.size() == 16 && text.find_first_not_of("0123456789abcdef") == std::string::npos, where, ": ",
+              field, ": expected 16 lowercase hex digits, got '", text, "'");
+  return std::stoull(text, nullptr, 16);
 }
 
 }  // namespace
@@ -290,7 +311,7 @@ void CheckpointWriter::add(int rank, const ShardedStateDict& stateDict, Compute&
                     !t.globalShape.empty(),
                 where, ": expected local shape, offset and global shape of one rank >= 1, got ", shapeStr(c.localShape),
                 ", ", shapeStr(c.globalOffset), ", ", shapeStr(t.globalShape));
-    const Box real = logicalBox(c.globalOffset, c.localShape, rowMap(t.globalShape, p, t.gtpPadding), where);
+    const Box real = logicalBox(c.globalOffset, c.localShape, rowMap(t.globalShape, p, t.gtpPadding, where), where);
     c.storedShape = c.localShape;
     c.storedShape[p] = real.shape[p];
     // The real rows are a prefix of the data's dim 0: a prefix of its row-major bytes.
@@ -338,7 +359,7 @@ void CheckpointWriter::commit(const std::string& dir) const {
   for (const Held* hp : held) {
     const Held& h = *hp;
     CheckpointKey& k = keys[h.key];
-    const RowMap m = rowMap(h.savedGlobalShape, h.chunk.paddedAxis, h.chunk.gtpPadding);
+    const RowMap m = rowMap(h.savedGlobalShape, h.chunk.paddedAxis, h.chunk.gtpPadding, where);
     const Ints logical = logicalShape(h.savedGlobalShape, m);
     if (k.key.empty()) {
       k.key = h.key;
@@ -445,9 +466,9 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
       for (int i = 0; i < 8; ++i) n |= std::uint64_t(static_cast<unsigned char>(bytes[i])) << (8 * i);
       TPSIM_CHECK(n <= bytes.size() - 8, fw, ": expected a header length <= ", bytes.size() - 8,
                   " (the file size less 8), got ", n);
-      const std::string sum = hex64(fnv1a64(bytes.data(), std::size_t(8 + n)));
-      TPSIM_CHECK(sum == rec.at("header_fnv1a64").get<std::string>(), fw, ": expected header checksum ",
-                  rec.at("header_fnv1a64").get<std::string>(), " (the index's), got ", sum, "; the header is corrupt");
+      const std::uint64_t sum = fnv1a64(bytes.data(), std::size_t(8 + n)), want = readHex64(rec, where, "header_fnv1a64");
+      TPSIM_CHECK(sum == want, fw, ": expected header checksum ", hex64(want), " (the index's), got ", hex64(sum),
+                  "; the header is corrupt");
       json header;
       try {
         header = json::parse(bytes.begin() + 8, bytes.begin() + 8 + std::ptrdiff_t(n));
@@ -456,8 +477,12 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
       }
       const std::uint64_t dataSize = bytes.size() - 8 - n;
       std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
+      TPSIM_CHECK(header.is_object(), fw, ": expected a JSON object as header, got ", header.type_name());
       for (const auto& [name, t] : header.items()) {
         if (name == "__metadata__") continue;
+        TPSIM_CHECK(t.is_object() && t.contains("dtype") && t.contains("shape") && t.contains("data_offsets") &&
+                        t["dtype"].is_string() && t["data_offsets"].is_array(),
+                    fw, ": tensor '", name, "': expected dtype, shape and data_offsets, got ", t.dump());
         const std::string dt = t.at("dtype").get<std::string>();
         const auto dtype = parseSafetensorsDtype(dt);
         TPSIM_CHECK(dtype, fw, ": tensor '", name, "': expected a known dtype (F32, BF16, F16, F64, I64, F8_E4M3, "
@@ -523,7 +548,7 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
         for (std::size_t i = 0; i < r; ++i)
           TPSIM_CHECK(c.globalOffset[i] + c.localShape[i] <= k.savedGlobalShape[i], cw, ": expected the chunk ",
                       shapeStr(c.localShape), " at ", shapeStr(c.globalOffset), " inside ", shapeStr(k.savedGlobalShape));
-        const RowMap m = rowMap(k.savedGlobalShape, c.paddedAxis, c.gtpPadding);
+        const RowMap m = rowMap(k.savedGlobalShape, c.paddedAxis, c.gtpPadding, cw);
         TPSIM_CHECK(logicalShape(k.savedGlobalShape, m) == k.globalShape, cw, ": expected its padding to leave ",
                     shapeStr(k.globalShape), ", got ", shapeStr(logicalShape(k.savedGlobalShape, m)));
         TPSIM_CHECK(logicalBox(c.globalOffset, c.localShape, m, cw).shape == c.storedShape, cw,
@@ -537,7 +562,7 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
                     safetensorsDtype(k.dtype), " ", shapeStr(c.storedShape), " (the index's), got ",
                     safetensorsDtype(ht->second.first), " ", shapeStr(ht->second.second), " in the file");
         TPSIM_CHECK(used.insert({c.file, c.tensor}).second, cw, ": expected each stored tensor used once, got it twice");
-        c.checksum = std::stoull(cj.at("fnv1a64").get<std::string>(), nullptr, 16);
+        c.checksum = readHex64(cj, cw, "fnv1a64");
         const std::size_t bytes = std::size_t(volume(c.storedShape)) * dtypeSize(k.dtype);
         const std::uint64_t sum = fnv1a64(files_.at(c.file).data() + dataBegin_.at({c.file, c.tensor}), bytes);
         TPSIM_CHECK(sum == c.checksum, cw, ": expected data checksum ", hex64(c.checksum), " (the index's), got ",
@@ -583,7 +608,7 @@ void CheckpointReader::load(const ShardedTensor& target, View dst, Compute& comp
   TPSIM_CHECK(local.size() == target.globalShape.size() && target.globalOffset.size() == local.size(), where,
               ": expected the target's local shape, offset and global shape of one rank, got ", shapeStr(local), ", ",
               shapeStr(target.globalOffset), ", ", shapeStr(target.globalShape));
-  const RowMap m = rowMap(target.globalShape, p, target.gtpPadding);
+  const RowMap m = rowMap(target.globalShape, p, target.gtpPadding, where);
   const Ints logical = logicalShape(target.globalShape, m);
   TPSIM_CHECK(logical == k.globalShape, where, ": expected global shape ", shapeStr(logical),
               " (this topology's, pad rows left out), got ", shapeStr(k.globalShape), " in the checkpoint");
@@ -595,7 +620,7 @@ void CheckpointReader::load(const ShardedTensor& target, View dst, Compute& comp
   std::vector<char> host(std::size_t(volume(local)) * dtypeSize(target.dtype), 0);  // pad rows stay 0
   std::int64_t filled = 0;
   for (const CheckpointChunk& c : k.chunks) {
-    const RowMap cm = rowMap(k.savedGlobalShape, c.paddedAxis, c.gtpPadding);
+    const RowMap cm = rowMap(k.savedGlobalShape, c.paddedAxis, c.gtpPadding, where);
     const Box src = logicalBox(c.globalOffset, c.localShape, cm, where);
     filled += copyOverlap(src, files_.at(c.file).data() + dataBegin_.at({c.file, c.tensor}), k.dtype, box, local,
                           host.data(), target.dtype);
@@ -618,8 +643,8 @@ std::vector<char> CheckpointReader::consolidated(const std::string& name) const 
   std::vector<char> out(std::size_t(volume(k.globalShape)) * dtypeSize(k.dtype));
   const Box all{Ints(k.globalShape.size(), 0), k.globalShape};
   for (const CheckpointChunk& c : k.chunks) {
-    const Box src = logicalBox(c.globalOffset, c.localShape, rowMap(k.savedGlobalShape, c.paddedAxis, c.gtpPadding),
-                               indexPath_);
+    const Box src = logicalBox(c.globalOffset, c.localShape,
+                               rowMap(k.savedGlobalShape, c.paddedAxis, c.gtpPadding, indexPath_), indexPath_);
     copyOverlap(src, files_.at(c.file).data() + dataBegin_.at({c.file, c.tensor}), k.dtype, all, k.globalShape,
                 out.data(), k.dtype);
   }

@@ -8,6 +8,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -53,8 +54,11 @@ double through(DType saved, DType loaded, double v) {
   return loadAsDouble(loaded, b);
 }
 
+// One folder per test (ctest runs them in parallel processes).
 std::string tempDir(const std::string& name) {
-  const fs::path p = fs::path(::testing::TempDir()) / ("tpsim_ckpt_" + name);
+  std::string test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  std::replace(test.begin(), test.end(), '/', '_');
+  const fs::path p = fs::path(::testing::TempDir()) / ("tpsim_ckpt_" + name + "_" + test);
   fs::remove_all(p);
   fs::create_directories(p);
   return p.string();
@@ -190,7 +194,13 @@ INSTANTIATE_TEST_SUITE_P(
         std::tuple{Topology{2, 2, 0}, Topology{1, 4, 5}},
         std::tuple{Topology{4, 2, 16, DType::kFloat32}, Topology{2, 2, 8, DType::kBFloat16}},
         std::tuple{Topology{2, 1, 0, DType::kBFloat16}, Topology{4, 2, 16, DType::kFloat32}},
-        std::tuple{Topology{2, 2, 16, DType::kFloat16}, Topology{1, 1, 0, DType::kFloat16}}));
+        std::tuple{Topology{2, 2, 16, DType::kFloat16}, Topology{1, 1, 0, DType::kFloat16}}),
+    [](const ::testing::TestParamInfo<Reshard::ParamType>& info) {
+      auto name = [](const Topology& t) {
+        return detail::concat("T", t.tp, "G", t.gtp, "a", t.pad, dtypeName(t.dtype));
+      };
+      return name(std::get<0>(info.param)) + "_to_" + name(std::get<1>(info.param));
+    });
 
 std::vector<char> readFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
