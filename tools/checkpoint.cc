@@ -24,6 +24,12 @@ const char* kCheckpointUsage =
     "  inspect      the keys, their global shapes, dtypes, chunks and writing ranks, and the files\n"
     "  consolidate  every tensor unsharded (pad rows dropped) in one safetensors file\n";
 
+const char* kCheckpointExitCodes =
+    "exit codes:\n"
+    "  0  done\n"
+    "  2  bad input: arguments, a checkpoint that is missing, truncated, corrupt or incomplete, or a FILE\n"
+    "     that cannot be written; the message names the file, the key and the expected and actual value\n";
+
 // "0-3,6": the ranks, runs of consecutive ones shortened.
 std::string rankList(const std::set<int>& ranks) {
   std::string out;
@@ -125,15 +131,18 @@ int checkpointMain(const std::vector<std::string>& args) {
   po::options_description opts("Options");
   opts.add_options()("help,h", "show this help")(
       "dtype,d", po::value(&dtype)->default_value(dtype),
-      "consolidate: saved | fp32 | bf16 | fp16 (numpy reads no bf16: fp32 for numpy)")(
-      "args", po::value(&words)->composing(), "the action and its paths");
+      "consolidate: saved | fp32 | bf16 | fp16 (numpy reads no bf16: fp32 for numpy)");
+  po::options_description hidden;
+  hidden.add_options()("args", po::value(&words)->composing(), "the action and its paths");
+  po::options_description all;
+  all.add(opts).add(hidden);
   po::positional_options_description positional;
   positional.add("args", -1);
   po::variables_map vm;
-  po::store(po::command_line_parser(args).options(opts).positional(positional).run(), vm);
+  po::store(po::command_line_parser(args).options(all).positional(positional).run(), vm);
   po::notify(vm);
   if (vm.count("help")) {
-    std::cout << kCheckpointUsage << "\n" << opts << "\n" << kExitCodes;
+    std::cout << kCheckpointUsage << "\n" << opts << "\n" << kCheckpointExitCodes;
     return 0;
   }
   if (words.empty()) throw UsageError{"expected an action, inspect or consolidate, got none"};
