@@ -380,10 +380,13 @@ void CheckpointWriter::commit(const std::string& dir) const {
     files[c.writer].push_back({name, h.dtype, c.storedShape, h.bytes});
   }
   for (const auto& [name, k] : keys) checkTiling(k, where);
-  for (const auto& [name, o] : objects_)
-    TPSIM_CHECK(volume(o.globalShape) == std::int64_t(o.offsets.size()), where, ": key '", name, "': expected ",
-                volume(o.globalShape), " main replicas of the object grid ", shapeStr(o.globalShape), ", got ",
-                o.offsets.size());
+  for (const auto& [name, o] : objects_) {
+    const std::set<Ints> cells(o.offsets.begin(), o.offsets.end());
+    TPSIM_CHECK(volume(o.globalShape) == std::int64_t(o.offsets.size()) && cells.size() == o.offsets.size(), where,
+                ": key '", name, "': expected one main replica for each of the ", volume(o.globalShape),
+                " cells of the object grid ", shapeStr(o.globalShape), ", got ", o.offsets.size(), " for ",
+                cells.size(), " distinct cells");
+  }
 
   // An old index goes first, so that a save failing halfway leaves no checkpoint that loads.
   const fs::path root(dir);
