@@ -236,7 +236,7 @@ check ckpt-consolidate 0 "fc2.weight             F32   (16, 64)" -- \
 if command -v python3 >/dev/null; then
   # The safetensors layout read with Python's standard library: each tensor equals its .npy.
   if ! python3 - "$work/all.safetensors" "$work/ck-npy" <<'PY'; then
-import json, struct, sys
+import json, math, struct, sys
 data = open(sys.argv[1], "rb").read()
 (n,) = struct.unpack("<Q", data[:8])
 header = json.loads(data[8:8 + n])
@@ -244,7 +244,7 @@ for name in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"):
     t = header[name]
     b, e = t["data_offsets"]
     npy = open(f"{sys.argv[2]}/{name}.npy", "rb").read()
-    assert t["dtype"] == "F32" and npy.endswith(data[8 + n + b:8 + n + e]) and e - b == 4 * eval("*".join(map(str, t["shape"]))), name
+    assert t["dtype"] == "F32" and npy.endswith(data[8 + n + b:8 + n + e]) and e - b == 4 * math.prod(t["shape"]), name
 PY
     echo "FAIL ckpt-consolidate-python: the consolidated tensors differ from the .npy files"
     failures=$((failures + 1))
