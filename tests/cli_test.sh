@@ -402,5 +402,77 @@ check trace-dir 2 "--trace: expected a file path in an existing directory, got '
   "$tpsim" run --layer row --trace "$work/nowhere/t.json"
 check trace-empty 2 "--trace: expected a file path, got an empty path" -- "$tpsim" demo --trace ""
 
+# Checkpoints: save at TP=4 x GTP_remat=2 (padded), load at TP=2: the results equal, byte for byte,
+# those of the same run reading the weights from .npy; inspect and consolidate; bad input exits 2.
+ck="$work/ck"
+check ckpt-save 0 "checkpoint saved to $ck" -- "$tpsim" run --layer mlp --tp 4 --gtp-remat 2 --pad-for-alignment 16 \
+  --save "$work/ck-npy" --save-checkpoint "$ck"
+check ckpt-npy 0 "sharded results agree" -- "$tpsim" run --layer mlp --tp 2 --load "$work/ck-npy" --save "$work/ck-a"
+check ckpt-load 0 "parameters from checkpoint $ck" -- "$tpsim" run --layer mlp --tp 2 --load "$work/ck-npy" \
+  --load-checkpoint "$ck" --save "$work/ck-b"
+for f in output input.grad fc1.weight.grad fc1.bias.grad fc2.weight.grad fc2.bias.grad; do
+  cmp -s "$work/ck-a/$f.npy" "$work/ck-b/$f.npy" || { echo "FAIL ckpt-load: $f.npy differs"; failures=$((failures + 1)); }
+done
+check ckpt-load-bf16-gtp 0 "sharded results agree" -- "$tpsim" run --layer mlp --tp 2 --gtp-remat 4 \
+  --pad-for-alignment 8 --batch 4 --dtype bf16 --load-checkpoint "$ck"
+for layer in column row embedding; do
+  check "ckpt-$layer" 0 "checkpoint saved" -- "$tpsim" run --layer "$layer" --tp 4 --gtp-remat 2 --batch 4 \
+    $([ "$layer" = embedding ] || echo --bias) --save-checkpoint "$work/ck-$layer"
+  check "ckpt-$layer-load" 0 "sharded results agree" -- "$tpsim" run --layer "$layer" --tp 2 \
+    $([ "$layer" = embedding ] || echo --bias) --load-checkpoint "$work/ck-$layer"
+done
+check ckpt-inspect 0 "fc1.weight             F32   (64, 16)       (128, 16)           8  0-7" -- \
+  "$tpsim" checkpoint inspect "$ck"
+check ckpt-consolidate 0 "fc2.weight             F32   (16, 64)" -- \
+  "$tpsim" checkpoint consolidate "$ck" "$work/all.safetensors"
+if command -v python3 >/dev/null; then
+  # The safetensors layout read with Python's standard library: each tensor equals its .npy.
+  if ! python3 - "$work/all.safetensors" "$work/ck-npy" <<'PY'; then
+import json, math, struct, sys
+data = open(sys.argv[1], "rb").read()
+(n,) = struct.unpack("<Q", data[:8])
+header = json.loads(data[8:8 + n])
+for name in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"):
+    t = header[name]
+    b, e = t["data_offsets"]
+    npy = open(f"{sys.argv[2]}/{name}.npy", "rb").read()
+    assert t["dtype"] == "F32" and npy.endswith(data[8 + n + b:8 + n + e]) and e - b == 4 * math.prod(t["shape"]), name
+PY
+    echo "FAIL ckpt-consolidate-python: the consolidated tensors differ from the .npy files"
+    failures=$((failures + 1))
+  else
+    echo "ok   ckpt-consolidate-python"
+    passed=$((passed + 1))
+  fi
+fi
+check ckpt-consolidate-dtype 2 "--dtype: expected saved, fp32, bf16 or fp16, got 'fp8'" -- \
+  "$tpsim" checkpoint consolidate "$ck" "$work/x.safetensors" --dtype fp8
+check ckpt-consolidate-name 2 "FILE: expected a name ending in .safetensors, got '$work/x.bin'" -- \
+  "$tpsim" checkpoint consolidate "$ck" "$work/x.bin"
+check ckpt-action 2 "expected an action, inspect or consolidate, got 'show'" -- "$tpsim" checkpoint show "$ck"
+check ckpt-layer 2 "--load-checkpoint: expected key 'weight' in $ck (--layer column reads weight), got only fc1.bias" -- \
+  "$tpsim" run --layer column --load-checkpoint "$ck"
+check ckpt-stride 2 "--stride: checkpoints need stride 1" -- \
+  "$tpsim" run --layer column --tp 2 --stride 2 --save-checkpoint "$work/ck-stride"
+check ckpt-no-dir 2 "checkpoint $work/none: expected a directory, got nothing there" -- \
+  "$tpsim" checkpoint inspect "$work/none"
+check ckpt-empty 2 "--save-checkpoint: expected a directory, got an empty path" -- \
+  "$tpsim" run --layer column --save-checkpoint ""
+cp -r "$ck" "$work/ck-bad"
+# The last byte is data (rank 2 holds real rows); it is changed, whatever it was.
+bad="$work/ck-bad/rank-00002.safetensors"
+last=$(tail -c 1 "$bad" | od -An -tu1 | tr -d ' ')
+printf "\\x$(printf %02x $(((last + 1) % 256)))" | dd of="$bad" bs=1 seek=$(($(stat -c %s "$bad") - 1)) \
+  conv=notrunc status=none
+check ckpt-corrupt 2 "in rank-00002.safetensors: expected data checksum" -- \
+  "$tpsim" checkpoint inspect "$work/ck-bad"
+truncate -s -1 "$work/ck-bad/rank-00002.safetensors"
+check ckpt-truncated 2 "the file is truncated or was replaced" -- \
+  "$tpsim" run --layer mlp --tp 2 --load-checkpoint "$work/ck-bad"
+rm "$work/ck-bad/rank-00002.safetensors"
+check ckpt-missing 2 "rank-00002.safetensors: expected a readable safetensors file named in the index, got no such file" -- \
+  "$tpsim" checkpoint consolidate "$work/ck-bad" "$work/y.safetensors"
+[ -e "$work/y.safetensors" ] && { echo "FAIL ckpt-missing: wrote a file"; failures=$((failures + 1)); }
+
 echo "$passed passed, $failures failed"
 [ "$failures" -eq 0 ]

@@ -31,6 +31,7 @@ extern const char kExitCodes[];
 int demoMain(const std::vector<std::string>& args);
 int benchMain(const std::vector<std::string>& args);
 int runMain(const std::vector<std::string>& args);
+int checkpointMain(const std::vector<std::string>& args);
 
 // A `tpsim run` command line, parsed and checked: all runMain decides before it touches a file or
 // allocates a tensor. parseRunArgs throws UsageError or InvalidArgument naming the flag.
@@ -38,6 +39,7 @@ struct RunArgs {
   RunConfig config;
   VerifyMode verify = VerifyMode::kBound;
   std::string loadDir, saveDir;            // "" when not given
+  std::string loadCheckpoint, saveCheckpoint;  // "" when not given
   std::optional<std::int64_t> maxMemory;   // --max-memory, bytes
   TraceOptions trace;                      // --trace, --clock, --device-model
   std::string help;                        // --help: the text to print (and nothing to run)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetches what tools/gpu_check.sh needs on a GPU machine that has the CUDA toolkit, CMake and ninja
 # but no package registry: the Debian packages tpsim builds with (Eigen, Boost, GoogleTest,
-# rapidcheck), downloaded here with apt-get, unpacked and packed again as .gpu-deps/root.tar.xz
+# rapidcheck, nlohmann-json), downloaded here with apt-get, unpacked and packed again as .gpu-deps/root.tar.xz
 # (about 11 MB; unpacked, Boost's headers alone are 150 MB). Carry .gpu-deps to the GPU machine
 # with the working tree; tools/gpu_check.sh unpacks it there. NCCL and cuBLASLt are not carried
 # (hundreds of MB): the check uses the GPU machine's own (its CUDA toolkit, or the nvidia-* Python
@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 
 packages=(libeigen3-dev libboost1.74-dev libboost-context1.74-dev libboost-context1.74.0
           libboost-program-options1.74-dev libboost-program-options1.74.0 libboost-context-dev
-          libboost-program-options-dev libgtest-dev libgmock-dev librapidcheck-dev)
+          libboost-program-options-dev libgtest-dev libgmock-dev librapidcheck-dev nlohmann-json3-dev)
 rm -rf .gpu-deps
 mkdir -p .gpu-deps/debs .gpu-deps/root
 if ! (cd .gpu-deps/debs && apt-get download "${packages[@]}" >/dev/null 2>&1); then

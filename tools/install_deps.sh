@@ -5,7 +5,7 @@
 set -euo pipefail
 
 packages=(cmake ninja-build g++ libeigen3-dev libboost-program-options-dev libboost-context-dev
-          libgtest-dev libgmock-dev librapidcheck-dev python3)
+          libgtest-dev libgmock-dev librapidcheck-dev nlohmann-json3-dev python3)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -28,6 +28,8 @@ const char* kUsage =
     "          sums, pad counts and the duplicate filters' choice (text, or an SVG page with --svg)\n"
     "  bench   simulator overheads: tiny-collective latency, collective bandwidth, GEMM throughput;\n"
     "          with --backend gpu: the layers against cuBLASLt and PyTorch, DeviceFabric bandwidth\n"
+    "  checkpoint inspect DIR: the keys, shapes, chunks and writers of a `run --save-checkpoint`;\n"
+    "          checkpoint consolidate DIR FILE.safetensors: its tensors unsharded in one file\n"
     "  devices the backends this build has (sim, gpu) and whether each can run here, with the reason\n"
     "\n"
     "'tpsim <command> --help' lists a command's options; 'tpsim --version' the build.\n"
@@ -63,6 +65,7 @@ int main(int argc, char** argv) {
     if (command == "bench") return tpsim::tools::benchMain(args);
     if (command == "run") return tpsim::tools::runMain(args);
     if (command == "layout") return tpsim::tools::layoutMain(args);
+    if (command == "checkpoint") return tpsim::tools::checkpointMain(args);
     if (command == "devices") {
       if (args.size() == 1 && (args[0] == "--help" || args[0] == "-h")) {
         std::puts("tpsim devices: the backends this build has and whether each can run here (exit 0 either way)");
@@ -75,6 +78,7 @@ int main(int argc, char** argv) {
     throw tpsim::tools::UsageError{"unknown command '" + command + "'"};
   } catch (const tpsim::tools::UsageError& e) {
     const bool known = command == "demo" || command == "bench" || command == "run" || command == "layout" ||
+                       command == "checkpoint" ||
                        command == "devices";
     std::fprintf(stderr, "tpsim%s%s: %s\nTry 'tpsim%s%s --help'\n", known ? " " : "", known ? command.c_str() : "",
                  e.message.c_str(), known ? " " : "", known ? command.c_str() : "");

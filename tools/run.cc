@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
 #include "backends/errors.h"
@@ -29,6 +30,20 @@ std::vector<std::string> inputNames(const RunConfig& c) {
   }
 }
 
+// The parameters among inputNames: what a checkpoint holds, under the same names.
+std::vector<std::string> paramNames(const RunConfig& c) {
+  std::vector<std::string> out;
+  for (const std::string& n : inputNames(c))
+    if (n != "input" && n != "grad_output") out.push_back(n);
+  return out;
+}
+
+std::string joinNames(const std::vector<std::string>& names, const std::string& suffix = "") {
+  std::string all;
+  for (const auto& n : names) all += (all.empty() ? "" : ", ") + n + suffix;
+  return all;
+}
+
 HostTensor fromNpy(const NpyArray& a, DType want, const std::string& file) {
   const bool ids = want == DType::kInt64;
   TPSIM_CHECK(ids == (a.dtype == DType::kInt64), file, ": expected ", ids ? "int64 token ids" : "float32 or float16 values",
@@ -39,45 +54,75 @@ HostTensor fromNpy(const NpyArray& a, DType want, const std::string& file) {
   return makeHost(a.shape, want, std::move(values));  // 16-bit --dtype: rounded once, here
 }
 
-// DIR/NAME.npy for each input of c's layer, checked to exist.
-std::vector<std::pair<std::string, std::string>> inputFiles(const RunConfig& c, const std::string& dir) {
+// DIR/NAME.npy for each input of c's layer, checked to exist; withParams false: input and
+// grad_output only (the parameters come from --load-checkpoint).
+std::vector<std::pair<std::string, std::string>> inputFiles(const RunConfig& c, const std::string& dir,
+                                                            bool withParams) {
   TPSIM_CHECK(std::filesystem::is_directory(dir), "--load: ", dir, " is not a directory");
+  const std::vector<std::string> names = withParams ? inputNames(c) : std::vector<std::string>{"input", "grad_output"};
   std::vector<std::pair<std::string, std::string>> files;  // (name, path)
-  for (const std::string& name : inputNames(c)) {
+  for (const std::string& name : names) {
     const std::string file = (std::filesystem::path(dir) / (name + ".npy")).string();
     TPSIM_CHECK(std::filesystem::exists(file), "--load: ", file, " is missing; --layer ", layerName(c.layer),
-                " reads ", [&] {
-                  std::string all;
-                  for (const auto& n : inputNames(c)) all += (all.empty() ? "" : ", ") + n + ".npy";
-                  return all;
-                }());
+                " reads ", joinNames(names, ".npy"));
     files.push_back({name, file});
   }
   return files;
 }
 
 // The inputs' shapes from the headers alone, to size the run before reading the data.
-ShapeMap loadShapes(const RunConfig& c, const std::string& dir) {
+ShapeMap loadShapes(const RunConfig& c, const std::string& dir, bool withParams) {
   ShapeMap m;
-  for (const auto& [name, file] : inputFiles(c, dir)) m[name] = readNpyHeader(file).shape;
+  for (const auto& [name, file] : inputFiles(c, dir, withParams)) m[name] = readNpyHeader(file).shape;
   return m;
 }
 
-TensorMap load(const RunConfig& c, const std::string& dir) {
+TensorMap load(const RunConfig& c, const std::string& dir, bool withParams) {
   TensorMap m;
-  for (const auto& [name, file] : inputFiles(c, dir)) {
+  for (const auto& [name, file] : inputFiles(c, dir, withParams)) {
     const bool ids = c.layer == LayerKind::kEmbedding && name == "input";
     m[name] = fromNpy(readNpy(file), ids ? DType::kInt64 : c.dtype, file);
   }
   return m;
 }
 
-// --save DIR, before the run: an existing directory, or one created now.
-void prepareSaveDir(const std::string& dir) {
+// --save DIR or --save-checkpoint DIR, before the run: an existing directory, or one created now.
+void prepareSaveDir(const std::string& flag, const std::string& dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
-  TPSIM_CHECK(!ec && std::filesystem::is_directory(dir), "--save: expected a directory or a path where one can be "
-              "created, got '", dir, "' (", ec ? ec.message() : "not a directory", ")");
+  TPSIM_CHECK(!ec && std::filesystem::is_directory(dir), "--", flag, ": expected a directory or a path where one can "
+              "be created, got '", dir, "' (", ec ? ec.message() : "not a directory", ")");
+}
+
+// The parameters of --load-checkpoint, unsharded (pad rows dropped) and rounded to --dtype: the dense
+// reference's copy (the ranks read their own chunks). The shape flags follow them, so that generated
+// input and grad_output fit.
+TensorMap checkpointParams(RunConfig& c, const CheckpointReader& reader, const std::string& dir) {
+  TensorMap m;
+  std::vector<std::string> held;
+  for (const auto& [key, k] : reader.keys()) held.push_back(key);
+  for (const std::string& name : paramNames(c)) {
+    TPSIM_CHECK(reader.keys().count(name), "--load-checkpoint: expected key '", name, "' in ", dir, " (--layer ",
+                layerName(c.layer), c.bias ? " --bias" : "", " reads ", joinNames(paramNames(c)), "), got only ",
+                held.empty() ? "no keys" : joinNames(held));
+    const CheckpointKey& k = reader.key(name);
+    const std::size_t rank = name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0 ? 1 : 2;
+    TPSIM_CHECK(k.globalShape.size() == rank && isFloating(k.dtype), "--load-checkpoint: key '", name, "' in ", dir,
+                ": expected a floating tensor of rank ", rank, ", got ", dtypeName(k.dtype), " of shape ",
+                shapeString(k.globalShape));
+    const std::vector<char> bytes = reader.consolidated(name);
+    std::vector<double> values(bytes.size() / dtypeSize(k.dtype));
+    for (std::size_t i = 0; i < values.size(); ++i) values[i] = loadAsDouble(k.dtype, bytes.data() + i * dtypeSize(k.dtype));
+    m[name] = makeHost(k.globalShape, c.dtype, std::move(values));
+  }
+  const HostTensor& w = m.at(c.layer == LayerKind::kMlp ? "fc1.weight" : "weight");
+  switch (c.layer) {
+    case LayerKind::kColumn:
+    case LayerKind::kRow: c.outFeatures = w.shape[0], c.inFeatures = w.shape[1]; break;
+    case LayerKind::kEmbedding: c.vocab = w.shape[0], c.outFeatures = w.shape[1]; break;
+    case LayerKind::kMlp: c.ffnHidden = w.shape[0], c.inFeatures = w.shape[1]; break;
+  }
+  return m;
 }
 
 // All the outputs or none: each is written under a temporary name in DIR, and only when all are
@@ -196,6 +241,11 @@ RunArgs parseRunArgs(const std::vector<std::string>& args) {
       ("max-memory", po::value(&maxMemory),
        "refuse (exit 2) a run whose estimated peak memory exceeds SIZE (bytes, or 512M, 8G); without it, "
        "or with more, the limit is the memory available")
+      ("load-checkpoint", po::value(&out.loadCheckpoint),
+       "read the parameters from the checkpoint in DIR, saved at any --tp, --gtp-remat, --pad-for-alignment or "
+       "--dtype (input and grad_output still from --load or generated)")
+      ("save-checkpoint", po::value(&out.saveCheckpoint),
+       "write the parameters (as loaded or generated: run takes no step) as a sharded checkpoint to DIR")
       ("timeout", po::value(&timeout)->default_value(timeout)->value_name("SECONDS"), kTimeoutHelp);
   po::options_description faults("Faults (what a broken rank looks like to its peers)");
   faults.add_options()("inject", po::value(&injects)->composing()->value_name("RANK:K:FAULT"), kInjectHelp);
@@ -218,7 +268,7 @@ RunArgs parseRunArgs(const std::vector<std::string>& args) {
   c.faults = parseInjections(injects);
   c.timeout = parseTimeout(timeout);
   // An empty path would silently mean "no --load" or "no --save".
-  for (const char* flag : {"load", "save"})
+  for (const char* flag : {"load", "save", "load-checkpoint", "save-checkpoint"})
     if (vm.count(flag) && vm[flag].as<std::string>().empty())
       throw UsageError{std::string("--") + flag + ": expected a directory, got an empty path"};
   c.layer = parseLayer(layer);
@@ -246,6 +296,7 @@ RunArgs parseRunArgs(const std::vector<std::string>& args) {
   if (vm.count("trace") && trace.file.empty()) throw UsageError{"--trace: expected a file path, got an empty path"};
   checkTraceOptions(trace, !vm["clock"].defaulted(), !vm["device-model"].defaulted());
   c.record = !trace.file.empty();
+  if (!out.loadCheckpoint.empty() || !out.saveCheckpoint.empty()) checkCheckpointable(c);
   return out;
 }
 
@@ -255,21 +306,35 @@ int runMain(const std::vector<std::string>& args) {
     std::cout << parsed.help;
     return 0;
   }
-  const RunConfig& c = parsed.config;
+  RunConfig c = parsed.config;
   const std::string &loadDir = parsed.loadDir, &saveDir = parsed.saveDir;
+  const std::string &loadCheckpoint = parsed.loadCheckpoint, &saveCheckpoint = parsed.saveCheckpoint;
   const VerifyMode verifyMode = parsed.verify;
   const TraceOptions& trace = parsed.trace;
-  // Before anything is allocated: a run that cannot fit is refused, not killed by the kernel.
-  checkMemory(c, loadDir.empty() ? generatedShapes(c) : loadShapes(c, loadDir), verifyMode, parsed.maxMemory,
-              loadDir);
+  // The checkpoint's parameters fix the shape flags before the memory check reads them.
+  std::optional<CheckpointReader> reader;
+  TensorMap params;
+  if (!loadCheckpoint.empty()) {
+    reader.emplace(loadCheckpoint);
+    params = checkpointParams(c, *reader, loadCheckpoint);
+  }
+  // Before anything else is allocated: a run that cannot fit is refused, not killed by the kernel.
+  ShapeMap shapes = loadDir.empty() ? generatedShapes(c) : loadShapes(c, loadDir, !reader);
+  for (const auto& [name, t] : params) shapes[name] = t.shape;
+  checkMemory(c, shapes, verifyMode, parsed.maxMemory, loadDir);
 
-  if (!saveDir.empty()) prepareSaveDir(saveDir);
+  if (!saveDir.empty()) prepareSaveDir("save", saveDir);
+  if (!saveCheckpoint.empty()) prepareSaveDir("save-checkpoint", saveCheckpoint);
   std::printf("# tpsim run: %s\n", c.str().c_str());
-  const TensorMap inputs = loadDir.empty() ? generateInputs(c) : load(c, loadDir);
-  std::printf("# inputs (%s):", loadDir.empty() ? "generated" : loadDir.c_str());
+  TensorMap inputs = loadDir.empty() ? generateInputs(c) : load(c, loadDir, !reader);
+  for (auto& [name, t] : params) inputs[name] = std::move(t);
+  std::printf("# inputs (%s%s%s):", loadDir.empty() ? "generated" : loadDir.c_str(),
+              reader ? "; parameters from checkpoint " : "", reader ? loadCheckpoint.c_str() : "");
   for (const auto& [name, t] : inputs) std::printf(" %s %s", name.c_str(), t.shapeStr().c_str());
   std::printf("\n");
-  const RunResult result = runSharded(c, inputs);
+  CheckpointWriter writer;
+  const RunResult result =
+      runSharded(c, inputs, {reader ? &*reader : nullptr, saveCheckpoint.empty() ? nullptr : &writer});
   std::size_t collectives = 0, splits = 0;
   for (const auto& events : result.trace)
     for (const auto& e : events) ++(e.op == "split" ? splits : collectives);
@@ -295,6 +360,11 @@ int runMain(const std::vector<std::string>& args) {
     if (loadDir.empty()) outputs.insert(inputs.begin(), inputs.end());
     save(saveDir, outputs);
     std::printf("\nsaved to %s\n", saveDir.c_str());
+  }
+  if (!saveCheckpoint.empty()) {
+    writer.commit(saveCheckpoint);
+    std::printf("\ncheckpoint saved to %s (tpsim checkpoint inspect %s)\n", saveCheckpoint.c_str(),
+                saveCheckpoint.c_str());
   }
   if (c.record) {
     writeTrace(trace, result.records, c.tp);

@@ -7,6 +7,7 @@
 #include <random>
 
 #include "backends/errors.h"
+#include "core/checkpoint.h"
 #include "core/embedding.h"
 #include "core/grad_stats.h"
 #include "core/gtp.h"
@@ -374,9 +375,17 @@ void checkInputs(const RunConfig& c, const TensorMap& in) {
   expectShape("grad_output", {s, b, n});
 }
 
-RunResult runSharded(const RunConfig& c, const TensorMap& in) {
+void checkCheckpointable(const RunConfig& c) {
+  TPSIM_CHECK(c.stride == 1, "--stride: checkpoints need stride 1 (sharded_state_dict records a rank's interleaved "
+              "rows as one contiguous chunk, which another --tp would read as the wrong rows), got ", c.stride);
+  TPSIM_CHECK(c.weightFormat == WeightFormat::kNative, "--weight-format: checkpoints need native weights (an MXFP8 "
+              "weight is saved as its dequantized copy, not the parameter), got ", weightFormatName(c.weightFormat));
+}
+
+RunResult runSharded(const RunConfig& c, const TensorMap& in, const CheckpointHooks& hooks) {
   c.validate();
   checkInputs(c, in);
+  if (hooks.load || hooks.save) checkCheckpointable(c);
   const int T = c.tp, G = c.gtpRemat;
   ParallelSizes sizes;
   sizes.world = T * G;
@@ -444,6 +453,24 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
                                   (g + 1) * rows, ") of it padded by ", *p.attrs.padLength, " to ", rows * G,
                                   ": ", shard.shapeStr()));
     };
+    // Once the parameters are set: this rank's chunks read from, or added to, the checkpoint.
+    auto checkpoint = [&](const ShardedStateDict& sd, const std::map<std::string, Parameter*>& params) {
+      if (!hooks.load && !hooks.save) return;
+      if (hooks.load)
+        for (const ShardedEntry& e : sd) {
+          if (const auto* o = std::get_if<ShardedObject>(&e)) {
+            hooks.load->checkObject(*o);
+          } else {
+            const auto& st = std::get<ShardedTensor>(e);
+            hooks.load->load(st, params.at(st.key)->data, compute);
+          }
+        }
+      if (hooks.save) hooks.save->add(r, sd, compute);
+    };
+    auto joined = [](ShardedStateDict a, const ShardedStateDict& b) {
+      a.insert(a.end(), b.begin(), b.end());
+      return a;
+    };
     switch (c.layer) {
       case LayerKind::kColumn: {
         ColumnParallelOptions o;
@@ -464,6 +491,8 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
           setShard(compute, *layer.bias(), bShard, c);
           per.shard(r, describe("bias", bShard, in.at("bias"), 0, rows));
         }
+        checkpoint(shardedStateDict(layer, "", {}, pg.tp(), &pg.dpCpGtp()),
+                   {{"weight", layer.weight()}, {"bias", layer.bias()}});
         const HostTensor x = c.sequenceParallel ? chunk(input, 0, t, T) : input;
         Tensor xt = toBackend(compute, x);
         LayerOutput out = layer.forward(xt);
@@ -501,6 +530,8 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
           setShard(compute, *layer.bias(), in.at("bias"), c);
           per.shard(r, "bias " + in.at("bias").shapeStr() + " replicated");
         }
+        checkpoint(shardedStateDict(layer, "", {}, pg.tp(), &pg.dpCpGtp()),
+                   {{"weight", &layer.weight()}, {"bias", layer.bias()}});
         const HostTensor x = c.inputIsParallel ? take(input, -1, cols) : input;
         Tensor xt = toBackend(compute, x);
         LayerOutput out = layer.forward(xt);
@@ -529,6 +560,7 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         const auto rows = ownedRanges(w.shape[0], T, 1, t);
         const HostTensor wLocal = take(w, 0, rows);
         setWeight(layer.weight(), wLocal, describe("weight", wLocal, w, 0, rows));
+        checkpoint(shardedStateDict(layer, "", {}, pg.tp(), &pg.dpCpGtp()), {{"weight", &layer.weight()}});
         Tensor ids = toBackend(compute, input);
         Tensor y = layer.forward(ids);
         layer.backward(toBackend(compute, c.reduceScatterEmbeddings ? chunk(dyFull, 0, t, T) : dyFull));
@@ -555,6 +587,10 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in) {
         setShard(compute, *fc2.bias(), in.at("fc2.bias"), c);
         per.shard(r, describe("fc1.bias", b1s, in.at("fc1.bias"), 0, rows));
         per.shard(r, "fc2.bias " + in.at("fc2.bias").shapeStr() + " replicated");
+        checkpoint(joined(shardedStateDict(fc1, "fc1.", {}, pg.tp(), &pg.dpCpGtp()),
+                          shardedStateDict(fc2, "fc2.", {}, pg.tp(), &pg.dpCpGtp())),
+                   {{"fc1.weight", fc1.weight()}, {"fc1.bias", fc1.bias()}, {"fc2.weight", &fc2.weight()},
+                    {"fc2.bias", fc2.bias()}});
         Tensor xt = toBackend(compute, c.sequenceParallel ? chunk(input, 0, t, T) : input);
         Tensor h = fc1.forward(xt).output;  // (s, b, F/T)
         Tensor a = compute.empty(h.shape(), h.dtype());

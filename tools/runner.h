@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "backends/world.h"
+#include "core/checkpoint_io.h"
 #include "tools/reference.h"
 #include "tools/trace.h"
 
@@ -80,7 +81,19 @@ struct RunResult {
   std::vector<RankRecord> records;             // per rank, with RunConfig::record: its ops in order
 };
 
-RunResult runSharded(const RunConfig& config, const TensorMap& inputs);
+// A run's checkpoint hooks. Every rank builds its layers' sharded state dict (keys as the inputs
+// are named: weight, bias; mlp: fc1.weight, ...) once its parameters are set; with `load` it then
+// reads its own chunks of them from the checkpoint (over the inputs' values, which must hold the
+// same tensors for the dense reference), with `save` it adds them to the writer.
+struct CheckpointHooks {
+  const CheckpointReader* load = nullptr;
+  CheckpointWriter* save = nullptr;
+};
+
+// Throws InvalidArgument naming the flag when `config` cannot be checkpointed: --stride > 1 or
+// --weight-format mxfp8. runSharded checks it too whenever a hook is set.
+void checkCheckpointable(const RunConfig& config);
+RunResult runSharded(const RunConfig& config, const TensorMap& inputs, const CheckpointHooks& hooks = {});
 
 // A row of the verification table: max |sharded - dense| against the largest allowed.
 struct Verdict {

@@ -1,0 +1,125 @@
+// Checkpoint files: sharded save of every rank's shardedStateDict (core/checkpoint.h) into
+// safetensors files plus one index, and load at any other topology (TP, GTP_remat, padding, dtype).
+//
+// Layout (docs/checkpoints.md): one `rank-RRRRR.safetensors` per writing rank, holding the real rows
+// of the chunks whose replica it is main of (GTP_remat pad rows are never written), and
+// `index.json`, written last, naming every key's shapes, dtype and chunks with a checksum each.
+// A load maps saved and target chunks to logical (unpadded) global rows, so any topology reads any
+// checkpoint. Not a distributed file system: every rank's data passes through this process's memory.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "backends/compute.h"
+#include "core/checkpoint.h"
+
+namespace tpsim {
+
+// The safetensors name of a dtype ("F32", "BF16", ...) and its inverse (nullopt if unknown).
+const char* safetensorsDtype(DType dtype);
+std::optional<DType> parseSafetensorsDtype(const std::string& name);
+
+// FNV-1a, 64 bit: the checksum of every stored byte range (header, chunk data) in the index.
+std::uint64_t fnv1a64(const void* data, std::size_t size);
+
+// Writes the safetensors file `path` (temporary name, then rename): `tensors` in order, each a
+// name, dtype, shape and row-major little-endian bytes.
+struct SafetensorsEntry {
+  std::string name;
+  DType dtype = DType::kFloat32;
+  std::vector<std::int64_t> shape;
+  std::vector<char> bytes;
+};
+void writeSafetensors(const std::string& path, const std::vector<SafetensorsEntry>& tensors,
+                      const std::map<std::string, std::string>& metadata = {});
+
+// One chunk as the index records it. Coordinates are global, over prependAxisNum + data axes.
+struct CheckpointChunk {
+  std::string file, tensor;                       // the safetensors file and the tensor's name in it
+  int writer = 0;                                 // the rank that wrote it
+  std::vector<std::int64_t> globalOffset;         // in the saved (padded) global tensor
+  std::vector<std::int64_t> localShape;           // as the rank held it, pad rows included
+  std::vector<std::int64_t> storedShape;          // what the file holds: pad rows left out
+  int paddedAxis = 0;                             // the axis pad rows sit on (prependAxisNum)
+  std::optional<GtpPadding> gtpPadding;
+  ReplicaId replicaId;
+  std::uint64_t checksum = 0;                     // fnv1a64 of the stored bytes
+};
+
+struct CheckpointKey {
+  std::string key;
+  DType dtype = DType::kFloat32;
+  std::vector<std::int64_t> globalShape;       // logical: without pad rows (what consolidate writes)
+  std::vector<std::int64_t> savedGlobalShape;  // Megatron's: with the saving topology's pad rows
+  std::vector<CheckpointChunk> chunks;
+};
+
+// An `_extra_state` entry (value None): which cells were recorded, and by whom.
+struct CheckpointObject {
+  std::string key;
+  std::vector<std::int64_t> globalShape;
+  std::vector<std::vector<std::int64_t>> offsets;
+  std::vector<int> writers;
+};
+
+// Collects the state dicts of one world and writes them. add() is called by every rank, from its
+// own thread; commit() once all have returned.
+class CheckpointWriter {
+ public:
+  // Copies this rank's main-replica chunks to host memory (through compute), real rows only.
+  void add(int rank, const ShardedStateDict& stateDict, Compute& compute);
+  // Writes the files and the index into `dir`, which must exist. Throws InvalidArgument, writing
+  // nothing, when a chunk is written twice, a key's chunks leave rows uncovered or disagree on dtype
+  // or shape. Files go to temporary names first, the index last: a failed save leaves no index.
+  void commit(const std::string& dir) const;
+
+ private:
+  struct Held {
+    CheckpointChunk chunk;
+    std::vector<std::int64_t> savedGlobalShape;
+    DType dtype;
+    std::string key;
+    std::vector<char> bytes;
+  };
+  mutable std::mutex mu_;
+  std::vector<Held> chunks_;
+  std::map<std::string, CheckpointObject> objects_;
+};
+
+// A checkpoint read and checked whole at construction: the index, every file's header against it,
+// every checksum, and that each key's chunks cover its logical tensor exactly once. Afterwards
+// const and safe to share between rank threads.
+class CheckpointReader {
+ public:
+  // Throws InvalidArgument naming the file and the expected and actual value on any mismatch.
+  explicit CheckpointReader(const std::string& dir);
+
+  const std::map<std::string, CheckpointKey>& keys() const { return keys_; }
+  const std::map<std::string, CheckpointObject>& objects() const { return objects_; }
+  const CheckpointKey& key(const std::string& key) const;  // throws, naming the key, if absent
+
+  // One rank's chunk `target` (its own topology's shapes, padding and dtype), assembled from every
+  // saved chunk it overlaps, pad rows zero, converted to target.dtype (round to nearest even), and
+  // written into `dst` (target's local shape, any backend) through compute. Throws InvalidArgument
+  // naming the key and both values when the logical global shapes differ or a dtype conversion is
+  // not between floating types.
+  void load(const ShardedTensor& target, View dst, Compute& compute) const;
+  // An `_extra_state` entry: present in the checkpoint with the same grid.
+  void checkObject(const ShardedObject& target) const;
+  // The whole logical tensor of `key` (no pad rows) in the saved dtype, row-major.
+  std::vector<char> consolidated(const std::string& key) const;
+
+ private:
+  std::string dir_, indexPath_;
+  std::map<std::string, CheckpointKey> keys_;
+  std::map<std::string, CheckpointObject> objects_;
+  std::map<std::string, std::vector<char>> files_;  // file -> its whole contents
+  std::map<std::pair<std::string, std::string>, std::size_t> dataBegin_;  // (file, tensor) -> byte offset
+};
+
+}  // namespace tpsim

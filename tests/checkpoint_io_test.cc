@@ -1,0 +1,385 @@
+// Tests for core/checkpoint_io.h on the simulator: a column (with bias), a row (with bias) and an
+// embedding saved at one (T, GTP_remat, pad_for_alignment, dtype) and loaded at another, checked
+// against values filled by an independent formula; the safetensors bytes; the index; and every
+// rejected checkpoint (missing key, shape, dtype, truncated or corrupt file, missing file, a chunk
+// written twice or missing), with a failed save leaving the previous checkpoint loadable.
+#include "core/checkpoint_io.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "core/embedding.h"
+#include "core/gtp.h"
+#include "core/init.h"
+#include "core/layers.h"
+#include "core/process_groups.h"
+#include "tests/sim_test_util.h"
+
+namespace tpsim {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+using testing::runRanks;
+using Ints = std::vector<std::int64_t>;
+
+constexpr std::int64_t kN = 24, kK = 8, kV = 16, kH = 4;
+
+struct Topology {
+  int tp = 1, gtp = 1, pad = 0;
+  DType dtype = DType::kFloat32;
+};
+
+// The logical value of element (i, j) of each global tensor (distinct, not all exact in bf16).
+double value(const std::string& key, std::int64_t i, std::int64_t j) {
+  const double base = key == "col.weight" ? 1 : key == "col.bias" ? 2 : key == "row.weight" ? 3 : key == "row.bias" ? 4 : 5;
+  return base + 0.001 * double(i * 97 + j) + 1.0 / 3.0;
+}
+
+// Saved in `saved`, loaded into `loaded`: each conversion rounds once, to nearest even.
+double through(DType saved, DType loaded, double v) {
+  char a[8], b[8];
+  storeFromDouble(saved, v, a);
+  storeFromDouble(loaded, loadAsDouble(saved, a), b);
+  return loadAsDouble(loaded, b);
+}
+
+// One folder per test (ctest runs them in parallel processes).
+std::string tempDir(const std::string& name) {
+  std::string test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  std::replace(test.begin(), test.end(), '/', '_');
+  const fs::path p = fs::path(::testing::TempDir()) / ("tpsim_ckpt_" + name + "_" + test);
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p.string();
+}
+
+// One rank's layers and their state dict, built at `topo`, parameters filled (fill = true) with
+// value() through the layout Megatron gives them: a column's TP-local rows [t·N/T, ...), a row's
+// TP-local columns, each TP-local weight's rows padded and split over the GTP_remat peers.
+struct Layers {
+  std::unique_ptr<ColumnParallelLinear> col;
+  std::unique_ptr<RowParallelLinear> row;
+  std::unique_ptr<VocabParallelEmbedding> emb;
+  ShardedStateDict stateDict;
+  std::map<std::string, Parameter*> params;
+};
+
+Ints dims(const Shape& s) {
+  Ints out;
+  for (int i = 0; i < s.rank(); ++i) out.push_back(s[i]);
+  return out;
+}
+
+// The expected contents of parameter `key` on TP rank t, GTP_remat rank g, for data shape `shape`.
+std::vector<double> expected(const std::string& key, const Ints& shape, int T, int t, int g, DType saved, DType loaded) {
+  const std::int64_t rows = shape[0], cols = shape.size() > 1 ? shape[1] : 1;
+  std::vector<double> out;
+  for (std::int64_t i = 0; i < rows; ++i)
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const std::int64_t r = g * rows + i;  // the row within the TP-local (padded) tensor
+      double v = 0;
+      if (key == "col.weight" && r < kN / T) v = value(key, t * kN / T + r, j);
+      if (key == "emb.weight" && r < kV / T) v = value(key, t * kV / T + r, j);
+      if (key == "row.weight" && r < kN) v = value(key, r, t * kK / T + j);
+      if (key == "col.bias") v = value(key, t * kN / T + i, 0);
+      if (key == "row.bias") v = value(key, i, 0);
+      out.push_back(v == 0 ? 0 : through(saved, loaded, v));
+    }
+  return out;
+}
+
+Layers build(RankContext& ctx, ProcessGroups& pg, LayerContext& lc, const Topology& topo, bool fill) {
+  ModelParallelConfig mp;
+  mp.tensorModelParallelSize = topo.tp;
+  mp.performInitialization = false;
+  mp.paramsDtype = topo.dtype;
+  mp.gtpRematSize = topo.gtp;
+  mp.gtpPadForAlignment = topo.pad;
+  Layers l;
+  l.col = std::make_unique<ColumnParallelLinear>(lc, mp, kK, kN, initMethodNormal(0.02));
+  l.row = std::make_unique<RowParallelLinear>(lc, mp, kK, kN, initMethodNormal(0.02));
+  l.emb = std::make_unique<VocabParallelEmbedding>(lc, mp, kV, kH, initMethodNormal(0.02));
+  l.params = {{"col.weight", l.col->weight()}, {"col.bias", l.col->bias()}, {"row.weight", &l.row->weight()},
+              {"row.bias", l.row->bias()},     {"emb.weight", &l.emb->weight()}};
+  for (ShardedStateDict sd : {shardedStateDict(*l.col, "col.", {}, pg.tp(), &pg.dpCpGtp()),
+                              shardedStateDict(*l.row, "row.", {}, pg.tp(), &pg.dpCpGtp()),
+                              shardedStateDict(*l.emb, "emb.", {}, pg.tp(), &pg.dpCpGtp())})
+    for (ShardedEntry& e : sd) l.stateDict.push_back(std::move(e));
+  if (fill) {
+    const int t = pg.tp().rank(), g = pg.gtpRemat().rank();
+    for (auto& [key, p] : l.params) {
+      const Shape s = p->data.shape();
+      const Ints shape = dims(s);
+      ctx.compute.copy(testing::tensorOf(ctx.compute, topo.dtype, expected(key, shape, topo.tp, t, g, topo.dtype, topo.dtype), s),
+                       p->data);
+    }
+  }
+  return l;
+}
+
+void onWorld(const Topology& topo, const std::function<void(RankContext&, ProcessGroups&, LayerContext&)>& fn) {
+  ParallelSizes s;
+  s.world = topo.tp * topo.gtp;
+  s.tp = topo.tp;
+  s.gtpRemat = topo.gtp;
+  const ParallelLayout layout(s);
+  runRanks(layout.world(), [&](RankContext& ctx) {
+    ProcessGroups pg(ctx.comm, layout);
+    GtpGradReducer reducer(ctx.compute, {});
+    LayerContext lc{ctx.compute, pg.tp(), nullptr, nullptr, &pg.gtpRemat(), &pg.dpCp(), &reducer};
+    fn(ctx, pg, lc);
+  });
+}
+
+void save(const Topology& topo, const std::string& dir) {
+  CheckpointWriter writer;
+  onWorld(topo, [&](RankContext& ctx, ProcessGroups& pg, LayerContext& lc) {
+    Layers l = build(ctx, pg, lc, topo, true);
+    writer.add(ctx.comm.rank(), l.stateDict, ctx.compute);
+  });
+  writer.commit(dir);
+}
+
+// Loads the checkpoint at `topo` and checks every parameter of every rank bitwise.
+void loadAndCheck(const Topology& saved, const Topology& topo, const std::string& dir) {
+  const CheckpointReader reader(dir);
+  onWorld(topo, [&](RankContext& ctx, ProcessGroups& pg, LayerContext& lc) {
+    Layers l = build(ctx, pg, lc, topo, false);
+    for (const ShardedEntry& e : l.stateDict) {
+      if (const auto* o = std::get_if<ShardedObject>(&e)) {
+        reader.checkObject(*o);
+        continue;
+      }
+      const auto& st = std::get<ShardedTensor>(e);
+      reader.load(st, l.params.at(st.key)->data, ctx.compute);
+    }
+    const int t = pg.tp().rank(), g = pg.gtpRemat().rank();
+    for (auto& [key, p] : l.params) {
+      const Shape s = p->data.shape();
+      const Ints shape = dims(s);
+      const auto want = expected(key, shape, topo.tp, t, g, saved.dtype, topo.dtype);
+      const auto got = testing::valuesOf(ctx.compute, p->data);
+      for (std::size_t i = 0; i < want.size(); ++i)
+        ASSERT_EQ(got[i], want[i]) << key << " on rank " << ctx.comm.rank() << ", mismatch at index " << i;
+    }
+  });
+}
+
+class Reshard : public ::testing::TestWithParam<std::tuple<Topology, Topology>> {};
+
+TEST_P(Reshard, LoadsBitwiseWithZeroPadRows) {
+  const auto& [from, to] = GetParam();
+  const std::string dir = tempDir("reshard");
+  save(from, dir);
+  loadAndCheck(from, to, dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Topologies, Reshard,
+    ::testing::Values(
+        std::tuple{Topology{4, 2, 16}, Topology{2, 1, 0}},  // the README's example
+        std::tuple{Topology{4, 2, 16}, Topology{4, 2, 16}}, std::tuple{Topology{2, 1, 0}, Topology{4, 2, 16}},
+        std::tuple{Topology{1, 1, 0}, Topology{2, 4, 4}}, std::tuple{Topology{2, 2, 8}, Topology{4, 2, 3}},
+        std::tuple{Topology{2, 2, 0}, Topology{1, 4, 5}},
+        std::tuple{Topology{4, 2, 16, DType::kFloat32}, Topology{2, 2, 8, DType::kBFloat16}},
+        std::tuple{Topology{2, 1, 0, DType::kBFloat16}, Topology{4, 2, 16, DType::kFloat32}},
+        std::tuple{Topology{2, 2, 16, DType::kFloat16}, Topology{1, 1, 0, DType::kFloat16}}),
+    [](const ::testing::TestParamInfo<Reshard::ParamType>& info) {
+      auto name = [](const Topology& t) {
+        return detail::concat("T", t.tp, "G", t.gtp, "a", t.pad, dtypeName(t.dtype));
+      };
+      return name(std::get<0>(info.param)) + "_to_" + name(std::get<1>(info.param));
+    });
+
+std::vector<char> readFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+
+void writeFile(const std::string& path, const std::vector<char>& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), std::streamsize(bytes.size()));
+}
+
+TEST(CheckpointFiles, SafetensorsLayoutIndexAndNoPadRows) {
+  const std::string dir = tempDir("layout");
+  save(Topology{4, 2, 16}, dir);
+  const auto index = nlohmann::json::parse(readFile(dir + "/index.json"));
+  // col.weight: TP-local 6 rows padded to 32 (a multiple of 16·2), 16 rows per shard; only rows
+  // [0, 6) of each TP slice are real, all in the g = 0 shard: g = 1's chunks store nothing.
+  const auto& col = index["tensors"]["col.weight"];
+  EXPECT_EQ(col["dtype"], "F32");
+  EXPECT_EQ(col["global_shape"], (Ints{kN, kK}));
+  EXPECT_EQ(col["saved_global_shape"], (Ints{4 * 32, kK}));
+  ASSERT_EQ(col["chunks"].size(), 8u);
+  std::int64_t stored = 0;
+  for (const auto& c : col["chunks"]) {
+    EXPECT_EQ(c["local_shape"], (Ints{16, kK}));
+    EXPECT_EQ(c["gtp_padding"]["pad_length"], 26);
+    stored += c["stored_shape"][0].get<std::int64_t>();
+  }
+  EXPECT_EQ(stored, kN);
+  // The row bias is replicated over every rank: one chunk, written by rank 0.
+  ASSERT_EQ(index["tensors"]["row.bias"]["chunks"].size(), 1u);
+  EXPECT_EQ(index["tensors"]["row.bias"]["chunks"][0]["writer"], 0);
+  EXPECT_TRUE(index["objects"].contains("col._extra_state"));
+  // The file: 8-byte little-endian length, JSON, data offsets that tile the rest.
+  const auto bytes = readFile(dir + "/rank-00000.safetensors");
+  std::uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= std::uint64_t(static_cast<unsigned char>(bytes[i])) << (8 * i);
+  EXPECT_EQ(n % 8, 0u);
+  const auto header = nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + 8 + std::ptrdiff_t(n));
+  const auto& t = header["col.weight@0,0"];
+  EXPECT_EQ(t["dtype"], "F32");
+  EXPECT_EQ(t["shape"], (Ints{6, kK}));
+  const auto off = t["data_offsets"].get<std::vector<std::uint64_t>>();
+  float first;
+  std::memcpy(&first, bytes.data() + 8 + n + off[0], 4);
+  EXPECT_EQ(first, float(value("col.weight", 0, 0)));
+}
+
+TEST(CheckpointFiles, ConsolidatedIsTheLogicalTensor) {
+  const std::string dir = tempDir("consolidated");
+  save(Topology{2, 2, 16, DType::kBFloat16}, dir);
+  const CheckpointReader reader(dir);
+  const auto bytes = reader.consolidated("row.weight");
+  ASSERT_EQ(bytes.size(), std::size_t(kN * kK * 2));
+  for (std::int64_t i = 0; i < kN; ++i)
+    for (std::int64_t j = 0; j < kK; ++j)
+      ASSERT_EQ(loadAsDouble(DType::kBFloat16, bytes.data() + 2 * (i * kK + j)),
+                through(DType::kBFloat16, DType::kBFloat16, value("row.weight", i, j)))
+          << "mismatch at (" << i << ", " << j << ")";
+}
+
+std::string loadError(const std::string& dir, const Topology& topo = {2, 1, 0}) {
+  try {
+    loadAndCheck(topo, topo, dir);
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(CheckpointErrors, ShapeKeyAndDtypeMismatchNameKeyFileAndBothValues) {
+  const std::string dir = tempDir("mismatch");
+  save(Topology{2, 1, 0}, dir);
+  const CheckpointReader reader(dir);
+  onWorld(Topology{2, 1, 0}, [&](RankContext& ctx, ProcessGroups& pg, LayerContext& lc) {
+    Layers l = build(ctx, pg, lc, Topology{2, 1, 0}, false);
+    auto st = std::get<ShardedTensor>(l.stateDict[0]);  // col.weight
+    ShardedTensor wrong = st;
+    wrong.globalShape[0] += 2;
+    try {
+      reader.load(wrong, l.col->weight()->data, ctx.compute);
+      ADD_FAILURE() << "no error";
+    } catch (const InvalidArgument& e) {
+      EXPECT_THAT(e.what(), HasSubstr("key 'col.weight'"));
+      EXPECT_THAT(e.what(), HasSubstr("index.json"));
+      EXPECT_THAT(e.what(), HasSubstr("(26, 8)"));
+      EXPECT_THAT(e.what(), HasSubstr("(24, 8)"));
+    }
+    wrong = st;
+    wrong.key = "col.nothing";
+    EXPECT_THROW(reader.load(wrong, l.col->weight()->data, ctx.compute), InvalidArgument);
+    Tensor ids = ctx.compute.zeros(st.data.shape(), DType::kInt64);
+    wrong = st;
+    wrong.dtype = DType::kInt64;
+    try {
+      reader.load(wrong, ids, ctx.compute);
+      ADD_FAILURE() << "no error";
+    } catch (const InvalidArgument& e) {
+      EXPECT_THAT(e.what(), HasSubstr("expected dtype int64"));
+      EXPECT_THAT(e.what(), HasSubstr("got fp32"));
+    }
+  });
+}
+
+TEST(CheckpointErrors, TruncatedCorruptOrMissingFilesAreRefused) {
+  const std::string dir = tempDir("corrupt");
+  save(Topology{2, 2, 8}, dir);
+  const std::string file = dir + "/rank-00001.safetensors";
+  const auto good = readFile(file);
+  auto expectError = [&](const std::vector<char>& bytes, const std::string& what) {
+    writeFile(file, bytes);
+    EXPECT_THAT(loadError(dir), HasSubstr(what));
+  };
+  expectError({good.begin(), good.end() - 3}, "truncated");
+  std::vector<char> bad = good;
+  bad[2] = 0x7f;  // header length far beyond the file
+  expectError(bad, "header length");
+  bad = good;
+  bad[20] ^= 0x01;
+  expectError(bad, "header is corrupt");
+  bad = good;
+  bad[bad.size() - 1] ^= 0x40;
+  expectError(bad, "data is corrupt");
+  fs::remove(file);
+  EXPECT_THAT(loadError(dir), HasSubstr("no such file"));
+  writeFile(file, good);
+  EXPECT_EQ(loadError(dir), "no error");
+  fs::remove(dir + "/index.json");
+  EXPECT_THAT(loadError(dir), HasSubstr("index"));
+}
+
+TEST(CheckpointErrors, MalformedIndexIsRefused) {
+  const std::string dir = tempDir("index");
+  save(Topology{2, 1, 0}, dir);
+  auto text = readFile(dir + "/index.json");
+  text.resize(text.size() / 2);
+  writeFile(dir + "/index.json", text);
+  EXPECT_THAT(loadError(dir), HasSubstr("expected a well-formed tpsim checkpoint index"));
+}
+
+TEST(CheckpointErrors, ChunkWrittenTwiceOrMissingAndTheOldCheckpointSurvives) {
+  const std::string dir = tempDir("twice");
+  save(Topology{2, 1, 0}, dir);
+  // Both ranks claim to be the main replica of the replicated row bias.
+  CheckpointWriter twice;
+  onWorld(Topology{2, 1, 0}, [&](RankContext& ctx, ProcessGroups& pg, LayerContext& lc) {
+    Layers l = build(ctx, pg, lc, Topology{2, 1, 0}, true);
+    for (ShardedEntry& e : l.stateDict)
+      if (auto* st = std::get_if<ShardedTensor>(&e); st && st->key == "row.bias") st->replicaId = {0, 0, 0};
+    twice.add(ctx.comm.rank(), l.stateDict, ctx.compute);
+  });
+  try {
+    twice.commit(dir);
+    ADD_FAILURE() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("key 'row.bias': expected each chunk written once, got ranks 0 and 1"));
+  }
+  EXPECT_EQ(loadError(dir), "no error");  // nothing was written
+  // Rank 1 never contributes: its column chunks are missing.
+  CheckpointWriter partial;
+  onWorld(Topology{2, 1, 0}, [&](RankContext& ctx, ProcessGroups& pg, LayerContext& lc) {
+    Layers l = build(ctx, pg, lc, Topology{2, 1, 0}, true);
+    if (ctx.comm.rank() == 0) partial.add(0, l.stateDict, ctx.compute);
+  });
+  try {
+    partial.commit(dir);
+    ADD_FAILURE() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("a chunk is missing"));
+  }
+  EXPECT_EQ(loadError(dir), "no error");
+}
+
+TEST(Safetensors, DtypeNamesRoundTrip) {
+  for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat64, DType::kInt64,
+                  DType::kFloat8E4M3, DType::kFloat8E8M0})
+    EXPECT_EQ(parseSafetensorsDtype(safetensorsDtype(d)), d);
+  EXPECT_FALSE(parseSafetensorsDtype("F4"));
+  EXPECT_EQ(fnv1a64("a", 1), 0xaf63dc4c8601ec8cull);  // the published FNV-1a test vector
+}
+
+}  // namespace
+}  // namespace tpsim

@@ -1,0 +1,167 @@
+// tpsim checkpoint: look into a sharded checkpoint (`inspect`) or write its tensors unsharded into
+// one safetensors file (`consolidate`). Both read and check the whole checkpoint first
+// (core/checkpoint_io.h), so a corrupt one is refused with the file and the mismatch named.
+#include <boost/program_options.hpp>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <set>
+
+#include "backends/errors.h"
+#include "core/checkpoint_io.h"
+#include "tools/cli.h"
+#include "tools/npy.h"
+
+namespace po = boost::program_options;
+
+namespace tpsim::tools {
+namespace {
+
+const char* kCheckpointUsage =
+    "usage: tpsim checkpoint inspect DIR\n"
+    "       tpsim checkpoint consolidate DIR FILE.safetensors [--dtype saved|fp32|bf16|fp16]\n"
+    "\n"
+    "  inspect      the keys, their global shapes, dtypes, chunks and writing ranks, and the files\n"
+    "  consolidate  every tensor unsharded (pad rows dropped) in one safetensors file\n";
+
+const char* kCheckpointExitCodes =
+    "exit codes:\n"
+    "  0  done\n"
+    "  2  bad input: arguments, a checkpoint that is missing, truncated, corrupt or incomplete, or a FILE\n"
+    "     that cannot be written; the message names the file, the key and the expected and actual value\n";
+
+// "0-3,6": the ranks, runs of consecutive ones shortened.
+std::string rankList(const std::set<int>& ranks) {
+  std::string out;
+  for (auto it = ranks.begin(); it != ranks.end();) {
+    int last = *it;
+    auto next = std::next(it);
+    while (next != ranks.end() && *next == last + 1) last = *next++;
+    out += (out.empty() ? "" : ",") + std::to_string(*it) + (last > *it ? "-" + std::to_string(last) : "");
+    it = next;
+  }
+  return out;
+}
+
+std::string paddingText(const CheckpointKey& k) {
+  const CheckpointChunk& c = k.chunks.front();
+  if (!c.gtpPadding) return "-";
+  if (c.gtpPadding->padLength == 0) return "GTP_remat, none";
+  return detail::concat(c.gtpPadding->padLength, " rows per ",
+                        c.gtpPadding->tpAxis == 0 && c.gtpPadding->tpSize > 1
+                            ? detail::concat("TP slice (T=", c.gtpPadding->tpSize, ")")
+                            : std::string("tensor"));
+}
+
+int inspect(const std::string& dir) {
+  const CheckpointReader reader(dir);
+  std::map<std::string, std::pair<int, std::int64_t>> files;  // file -> (writer, chunks)
+  for (const auto& [key, k] : reader.keys())
+    for (const auto& c : k.chunks) {
+      files[c.file].first = c.writer;
+      ++files[c.file].second;
+    }
+  std::printf("# checkpoint %s: %zu tensors, %zu objects, %zu files (checksums verified)\n\n", dir.c_str(),
+              reader.keys().size(), reader.objects().size(), files.size());
+  std::printf("%-22s %-5s %-14s %-14s %6s  %-10s %s\n", "key", "dtype", "global shape", "saved shape", "chunks",
+              "writers", "GTP_remat padding (not stored)");
+  for (const auto& [key, k] : reader.keys()) {
+    std::set<int> writers;
+    for (const auto& c : k.chunks) writers.insert(c.writer);
+    std::printf("%-22s %-5s %-14s %-14s %6zu  %-10s %s\n", key.c_str(), safetensorsDtype(k.dtype),
+                shapeString(k.globalShape).c_str(), shapeString(k.savedGlobalShape).c_str(), k.chunks.size(),
+                rankList(writers).c_str(), paddingText(k).c_str());
+  }
+  for (const auto& [key, o] : reader.objects())
+    std::printf("%-22s %-5s %-14s %-14s %6zu  %-10s %s\n", key.c_str(), "-", shapeString(o.globalShape).c_str(), "-",
+                o.writers.size(), rankList({o.writers.begin(), o.writers.end()}).c_str(), "(value None)");
+  std::printf("\n%-24s %6s %8s %12s\n", "file", "writer", "chunks", "bytes");
+  for (const auto& [file, info] : files)
+    std::printf("%-24s %6d %8lld %12lld\n", file.c_str(), info.first, (long long)info.second,
+                (long long)std::filesystem::file_size(std::filesystem::path(dir) / file));
+  return 0;
+}
+
+int consolidate(const std::string& dir, const std::string& file, const std::string& dtype) {
+  namespace fs = std::filesystem;
+  std::optional<DType> to;
+  if (dtype != "saved") {
+    if (dtype != "fp32" && dtype != "bf16" && dtype != "fp16")
+      throw UsageError{"--dtype: expected saved, fp32, bf16 or fp16, got '" + dtype + "'"};
+    to = parseDType(dtype);
+  }
+  const fs::path out(file);
+  TPSIM_CHECK(out.extension() == ".safetensors", "consolidate: FILE: expected a name ending in .safetensors, got '",
+              file, "'");
+  const fs::path parent = out.parent_path().empty() ? fs::path(".") : out.parent_path();
+  TPSIM_CHECK(fs::is_directory(parent), "consolidate: FILE: expected a file in an existing directory, got '", file,
+              "' (no directory ", parent.string(), ")");
+  const fs::file_type type = fs::symlink_status(out).type();
+  TPSIM_CHECK(type == fs::file_type::not_found || type == fs::file_type::regular || type == fs::file_type::symlink,
+              "consolidate: FILE: expected '", file, "' to be absent or a regular file, got another kind of file");
+  const CheckpointReader reader(dir);
+  std::vector<SafetensorsEntry> tensors;
+  for (const auto& [key, k] : reader.keys()) {
+    SafetensorsEntry e{key, k.dtype, k.globalShape, reader.consolidated(key)};
+    if (to && *to != k.dtype) {
+      TPSIM_CHECK(isFloating(k.dtype), "consolidate: --dtype ", dtype, ": key '", key, "' is ", dtypeName(k.dtype),
+                  ", not a floating type");
+      std::vector<char> converted(e.bytes.size() / dtypeSize(k.dtype) * dtypeSize(*to));
+      for (std::size_t i = 0; i < converted.size() / dtypeSize(*to); ++i)
+        storeFromDouble(*to, loadAsDouble(k.dtype, e.bytes.data() + i * dtypeSize(k.dtype)),
+                        converted.data() + i * dtypeSize(*to));
+      e.dtype = *to;
+      e.bytes = std::move(converted);
+    }
+    tensors.push_back(std::move(e));
+  }
+  writeSafetensors(file, tensors, {{"source", "tpsim checkpoint consolidate"}});
+  std::printf("# consolidated %s: %zu tensors, pad rows dropped, into %s\n", dir.c_str(), tensors.size(),
+              file.c_str());
+  for (const auto& t : tensors)
+    std::printf("%-22s %-5s %s\n", t.name.c_str(), safetensorsDtype(t.dtype), shapeString(t.shape).c_str());
+  return 0;
+}
+
+}  // namespace
+
+int checkpointMain(const std::vector<std::string>& args) {
+  std::string dtype = "saved";
+  std::vector<std::string> words;
+  po::options_description opts("Options");
+  opts.add_options()("help,h", "show this help")(
+      "dtype,d", po::value(&dtype)->default_value(dtype),
+      "consolidate: saved | fp32 | bf16 | fp16 (numpy reads no bf16: fp32 for numpy)");
+  po::options_description hidden;
+  hidden.add_options()("args", po::value(&words)->composing(), "the action and its paths");
+  po::options_description all;
+  all.add(opts).add(hidden);
+  po::positional_options_description positional;
+  positional.add("args", -1);
+  po::variables_map vm;
+  po::store(po::command_line_parser(args).options(all).positional(positional).run(), vm);
+  po::notify(vm);
+  if (vm.count("help")) {
+    std::cout << kCheckpointUsage << "\n" << opts << "\n" << kCheckpointExitCodes;
+    return 0;
+  }
+  if (words.empty()) throw UsageError{"expected an action, inspect or consolidate, got none"};
+  const std::string action = words[0];
+  for (std::size_t i = 1; i < words.size(); ++i)
+    if (words[i].empty()) throw UsageError{action + ": expected paths, got an empty argument"};
+  if (action == "inspect") {
+    if (words.size() != 2) throw UsageError{"inspect: expected one argument DIR, got " + std::to_string(words.size() - 1)};
+    if (vm["dtype"].as<std::string>() != "saved" || !vm["dtype"].defaulted())
+      throw UsageError{"--dtype: applies to consolidate, got it with inspect"};
+    return inspect(words[1]);
+  }
+  if (action == "consolidate") {
+    if (words.size() != 3)
+      throw UsageError{"consolidate: expected two arguments DIR FILE.safetensors, got " +
+                       std::to_string(words.size() - 1)};
+    return consolidate(words[1], words[2], dtype);
+  }
+  throw UsageError{"expected an action, inspect or consolidate, got '" + action + "'"};
+}
+
+}  // namespace tpsim::tools
