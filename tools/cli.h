@@ -83,10 +83,20 @@ boost::program_options::variables_map parseOptions(const std::vector<std::string
 // "1234" -> 1234 for --seed: digits only, so "-1" is refused instead of wrapping to 2^64 - 1.
 std::uint64_t parseSeed(const std::string& text);
 
-#include "backends/fault.h"
-#include "tools/bench_gpu.h"
-#include "tools/runner.h"
-#include "tools/trace.h"
+// The help of --inject and --timeout, which run and demo share.
+extern const char kInjectHelp[];
+extern const char kTimeoutHelp[];
+// The help of --trace, --clock and --device-model, which run and demo share.
+extern const char kTraceHelp[];
+extern const char kClockHelp[];
+extern const char kDeviceModelHelp[];
+// --inject RANK:K:FAULT, each one (backends/fault.h). Throws UsageError naming --inject.
+std::vector<Fault> parseInjections(const std::vector<std::string>& specs);
+// --timeout SECONDS: a positive number ("1", "0.5"), in milliseconds. Throws UsageError.
+std::chrono::milliseconds parseTimeout(const std::string& text);
+
+// "1,2,4" -> {1, 2, 4}; "2..64" -> powers of two from 2 to 64 (never empty). Throws UsageError
+// naming `option`.
 std::vector<int> parseIntList(const std::string& option, const std::string& text);
 // "128", "64K", "16M", "1G" (or k, m, g) -> bytes, at most 2^63 - 1. Throws UsageError naming
 // `option`.
