@@ -48,6 +48,7 @@ RunArgs parseRunArgs(const std::vector<std::string>& args);
 // `tpsim demo`'s command line: its MLP configuration, or the --help text.
 struct DemoArgs {
   RunConfig config;
+  TraceOptions trace;  // --trace, --clock, --device-model
   std::string help;
 };
 DemoArgs parseDemoArgs(const std::vector<std::string>& args);

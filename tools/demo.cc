@@ -29,7 +29,7 @@ DemoArgs parseDemoArgs(const std::vector<std::string>& args) {
   c.gtpRemat = 2;
   std::string dtype = "fp32", seed, timeout = "60";
   std::vector<std::string> injects;
-  TraceOptions trace;
+  TraceOptions& trace = out.trace;
   bool noSequenceParallel = false;
   po::options_description opts("tpsim demo [options]");
   opts.add_options()
@@ -83,6 +83,7 @@ int demoMain(const std::vector<std::string>& args) {
     return 0;
   }
   const RunConfig& c = parsed.config;
+  const TraceOptions& trace = parsed.trace;
   std::printf("# tpsim demo: MLP block y = GeLU(x·W1ᵀ + b1)·W2ᵀ + b2 on %d %s ranks\n", c.tp * c.gtpRemat,
               c.backend == "sim" ? "simulated" : "GPU");
   std::printf("# fc1 = ColumnParallelLinear(h=%lld -> F=%lld), fc2 = RowParallelLinear(F -> h, input_is_parallel)\n",
