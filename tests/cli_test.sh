@@ -481,5 +481,20 @@ check ckpt-missing 2 "rank-00002.safetensors: expected a readable safetensors fi
   "$tpsim" checkpoint consolidate "$work/ck-bad" "$work/y.safetensors"
 [ -e "$work/y.safetensors" ] && { echo "FAIL ckpt-missing: wrote a file"; failures=$((failures + 1)); }
 
+# Megatron's usual embedding setup: sequence parallelism is reduce_scatter_embeddings.
+check embedding-sp 0 "reduce-scatter-embeddings" -- "$tpsim" run --layer embedding --tp 2 --sequence-parallel
+# A header's bytes are shown, never sent to the terminal: control bytes come out as \xNN.
+mkdir -p "$work/esc"
+cp "$work/emb/"*.npy "$work/esc/"
+esc_dict=$'{"descr": "\e[31m<f9", "fortran_order": False, "shape": (2,), }'
+esc_len=$(((${#esc_dict} + 11 + 63) / 64 * 64 - 10))
+printf '\x93NUMPY\x01\x00\x'"$(printf %02x $((esc_len % 256)))"'\x'"$(printf %02x $((esc_len / 256)))"'%-*s\n' \
+  $((esc_len - 1)) "$esc_dict" >"$work/esc/weight.npy"
+check header-escaped 2 'got "\x1b[31m<f9"' -- "$tpsim" run --layer embedding --load "$work/esc"
+if "$tpsim" run --layer embedding --load "$work/esc" 2>&1 | grep -q $'\x1b'; then
+  echo "FAIL header-escaped: an escape byte reached the terminal"
+  failures=$((failures + 1))
+fi
+
 echo "$passed passed, $failures failed"
 [ "$failures" -eq 0 ]

@@ -388,7 +388,7 @@ TEST(NpyReadErrorTest, UnsupportedDescr) {
     const std::string path = dir.write("a.npy", npyBytes(1, 0, header, kData23));
     EXPECT_EQ(errorOf([&] { readNpy(path); }),
               "readNpy '" + path + "': descr must be one of '<f4', '<f2', '<f8', '<i8', got " +
-                  descr + "; convert with a.astype(np.float32) before np.save");
+                  descr + "; convert with a.astype(np.float32) (values) or a.astype(np.int64) (token ids) before np.save");
   }
 }
 

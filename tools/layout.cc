@@ -611,6 +611,7 @@ int layoutMain(const std::vector<std::string>& args) {
   if (layer.empty()) throw UsageError{"--layer is required: column, row, embedding or mlp"};
   if (vm.count("svg") && svg.empty()) throw UsageError{"--svg: expected a file name, got an empty path"};
   c.layer = parseLayer(layer);
+  applyEmbeddingSequenceParallel(c);
   const std::vector<TensorPlacement> placements = layoutPlacements(c);
   const char* noColour = std::getenv("NO_COLOR");
   const bool colour = isatty(fileno(stdout)) && (noColour == nullptr || *noColour == '\0');

@@ -37,10 +37,27 @@ const char* kUsage =
 
 // One line on stderr, "tpsim <command>: <message>", and the exit code. The tools' own messages
 // already start with "tpsim run: " where they reach library callers too; that is not repeated.
+// Control bytes (a file's header, a path) shown as \xNN: an error message must not drive the terminal.
+std::string printable(const std::string& text) {
+  std::string out;
+  for (unsigned char ch : text) {
+    if (ch >= 0x20 && ch != 0x7f) {
+      out += char(ch);
+    } else if (ch == '\n') {
+      out += "\n";  // multi-line messages (a world failure's ranks) stay readable
+    } else {
+      char hex[5];
+      std::snprintf(hex, sizeof hex, "\\x%02x", ch);
+      out += hex;
+    }
+  }
+  return out;
+}
+
 int fail(const std::string& command, const std::string& kind, std::string message, int code) {
   const std::string prefix = "tpsim " + command + ": ";
   if (message.compare(0, prefix.size(), prefix) == 0) message.erase(0, prefix.size());
-  std::fprintf(stderr, "%s%s%s\n", prefix.c_str(), kind.c_str(), message.c_str());
+  std::fprintf(stderr, "%s%s%s\n", prefix.c_str(), kind.c_str(), printable(message).c_str());
   return code;
 }
 
@@ -81,10 +98,11 @@ int main(int argc, char** argv) {
                        command == "checkpoint" ||
                        command == "devices";
     std::fprintf(stderr, "tpsim%s%s: %s\nTry 'tpsim%s%s --help'\n", known ? " " : "", known ? command.c_str() : "",
-                 e.message.c_str(), known ? " " : "", known ? command.c_str() : "");
+                 printable(e.message).c_str(), known ? " " : "", known ? command.c_str() : "");
     return 2;
   } catch (const boost::program_options::error& e) {
-    std::fprintf(stderr, "tpsim %s: %s\nTry 'tpsim %s --help'\n", command.c_str(), e.what(), command.c_str());
+    std::fprintf(stderr, "tpsim %s: %s\nTry 'tpsim %s --help'\n", command.c_str(), printable(e.what()).c_str(),
+                 command.c_str());
     return 2;
   } catch (const tpsim::WorldError& e) {
     return fail(command, "the simulated world failed: ", e.what(), 3);

@@ -216,7 +216,7 @@ DType parseDescr(const std::string& where, const std::string& valueText) {
   }
   throw InvalidArgument(detail::concat(where, ": descr must be one of ", kSupportedDescrs, ", got ",
                                        valueText,
-                                       "; convert with a.astype(np.float32) before np.save"));
+                                       "; convert with a.astype(np.float32) (values) or a.astype(np.int64) (token ids) before np.save"));
 }
 
 Header parseHeader(const std::string& where, const std::string& text) {

@@ -292,6 +292,7 @@ RunArgs parseRunArgs(const std::vector<std::string>& args) {
   if (!isBackendName(c.backend)) throw UsageError{"--backend: expected sim or gpu, got '" + c.backend + "'"};
   if (const std::string whyNot = backendUnusableReason(c.backend); !whyNot.empty())
     throw UsageError{"--backend " + c.backend + ": cannot run here: " + whyNot};
+  applyEmbeddingSequenceParallel(c);
   c.validate();
   if (vm.count("trace") && trace.file.empty()) throw UsageError{"--trace: expected a file path, got an empty path"};
   checkTraceOptions(trace, !vm["clock"].defaulted(), !vm["device-model"].defaulted());

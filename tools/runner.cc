@@ -131,6 +131,12 @@ Tensor sumRowsOf(Compute& compute, ConstView y, DType dtype) {
 
 }  // namespace
 
+void applyEmbeddingSequenceParallel(RunConfig& config) {
+  if (config.layer != LayerKind::kEmbedding || !config.sequenceParallel) return;
+  config.sequenceParallel = false;
+  config.reduceScatterEmbeddings = true;
+}
+
 void RunConfig::validate() const {
   TPSIM_CHECK(tp >= 1 && tp <= 64, "--tp: expected 1..64, got ", tp);
   // G <= 64 / T rather than T x G <= 64, which can overflow.

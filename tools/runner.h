@@ -64,6 +64,10 @@ struct RunConfig {
   std::string str() const;  // the effective configuration, one line
 };
 
+// --sequence-parallel on the embedding means what Megatron's language model does with it:
+// reduce_scatter_embeddings (the output reduce-scattered along the sequence).
+void applyEmbeddingSequenceParallel(RunConfig& config);
+
 // name -> shape of the unsharded inputs, as TensorMap names them.
 using ShapeMap = std::map<std::string, std::vector<std::int64_t>>;
 // The shapes of generateInputs' tensors. Throws InvalidArgument naming the flags when a tensor's
