@@ -29,6 +29,19 @@ const char* opName(OpKind kind) {
   return "unknown";
 }
 
+std::string rankList(const std::vector<int>& ranks) {
+  std::string s;
+  for (std::size_t i = 0; i < ranks.size();) {
+    std::size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    if (!s.empty()) s += ",";
+    s += std::to_string(ranks[i]);
+    if (j > i) s += (j == i + 1 ? "," : "-") + std::to_string(ranks[j]);
+    i = j + 1;
+  }
+  return s;
+}
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -66,19 +79,6 @@ struct Fingerprint {
   }
 };
 
-// "0-3,5,7": compact rank lists for messages.
-std::string rankList(const std::vector<int>& ranks) {
-  std::string s;
-  for (std::size_t i = 0; i < ranks.size();) {
-    std::size_t j = i;
-    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
-    if (!s.empty()) s += ",";
-    s += std::to_string(ranks[i]);
-    if (j > i) s += (j == i + 1 ? "," : "-") + std::to_string(ranks[j]);
-    i = j + 1;
-  }
-  return s;
-}
 
 struct GroupState {
   std::vector<int> globalRanks;  // by group rank

@@ -70,6 +70,9 @@ class Transport {
   virtual void abort() {}
 };
 
+// "0-3,5,7": a compact list of ranks, as the fabric names groups ("tp[0-3]") in its messages.
+std::string rankList(const std::vector<int>& ranks);
+
 class Rendezvous {
  public:
   // `name` prefixes the fabric's messages ("sim: deadlock: ..."). Validates the options.

@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "backends/errors.h"
+#include "sim/rendezvous.h"
 
 namespace tpsim::tools {
 namespace {
@@ -135,27 +136,13 @@ class RecordingWork final : public Work {
   TraceClock::time_point t0_;
 };
 
-// "0-3,5,7", as the fabric names groups.
-std::string rankList(const std::vector<int>& ranks) {
-  std::string s;
-  for (std::size_t i = 0; i < ranks.size();) {
-    std::size_t j = i;
-    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
-    if (!s.empty()) s += ",";
-    s += std::to_string(ranks[i]);
-    if (j > i) s += (j == i + 1 ? "," : "-") + std::to_string(ranks[j]);
-    i = j + 1;
-  }
-  return s;
-}
-
 class RecordingCollectives final : public Collectives {
  public:
   // Logs `inner`'s collectives; owns it when `owned` is set (a split's result).
   RecordingCollectives(Collectives& inner, std::unique_ptr<Collectives> owned, RankRecord& record,
                        TraceClock::time_point t0)
       : inner_(inner), owned_(std::move(owned)), record_(record), t0_(t0),
-        name_(inner.label() + "[" + rankList(inner.globalRanks()) + "]") {}
+        name_(inner.label() + "[" + sim::rankList(inner.globalRanks()) + "]") {}
 
   using Collectives::allReduce;
   int rank() const override { return inner_.rank(); }
