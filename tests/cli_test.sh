@@ -497,5 +497,7 @@ if "$tpsim" run --layer embedding --load "$work/esc" 2>&1 | grep -q $'\x1b'; the
   failures=$((failures + 1))
 fi
 
+check bench-bw-ranks 2 "--bw-ranks: expected 1..1024, got 701063466" -- "$tpsim" bench -W bandwidth -p 701063466
+
 echo "$passed passed, $failures failed"
 [ "$failures" -eq 0 ]

@@ -546,8 +546,9 @@ BenchArgs parseBenchArgs(const std::vector<std::string>& args) {
   if (c.tokens < 1 || c.hidden < 1 || c.ffn < 1 || c.mlpReps < 1)
     throw UsageError{"--tokens, --hidden, --ffn and --mlp-reps must be >= 1"};
   if (c.iters < 10) throw UsageError{"--iters: expected >= 10, got " + std::to_string(c.iters)};
-  if (c.bwRanks < 1) throw UsageError{"--bw-ranks: expected >= 1, got " + std::to_string(c.bwRanks)};
-  if (c.minBytes < 4 * c.bwRanks || c.maxBytes < c.minBytes)
+  if (c.bwRanks < 1 || c.bwRanks > 1024)
+    throw UsageError{"--bw-ranks: expected 1..1024, got " + std::to_string(c.bwRanks)};
+  if (c.minBytes < 4LL * c.bwRanks || c.maxBytes < c.minBytes)
     throw UsageError{"--min-bytes/--max-bytes: expected 4·bw-ranks <= min <= max, got " + minBytes + " and " +
                      maxBytes};
   if (c.bwIters < 1 || c.gemmReps < 1) throw UsageError{"--bw-iters and --gemm-reps must be >= 1"};
