@@ -60,6 +60,48 @@ const char* axisKindName(AxisKind kind) {
   return "?";
 }
 
+std::string shapeText(const std::vector<std::int64_t>& s) {
+  std::string out = "(";
+  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + (s.size() == 1 ? ",)" : ")");
+}
+
+std::string placementText(const TensorPlacement& p) {
+  std::string s = "TP: ";
+  switch (p.tp.kind) {
+    case AxisKind::kShard:
+      s += detail::concat("shard dim ", p.tp.dim, p.vocab ? " (vocabulary ranges)" : "");
+      if (p.tp.stride > 1) s += detail::concat(", stride ", p.tp.stride, " (interleaved chunks)");
+      break;
+    case AxisKind::kReplicate: s += "replicated"; break;
+    case AxisKind::kPartial: s += "partial sums, " + p.reduction; break;
+  }
+  if (p.gtp.size > 1) {
+    s += "; GTP_remat: ";
+    if (p.gtp.kind == AxisKind::kReplicate) s += "replicated";
+    else if (p.gtp.kind == AxisKind::kPartial) s += "partial sums";
+    else if (p.role == TensorRole::kParameter || p.gtpShard)
+      s += detail::concat("shard dim 0 of the TP-local tensor, ", p.gtp.padLength, " pad rows per TP slice");
+    else s += detail::concat("shard dim ", p.gtp.dim, " (the batch: peers are data parallel)");
+  }
+  return s;
+}
+
+std::string holdsText(const TensorPlacement& p, int t, int g) {
+  std::string s;
+  for (const Block& b : blocksOf(p, t, g)) {
+    s += s.empty() ? "" : " + ";
+    if (b.pad) {
+      s += detail::concat("pad rows [", b.local[0], ", ", b.local[0] + b.layout[0].size(), ") of its ",
+                          localShape(p, t, g)[0]);
+      continue;
+    }
+    for (std::size_t d = 0; d < b.global.size(); ++d)
+      s += detail::concat(d ? " x " : "", "[", b.global[d].begin, ", ", b.global[d].end, ")");
+  }
+  return s;
+}
+
 std::vector<std::int64_t> TensorPlacement::layoutShape() const {
   std::vector<std::int64_t> s = shape;
   if (gtp.kind == AxisKind::kShard) s[gtp.dim] += gtp.padLength * slicesAlong(*this, gtp.dim);

@@ -112,4 +112,11 @@ std::vector<TensorPlacement> layerPlacements(VocabParallelEmbedding& layer, std:
 
 const char* axisKindName(AxisKind kind);  // "replicate", "shard", "partial"
 
+// Text for people, shared by tpsim layout, the demo's shard lines and checkpoint inspection.
+std::string shapeText(const std::vector<std::int64_t>& shape);  // "(8, 16)", "(16,)"
+// Both axes: "TP: shard dim 0; GTP_remat: shard dim 0 of the TP-local tensor, 16 pad rows per TP slice".
+std::string placementText(const TensorPlacement& placement);
+// What rank (t, g) holds, in global logical coordinates: "[0, 8) x [0, 16) + pad rows [8, 16) of its 16".
+std::string holdsText(const TensorPlacement& placement, int t, int g);
+
 }  // namespace tpsim

@@ -95,13 +95,20 @@ int demoMain(const std::vector<std::string>& args) {
   const TensorMap inputs = generateInputs(c);
   const RunResult r = runSharded(c, inputs);
 
-  std::printf("# shards\n");
+  // Each parameter's placement, then the blocks of it each rank holds (tpsim layout draws them).
+  std::printf("# shards: each parameter's placement, then the global rows x columns each rank holds\n");
+  std::vector<const TensorPlacement*> params;
+  for (const TensorPlacement& p : r.placements)
+    if (p.role == TensorRole::kParameter) params.push_back(&p);
+  for (const TensorPlacement* p : params)
+    std::printf("%s %s: %s\n", p->name.c_str(), shapeText(p->shape).c_str(), placementText(*p).c_str());
   for (int rank = 0; rank < c.tp * c.gtpRemat; ++rank) {
-    std::printf("rank %d (t=%d, g=%d):", rank, rank % c.tp, rank / c.tp);
-    for (const auto& s : r.shards[rank]) std::printf("\n  %s", s.c_str());
+    const int t = rank % c.tp, g = rank / c.tp;
+    std::printf("rank %d (t=%d, g=%d):", rank, t, g);
+    for (const TensorPlacement* p : params)
+      std::printf("\n  %s %s: %s", p->name.c_str(), shapeText(localShape(*p, t, g)).c_str(), holdsText(*p, t, g).c_str());
     std::printf("\n");
   }
-
   std::printf("\n# collectives each rank issued, in order (op group bytes-sent; the splits that build the groups"
               " are left out)\n");
   for (int rank = 0; rank < c.tp * c.gtpRemat; ++rank) {

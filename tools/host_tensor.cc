@@ -1,5 +1,6 @@
 #include "tools/host_tensor.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "backends/errors.h"
@@ -100,6 +101,73 @@ HostTensor sum(const std::vector<HostTensor>& parts) {
   HostTensor out = parts[0];
   for (std::size_t p = 1; p < parts.size(); ++p)
     for (std::size_t i = 0; i < out.values.size(); ++i) out.values[i] += parts[p].values[i];
+  return out;
+}
+
+namespace {
+
+std::vector<std::int64_t> rowMajorStrides(const std::vector<std::int64_t>& shape) {
+  std::vector<std::int64_t> strides(shape.size(), 1);
+  for (int d = int(shape.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * shape[d + 1];
+  return strides;
+}
+
+// Calls f(global offset, local offset, n) for each run of a real block along its last dim.
+template <typename F>
+void forEachRun(const Block& b, const std::vector<std::int64_t>& globalStrides,
+                const std::vector<std::int64_t>& localStrides, F f) {
+  const int rank = int(b.global.size());
+  std::vector<std::int64_t> at(rank, 0);  // odometer over every dim but the last
+  const std::int64_t run = rank ? b.global[rank - 1].size() : 1;
+  while (true) {
+    std::int64_t g = 0, l = 0;
+    for (int d = 0; d < rank; ++d) {
+      g += (b.global[d].begin + at[d]) * globalStrides[d];
+      l += (b.local[d] + at[d]) * localStrides[d];
+    }
+    f(g, l, run);
+    int d = rank - 2;
+    while (d >= 0 && ++at[d] == b.global[d].size()) at[d--] = 0;
+    if (d < 0) return;
+  }
+}
+
+}  // namespace
+
+HostTensor shardOf(const TensorPlacement& p, const HostTensor& full, int t, int g) {
+  TPSIM_INTERNAL_ASSERT(full.shape == p.shape, p.name, ": placement of ", shapeText(p.shape), " for a tensor ",
+                        full.shapeStr());
+  HostTensor out{localShape(p, t, g), full.dtype, {}};
+  out.values.assign(std::size_t(out.numel()), 0.0);
+  const auto gs = rowMajorStrides(full.shape), ls = rowMajorStrides(out.shape);
+  for (const Block& b : blocksOf(p, t, g))
+    if (!b.pad)
+      forEachRun(b, gs, ls, [&](std::int64_t from, std::int64_t to, std::int64_t n) {
+        std::copy_n(full.values.begin() + from, n, out.values.begin() + to);
+      });
+  return out;
+}
+
+HostTensor assemble(const TensorPlacement& p, const std::function<const HostTensor&(int t, int g)>& local) {
+  HostTensor out{p.shape, local(0, 0).dtype, {}};
+  out.values.assign(std::size_t(out.numel()), 0.0);
+  const auto gs = rowMajorStrides(out.shape);
+  for (int g = 0; g < p.gtp.size; ++g)
+    for (int t = 0; t < p.tp.size; ++t) {
+      if ((p.tp.kind == AxisKind::kReplicate && t > 0) || (p.gtp.kind == AxisKind::kReplicate && g > 0)) continue;
+      const bool add = (p.tp.kind == AxisKind::kPartial && t > 0) || (p.gtp.kind == AxisKind::kPartial && g > 0);
+      const HostTensor& mine = local(t, g);
+      TPSIM_INTERNAL_ASSERT(mine.shape == localShape(p, t, g), p.name, " of rank (t=", t, ", g=", g, "): expected ",
+                            shapeText(localShape(p, t, g)), ", got ", mine.shapeStr());
+      const auto ls = rowMajorStrides(mine.shape);
+      for (const Block& b : blocksOf(p, t, g))
+        if (!b.pad)
+          forEachRun(b, gs, ls, [&](std::int64_t to, std::int64_t from, std::int64_t n) {
+            for (std::int64_t i = 0; i < n; ++i)
+              out.values[std::size_t(to + i)] = add ? out.values[std::size_t(to + i)] + mine.values[std::size_t(from + i)]
+                                                    : mine.values[std::size_t(from + i)];
+          });
+    }
   return out;
 }
 

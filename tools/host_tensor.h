@@ -5,10 +5,12 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "backends/compute.h"
+#include "core/placement.h"
 
 namespace tpsim::tools {
 
@@ -39,6 +41,14 @@ HostTensor swap01(const HostTensor& t);
 // Elementwise sum of equally shaped tensors (finalize's reduction of replicated parameters over the
 // GTP_remat peers).
 HostTensor sum(const std::vector<HostTensor>& parts);
+
+// Rank (t, g)'s tensor under `placement` (core/placement.h), cut from the global `full`: its blocks
+// in local order, GTP_remat pad rows zero.
+HostTensor shardOf(const TensorPlacement& placement, const HostTensor& full, int t, int g);
+// shardOf's inverse: the global tensor from the ranks' tensors local(t, g). A shard axis takes each
+// element from its one holder, a replicate axis from its rank 0, and a partial axis adds its ranks'
+// copies in rank order (the first assigned, so -0 stays -0); pad rows are dropped.
+HostTensor assemble(const TensorPlacement& placement, const std::function<const HostTensor&(int t, int g)>& local);
 
 Tensor toBackend(Compute& compute, const HostTensor& t);
 HostTensor fromBackend(Compute& compute, ConstView v);

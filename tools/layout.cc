@@ -152,32 +152,6 @@ std::string roleName(TensorRole r) {
   return "";
 }
 
-std::string shapeText(const std::vector<std::int64_t>& s) {
-  std::string out = "(";
-  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + (s.size() == 1 ? ",)" : ")");
-}
-
-std::string placementText(const TensorPlacement& p) {
-  std::string s = "TP: ";
-  switch (p.tp.kind) {
-    case AxisKind::kShard:
-      s += detail::concat("shard dim ", p.tp.dim, p.vocab ? " (vocabulary ranges)" : "");
-      if (p.tp.stride > 1) s += detail::concat(", stride ", p.tp.stride, " (interleaved chunks)");
-      break;
-    case AxisKind::kReplicate: s += "replicated"; break;
-    case AxisKind::kPartial: s += "partial sums, " + p.reduction; break;
-  }
-  if (p.gtp.size > 1) {
-    s += "; GTP_remat: ";
-    if (p.gtp.kind == AxisKind::kReplicate) s += "replicated";
-    else if (p.role == TensorRole::kParameter || p.gtpShard)
-      s += detail::concat("shard dim 0 of the TP-local tensor, ", p.gtp.padLength, " pad rows per TP slice");
-    else s += detail::concat("shard dim ", p.gtp.dim, " (the batch: peers are data parallel)");
-  }
-  return s;
-}
-
 bool isParameterOrItsGradient(const TensorPlacement& p, const std::set<std::string>& params) {
   return p.role == TensorRole::kParameter ||
          (p.name.size() > 5 && p.name.compare(p.name.size() - 5, 5, ".grad") == 0 &&
@@ -189,22 +163,6 @@ std::set<std::string> parameterNames(const std::vector<TensorPlacement>& ps) {
   for (const auto& p : ps)
     if (p.role == TensorRole::kParameter) out.insert(p.name);
   return out;
-}
-
-// What rank (t, g) holds, in global logical coordinates: "[0, 8) x [0, 16) + pad rows [8, 16)".
-std::string holdsText(const TensorPlacement& p, int t, int g) {
-  std::string s;
-  for (const Block& b : blocksOf(p, t, g)) {
-    s += s.empty() ? "" : " + ";
-    if (b.pad) {
-      s += detail::concat("pad rows [", b.local[0], ", ", b.local[0] + b.layout[0].size(), ") of its ",
-                          localShape(p, t, g)[0]);
-      continue;
-    }
-    for (std::size_t d = 0; d < b.global.size(); ++d)
-      s += detail::concat(d ? " x " : "", "[", b.global[d].begin, ", ", b.global[d].end, ")");
-  }
-  return s;
 }
 
 // The per-rank lines under a drawing.
@@ -386,60 +344,13 @@ std::vector<TensorPlacement> layoutPlacements(const RunConfig& c) {
   wo.size = sizes.world;
   std::mutex mu;
   std::vector<TensorPlacement> out;
-  const InitMethod unused = initMethodNormal(0.02);
   makeWorld("sim", wo)->run([&](RankContext& ctx) {
     ProcessGroups pg(ctx.comm, layout);
-    ModelParallelConfig mp;
-    mp.tensorModelParallelSize = T;
-    mp.sequenceParallel = c.sequenceParallel;
-    mp.performInitialization = false;  // only the shapes and attributes are read
-    mp.paramsDtype = DType::kBFloat16;  // the smallest a weight can be
-    mp.gtpRematSize = G;
-    mp.gtpPadForAlignment = c.padForAlignment;
+    ModelParallelConfig mp = layerConfig(c);
+    mp.paramsDtype = DType::kBFloat16;  // only the shapes and attributes are read: the smallest weights
     GtpGradReducer reducer(ctx.compute, GtpReduceOptions::fromConfig(mp, false));
     const LayerContext lc{ctx.compute, pg.tp(), nullptr, nullptr, &pg.gtpRemat(), &pg.dpCp(), &reducer};
-    std::vector<TensorPlacement> ps;
-    switch (c.layer) {
-      case LayerKind::kColumn: {
-        ColumnParallelOptions o;
-        o.bias = c.bias;
-        o.gatherOutput = c.gatherOutput;
-        o.stride = c.stride;
-        o.disableGradReduce = c.disableGradReduce;
-        ColumnParallelLinear layer(lc, mp, c.inFeatures, c.outFeatures, unused, o);
-        ps = layerPlacements(layer, c.seq, c.batch);
-        break;
-      }
-      case LayerKind::kRow: {
-        RowParallelOptions o;
-        o.bias = c.bias;
-        o.inputIsParallel = c.inputIsParallel;
-        o.stride = c.stride;
-        RowParallelLinear layer(lc, mp, c.inFeatures, c.outFeatures, unused, o);
-        ps = layerPlacements(layer, c.seq, c.batch);
-        break;
-      }
-      case LayerKind::kEmbedding: {
-        VocabParallelEmbeddingOptions o;
-        o.reduceScatterEmbeddings = c.reduceScatterEmbeddings;
-        mp.sequenceParallel = false;  // the embedding's sequence parallelism is reduce_scatter_embeddings
-        VocabParallelEmbedding layer(lc, mp, c.vocab, c.outFeatures, unused, o);
-        ps = layerPlacements(layer, c.seq, c.batch);
-        break;
-      }
-      case LayerKind::kMlp: {
-        ColumnParallelOptions o1;
-        o1.name = "fc1";
-        RowParallelOptions o2;
-        o2.inputIsParallel = true;
-        o2.name = "fc2";
-        ColumnParallelLinear fc1(lc, mp, c.inFeatures, c.ffnHidden, unused, o1);
-        RowParallelLinear fc2(lc, mp, c.ffnHidden, c.inFeatures, unused, o2);
-        ps = layerPlacements(fc1, c.seq, c.batch, "fc1.");
-        for (auto& p : layerPlacements(fc2, c.seq, c.batch, "fc2.")) ps.push_back(std::move(p));
-        break;
-      }
-    }
+    std::vector<TensorPlacement> ps = buildLayers(lc, mp, c).placements(c.seq, c.batch);
     if (ctx.comm.rank() == 0) {
       std::lock_guard<std::mutex> lock(mu);
       out = std::move(ps);

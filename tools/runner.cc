@@ -18,59 +18,6 @@
 namespace tpsim::tools {
 namespace {
 
-using Range = std::pair<std::int64_t, std::int64_t>;
-
-// The rows (or columns) of a dim of `total` that TP rank t owns: chunks t, t+T, ... of size
-// total/(T·stride) (SPEC 3.11; stride 1 is one contiguous block).
-std::vector<Range> ownedRanges(std::int64_t total, int T, int stride, int t) {
-  const std::int64_t chunk = total / (std::int64_t(T) * stride);
-  std::vector<Range> out;
-  for (int j = 0; j < stride; ++j) out.push_back({(t + std::int64_t(j) * T) * chunk, (t + std::int64_t(j) * T + 1) * chunk});
-  return out;
-}
-
-HostTensor take(const HostTensor& full, int dim, const std::vector<Range>& ranges);
-
-// `full` rearranged so that TP rank t's rows (ownedRanges) come as its t-th contiguous block: the
-// layout of a gathered output under stride > 1.
-HostTensor rankOrder(const HostTensor& full, int dim, std::int64_t total, int T, int stride) {
-  std::vector<HostTensor> parts;
-  for (int t = 0; t < T; ++t) parts.push_back(take(full, dim, ownedRanges(total, T, stride, t)));
-  return concat(parts, dim);
-}
-
-HostTensor take(const HostTensor& full, int dim, const std::vector<Range>& ranges) {
-  std::vector<HostTensor> parts;
-  for (auto [b, e] : ranges) parts.push_back(slice(full, dim, b, e));
-  return concat(parts, dim);
-}
-
-// Inverse of take() over all ranks: rank t's tensor holds its ranges, in order, along `dim`.
-HostTensor place(const std::vector<HostTensor>& perRank, int dim, std::int64_t total, int stride) {
-  const int T = int(perRank.size());
-  std::vector<std::pair<std::int64_t, HostTensor>> pieces;
-  for (int t = 0; t < T; ++t) {
-    const auto ranges = ownedRanges(total, T, stride, t);
-    std::int64_t at = 0;
-    for (auto [b, e] : ranges) {
-      pieces.push_back({b, slice(perRank[t], dim, at, at + (e - b))});
-      at += e - b;
-    }
-  }
-  std::sort(pieces.begin(), pieces.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-  std::vector<HostTensor> ordered;
-  for (auto& p : pieces) ordered.push_back(std::move(p.second));
-  return concat(ordered, dim);
-}
-
-std::string describe(const std::string& name, const HostTensor& shard, const HostTensor& full, int dim,
-                     const std::vector<Range>& ranges) {
-  std::string what = dim == 0 ? "rows " : "columns ";
-  for (std::size_t i = 0; i < ranges.size(); ++i)
-    what += (i ? "+[" : "[") + std::to_string(ranges[i].first) + ", " + std::to_string(ranges[i].second) + ")";
-  return name + " " + shard.shapeStr() + " = " + what + " of " + full.shapeStr();
-}
-
 const HostTensor& need(const TensorMap& m, const std::string& name) {
   auto it = m.find(name);
   TPSIM_CHECK(it != m.end(), "tpsim run: ", name, ".npy is missing");
@@ -81,21 +28,75 @@ const HostTensor& need(const TensorMap& m, const std::string& name) {
 struct PerRank {
   std::mutex mu;
   std::vector<TensorMap> results;
-  std::vector<std::vector<std::string>> shards;
+  std::vector<TensorPlacement> placements;  // rank 0's
   void put(int rank, const std::string& name, HostTensor t) {
     std::lock_guard<std::mutex> lock(mu);
     results[rank][name] = std::move(t);
   }
-  void shard(int rank, std::string text) {
-    std::lock_guard<std::mutex> lock(mu);
-    shards[rank].push_back(std::move(text));
-  }
-  std::vector<HostTensor> all(const std::string& name) const {
-    std::vector<HostTensor> out;
-    for (const auto& r : results) out.push_back(r.at(name));
-    return out;
-  }
 };
+
+// A parameter's shard, and the main_grad its wgrad accumulates into under fusion or GTP_remat.
+void setShard(Compute& compute, Parameter& p, const HostTensor& shard, const RunConfig& c) {
+  compute.copy(toBackend(compute, shard), p.data);
+  if (isGtpShard(p) || (c.gradAccumulationFusion && p.data.shape().rank() == 2))
+    p.mainGrad = compute.zeros(p.data.shape(), c.mainGradDtype);
+}
+
+const TensorPlacement& placementNamed(const std::vector<TensorPlacement>& ps, const std::string& name) {
+  for (const TensorPlacement& p : ps)
+    if (p.name == name) return p;
+  TPSIM_INTERNAL_ASSERT(false, "no placement named ", name);
+  return ps.front();
+}
+
+// The output's placement before gather_output: sharded over TP along its last dim like the
+// weight's rows, interleaved chunks included.
+TensorPlacement beforeGather(TensorPlacement output, const TensorPlacement& weight) {
+  output.tp = weight.tp;
+  output.tp.dim = int(output.shape.size()) - 1;
+  return output;
+}
+
+// GTP_remat peer g's block of the gathered output's gradient, its columns in the gathered output's
+// rank order: every TP rank's shard (beforeGather) in turn.
+HostTensor rankOrdered(const TensorPlacement& outputGrad, const TensorPlacement& weight, const HostTensor& full, int g) {
+  const TensorPlacement sharded = beforeGather(outputGrad, weight);
+  std::vector<HostTensor> parts;
+  for (int t = 0; t < sharded.tp.size; ++t) parts.push_back(shardOf(sharded, full, t, g));
+  return concat(parts, -1);
+}
+
+// The run's sizes as its tensors have them (loaded tensors may differ from the shape flags).
+RunConfig withShapesOf(RunConfig c, const TensorMap& in) {
+  const HostTensor &x = in.at("input"), &w = in.at(c.layer == LayerKind::kMlp ? "fc1.weight" : "weight");
+  if (c.layer == LayerKind::kEmbedding) {
+    c.batch = x.shape[0];
+    c.seq = x.shape[1];
+    c.vocab = w.shape[0];
+    c.outFeatures = w.shape[1];
+    return c;
+  }
+  c.seq = x.shape[0];
+  c.batch = x.shape[1];
+  c.inFeatures = w.shape[1];
+  if (c.layer == LayerKind::kMlp) c.ffnHidden = w.shape[0];
+  else c.outFeatures = w.shape[0];
+  return c;
+}
+
+// What the optimizer reads: main_grad under fusion (weights), else grad.
+HostTensor gradOf(Compute& compute, const Parameter& p) {
+  TPSIM_CHECK(p.mainGrad.defined() || p.grad.defined(), "tpsim run: ", p.name, " received no gradient");
+  return fromBackend(compute, p.mainGrad.defined() ? ConstView(p.mainGrad) : ConstView(p.grad));
+}
+
+Tensor sumRowsOf(Compute& compute, ConstView y, DType dtype) {
+  Tensor db = compute.empty({y.dim(-1)}, dtype);
+  compute.sumRows(y, db);
+  return db;
+}
+
+}  // namespace
 
 ModelParallelConfig layerConfig(const RunConfig& c) {
   ModelParallelConfig mp;
@@ -112,24 +113,81 @@ ModelParallelConfig layerConfig(const RunConfig& c) {
   return mp;
 }
 
-void setShard(Compute& compute, Parameter& p, const HostTensor& shard, const RunConfig& c) {
-  compute.copy(toBackend(compute, shard), p.data);
-  if (c.gradAccumulationFusion && p.data.shape().rank() == 2) p.mainGrad = compute.zeros(p.data.shape(), c.mainGradDtype);
+RankLayers buildLayers(const LayerContext& lc, const ModelParallelConfig& mp, const RunConfig& c) {
+  const InitMethod unused = initMethodNormal(0.02);  // perform_initialization is off: weights come from elsewhere
+  RankLayers layers;
+  switch (c.layer) {
+    case LayerKind::kColumn: {
+      ColumnParallelOptions o;
+      o.bias = c.bias;
+      o.gatherOutput = c.gatherOutput;
+      o.stride = c.stride;
+      o.skipBiasAdd = c.skipBiasAdd;
+      o.outputDtype = c.outputDtype;
+      o.disableGradReduce = c.disableGradReduce;
+      o.name = "column";
+      layers.column = std::make_unique<ColumnParallelLinear>(lc, mp, c.inFeatures, c.outFeatures, unused, o);
+      break;
+    }
+    case LayerKind::kRow: {
+      RowParallelOptions o;
+      o.bias = c.bias;
+      o.inputIsParallel = c.inputIsParallel;
+      o.skipBiasAdd = c.skipBiasAdd;
+      o.stride = c.stride;
+      o.name = "row";
+      layers.row = std::make_unique<RowParallelLinear>(lc, mp, c.inFeatures, c.outFeatures, unused, o);
+      break;
+    }
+    case LayerKind::kEmbedding: {
+      VocabParallelEmbeddingOptions o;
+      o.reduceScatterEmbeddings = c.reduceScatterEmbeddings;
+      ModelParallelConfig emp = mp;
+      emp.sequenceParallel = false;  // the embedding's sequence parallelism is reduce_scatter_embeddings
+      layers.embedding = std::make_unique<VocabParallelEmbedding>(lc, emp, c.vocab, c.outFeatures, unused, o);
+      break;
+    }
+    case LayerKind::kMlp: {
+      ColumnParallelOptions o1;
+      o1.name = "fc1";
+      RowParallelOptions o2;
+      o2.inputIsParallel = true;
+      o2.name = "fc2";
+      layers.column = std::make_unique<ColumnParallelLinear>(lc, mp, c.inFeatures, c.ffnHidden, unused, o1);
+      layers.row = std::make_unique<RowParallelLinear>(lc, mp, c.ffnHidden, c.inFeatures, unused, o2);
+      break;
+    }
+  }
+  return layers;
 }
 
-// What the optimizer reads: main_grad under fusion (weights), else grad.
-HostTensor gradOf(Compute& compute, const Parameter& p) {
-  TPSIM_CHECK(p.mainGrad.defined() || p.grad.defined(), "tpsim run: ", p.name, " received no gradient");
-  return fromBackend(compute, p.mainGrad.defined() ? ConstView(p.mainGrad) : ConstView(p.grad));
+std::vector<std::pair<std::string, Parameter*>> RankLayers::parameters() const {
+  if (embedding) return {{"weight", &embedding->weight()}};
+  const std::string fc1 = column && row ? "fc1." : "", fc2 = column && row ? "fc2." : "";
+  std::vector<std::pair<std::string, Parameter*>> out;
+  if (column) out.insert(out.end(), {{fc1 + "weight", column->weight()}, {fc1 + "bias", column->bias()}});
+  if (row) out.insert(out.end(), {{fc2 + "weight", &row->weight()}, {fc2 + "bias", row->bias()}});
+  out.erase(std::remove_if(out.begin(), out.end(), [](const auto& e) { return e.second == nullptr; }), out.end());
+  return out;
 }
 
-Tensor sumRowsOf(Compute& compute, ConstView y, DType dtype) {
-  Tensor db = compute.empty({y.dim(-1)}, dtype);
-  compute.sumRows(y, db);
-  return db;
+std::vector<TensorPlacement> RankLayers::placements(std::int64_t seq, std::int64_t batch) const {
+  if (embedding) return layerPlacements(*embedding, seq, batch);
+  if (!row) return layerPlacements(*column, seq, batch);
+  if (!column) return layerPlacements(*row, seq, batch);
+  std::vector<TensorPlacement> out = layerPlacements(*column, seq, batch, "fc1.");
+  for (TensorPlacement& p : layerPlacements(*row, seq, batch, "fc2.")) out.push_back(std::move(p));
+  return out;
 }
 
-}  // namespace
+ShardedStateDict RankLayers::stateDict(Collectives& tp, Collectives* dpCp) const {
+  if (embedding) return shardedStateDict(*embedding, "", {}, tp, dpCp);
+  if (!row) return shardedStateDict(*column, "", {}, tp, dpCp);
+  if (!column) return shardedStateDict(*row, "", {}, tp, dpCp);
+  ShardedStateDict out = shardedStateDict(*column, "fc1.", {}, tp, dpCp);
+  for (ShardedEntry& e : shardedStateDict(*row, "fc2.", {}, tp, dpCp)) out.push_back(std::move(e));
+  return out;
+}
 
 void applyEmbeddingSequenceParallel(RunConfig& config) {
   if (config.layer != LayerKind::kEmbedding || !config.sequenceParallel) return;
@@ -388,10 +446,11 @@ void checkCheckpointable(const RunConfig& c) {
               "weight is saved as its dequantized copy, not the parameter), got ", weightFormatName(c.weightFormat));
 }
 
-RunResult runSharded(const RunConfig& c, const TensorMap& in, const CheckpointHooks& hooks) {
-  c.validate();
-  checkInputs(c, in);
-  if (hooks.load || hooks.save) checkCheckpointable(c);
+RunResult runSharded(const RunConfig& config, const TensorMap& in, const CheckpointHooks& hooks) {
+  config.validate();
+  checkInputs(config, in);
+  if (hooks.load || hooks.save) checkCheckpointable(config);
+  const RunConfig c = withShapesOf(config, in);
   const int T = c.tp, G = c.gtpRemat;
   ParallelSizes sizes;
   sizes.world = T * G;
@@ -400,7 +459,6 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in, const CheckpointHo
   const ParallelLayout layout(sizes);
   PerRank per;
   per.results.resize(sizes.world);
-  per.shards.resize(sizes.world);
   WorldOptions wo;
   wo.size = sizes.world;
   wo.threads = c.threads;
@@ -408,8 +466,8 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in, const CheckpointHo
   wo.faults = c.faults;
   wo.timeout = c.timeout;
   const std::unique_ptr<World> world = makeWorld(c.backend, wo);
-  const InitMethod unused = initMethodNormal(0.02);  // weights are copied in
-  const bool embeddingBatchFirst = c.layer == LayerKind::kEmbedding && !c.reduceScatterEmbeddings;
+  // The MLP's input and input gradient are fc1's, its output and output gradient fc2's.
+  const std::string first = c.layer == LayerKind::kMlp ? "fc1." : "", last = c.layer == LayerKind::kMlp ? "fc2." : "";
   std::vector<RankRecord> records(c.record ? sizes.world : 0);
   const TraceClock::time_point t0 = TraceClock::now();
   auto rankMain = [&](RankContext& base) {
@@ -429,194 +487,79 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in, const CheckpointHo
     const ModelParallelConfig mp = layerConfig(c);
     GtpGradReducer reducer(compute, GtpReduceOptions::fromConfig(mp, true));
     const LayerContext lc{compute, pg.tp(), nullptr, nullptr, &pg.gtpRemat(), &pg.dpCp(), &reducer};
-    // finalize_model_grads' TP step: the parameters' sequence_parallel tags decide what it sums.
-    auto finalize = [&](std::vector<Parameter*> params) {
-      params.erase(std::remove(params.begin(), params.end(), nullptr), params.end());
-      finalizeSequenceParallelGrads(params, pg.tp(), mp.sequenceParallel);
+    RankLayers layers = buildLayers(lc, mp, c);
+    const std::vector<TensorPlacement> placements = layers.placements(c.seq, c.batch);
+    if (r == 0) per.placements = placements;
+    auto shardOfInput = [&](const std::string& placement, const std::string& input) {
+      return shardOf(placementNamed(placements, placement), in.at(input), t, g);
     };
-    // GTP_remat peers are data parallel: peer g takes batch block g (b is dim 1 of (s, b, ·)).
-    auto batch = [&](const HostTensor& h, int dim) { return G > 1 ? chunk(h, dim, g, G) : h; };
-    const HostTensor input = batch(in.at("input"), c.layer == LayerKind::kEmbedding ? 0 : 1);
-    const HostTensor dyFull = batch(in.at("grad_output"), embeddingBatchFirst ? 0 : 1);
-    auto put = [&](const std::string& name, ConstView v) { per.put(r, name, fromBackend(compute, v)); };
-    // A weight's TP-local rows, or under GTP_remat this peer's rows of them padded (SPEC 4.2).
-    auto setWeight = [&](Parameter& p, const HostTensor& tpLocal, const std::string& text) {
-      if (!isGtpShard(p)) {
-        setShard(compute, p, tpLocal, c);
-        per.shard(r, text);
-        return;
-      }
-      const std::int64_t rows = p.data.shape()[0], dLog = tpLocal.shape[0];
-      const std::int64_t begin = std::min(g * rows, dLog), end = std::min((g + 1) * rows, dLog);
-      HostTensor shard = slice(tpLocal, 0, begin, end);
-      HostTensor pad{shard.shape, shard.dtype, {}};
-      pad.shape[0] = rows - (end - begin);
-      pad.values.assign(std::size_t(pad.numel()), 0.0);
-      shard = concat({shard, pad}, 0);
-      compute.copy(toBackend(compute, shard), p.data);
-      p.mainGrad = compute.zeros(p.data.shape(), c.mainGradDtype);
-      per.shard(r, detail::concat(text, "; GTP_remat rank ", g, " of ", G, " keeps rows [", g * rows, ", ",
-                                  (g + 1) * rows, ") of it padded by ", *p.attrs.padLength, " to ", rows * G,
-                                  ": ", shard.shapeStr()));
-    };
+    const std::vector<std::pair<std::string, Parameter*>> params = layers.parameters();
+    for (const auto& [name, param] : params) setShard(compute, *param, shardOfInput(name, name), c);
     // Once the parameters are set: this rank's chunks read from, or added to, the checkpoint.
-    auto checkpoint = [&](const ShardedStateDict& sd, const std::map<std::string, Parameter*>& params) {
-      if (!hooks.load && !hooks.save) return;
+    if (hooks.load || hooks.save) {
+      const ShardedStateDict sd = layers.stateDict(pg.tp(), &pg.dpCpGtp());
       if (hooks.load)
         for (const ShardedEntry& e : sd) {
           if (const auto* o = std::get_if<ShardedObject>(&e)) {
             hooks.load->checkObject(*o);
           } else {
             const auto& st = std::get<ShardedTensor>(e);
-            hooks.load->load(st, params.at(st.key)->data, compute);
+            const auto it = std::find_if(params.begin(), params.end(), [&](const auto& p) { return p.first == st.key; });
+            TPSIM_INTERNAL_ASSERT(it != params.end(), "checkpoint key ", st.key, " is no parameter of the layer");
+            hooks.load->load(st, it->second->data, compute);
           }
         }
       if (hooks.save) hooks.save->add(r, sd, compute);
+    }
+    // gather_output concatenates the ranks' output shards in rank order, which under stride > 1 is
+    // not the logical column order (SPEC 3.11): the layer's dY is in that order too.
+    const bool gathered = c.layer == LayerKind::kColumn && c.gatherOutput;
+    const HostTensor dyHost = gathered ? rankOrdered(placementNamed(placements, "output.grad"),
+                                                     placementNamed(placements, "weight"), in.at("grad_output"), g)
+                                       : shardOfInput(last + "output.grad", "grad_output");
+    Tensor x = toBackend(compute, shardOfInput(first + "input", "input"));
+    Tensor dy = toBackend(compute, dyHost);
+    // The caller's use of a returned bias: y = output + b, so db = the row sums of dY.
+    auto addReturnedBias = [&](LayerOutput& out) {
+      if (!out.outputBias) return Tensor();
+      compute.addBias(out.outputBias->data, out.output);
+      return sumRowsOf(compute, dy, c.dtype);
     };
-    auto joined = [](ShardedStateDict a, const ShardedStateDict& b) {
-      a.insert(a.end(), b.begin(), b.end());
-      return a;
-    };
+    Tensor y, dx;
     switch (c.layer) {
-      case LayerKind::kColumn: {
-        ColumnParallelOptions o;
-        o.bias = c.bias;
-        o.gatherOutput = c.gatherOutput;
-        o.stride = c.stride;
-        o.skipBiasAdd = c.skipBiasAdd;
-        o.outputDtype = c.outputDtype;
-        o.disableGradReduce = c.disableGradReduce;
-        o.name = "column";
-        const HostTensor& w = in.at("weight");
-        ColumnParallelLinear layer(lc, mp, w.shape[1], w.shape[0], unused, o);
-        const auto rows = ownedRanges(w.shape[0], T, c.stride, t);
-        const HostTensor wLocal = take(w, 0, rows);
-        setWeight(*layer.weight(), wLocal, describe("weight", wLocal, w, 0, rows));
-        if (c.bias) {
-          const HostTensor bShard = take(in.at("bias"), 0, rows);
-          setShard(compute, *layer.bias(), bShard, c);
-          per.shard(r, describe("bias", bShard, in.at("bias"), 0, rows));
-        }
-        checkpoint(shardedStateDict(layer, "", {}, pg.tp(), &pg.dpCpGtp()),
-                   {{"weight", layer.weight()}, {"bias", layer.bias()}});
-        const HostTensor x = c.sequenceParallel ? chunk(input, 0, t, T) : input;
-        Tensor xt = toBackend(compute, x);
-        LayerOutput out = layer.forward(xt);
-        // A gathered output is in rank order, each rank's interleaved chunks in turn: give the
-        // layer dY in that order (it splits dY contiguously).
-        const HostTensor dy = c.gatherOutput ? rankOrder(dyFull, -1, w.shape[0], T, c.stride) : take(dyFull, -1, rows);
-        Tensor dyt = toBackend(compute, dy);
-        Tensor dBias;
-        if (out.outputBias) {  // the caller's use of the returned bias: y = output + b
-          compute.addBias(out.outputBias->data, out.output);
-          dBias = sumRowsOf(compute, dyt, c.dtype);
-        }
-        Tensor dx = layer.backward(dyt, dBias.defined() ? ConstView(dBias) : ConstView());
-        reducer.drain();
-        finalize({layer.weight(), layer.bias()});
-        put("output", out.output);
-        put("input.grad", dx);
-        per.put(r, "weight.grad", gradOf(compute, *layer.weight()));
-        if (c.bias) per.put(r, "bias.grad", gradOf(compute, *layer.bias()));
-        break;
-      }
+      case LayerKind::kColumn:
       case LayerKind::kRow: {
-        RowParallelOptions o;
-        o.bias = c.bias;
-        o.inputIsParallel = c.inputIsParallel;
-        o.skipBiasAdd = c.skipBiasAdd;
-        o.stride = c.stride;
-        o.name = "row";
-        const HostTensor& w = in.at("weight");
-        RowParallelLinear layer(lc, mp, w.shape[1], w.shape[0], unused, o);
-        const auto cols = ownedRanges(w.shape[1], T, c.stride, t);
-        const HostTensor wLocal = take(w, 1, cols);
-        setWeight(layer.weight(), wLocal, describe("weight", wLocal, w, 1, cols));
-        if (c.bias) {
-          setShard(compute, *layer.bias(), in.at("bias"), c);
-          per.shard(r, "bias " + in.at("bias").shapeStr() + " replicated");
-        }
-        checkpoint(shardedStateDict(layer, "", {}, pg.tp(), &pg.dpCpGtp()),
-                   {{"weight", &layer.weight()}, {"bias", layer.bias()}});
-        const HostTensor x = c.inputIsParallel ? take(input, -1, cols) : input;
-        Tensor xt = toBackend(compute, x);
-        LayerOutput out = layer.forward(xt);
-        Tensor dyt = toBackend(compute, c.sequenceParallel ? chunk(dyFull, 0, t, T) : dyFull);
-        Tensor dBias;
-        if (out.outputBias) {
-          compute.addBias(out.outputBias->data, out.output);
-          dBias = sumRowsOf(compute, dyt, c.dtype);
-        }
-        Tensor dx = layer.backward(dyt, dBias.defined() ? ConstView(dBias) : ConstView());
-        reducer.drain();
-        finalize({&layer.weight(), layer.bias()});
-        put("output", out.output);
-        put("input.grad", dx);
-        per.put(r, "weight.grad", gradOf(compute, layer.weight()));
-        if (c.bias) per.put(r, "bias.grad", gradOf(compute, *layer.bias()));
+        LayerOutput out = layers.column ? layers.column->forward(x) : layers.row->forward(x);
+        Tensor db = addReturnedBias(out);
+        const ConstView dbView = db.defined() ? ConstView(db) : ConstView();
+        dx = layers.column ? layers.column->backward(dy, dbView) : layers.row->backward(dy, dbView);
+        y = std::move(out.output);
         break;
       }
-      case LayerKind::kEmbedding: {
-        const HostTensor& w = in.at("weight");
-        VocabParallelEmbeddingOptions o;
-        o.reduceScatterEmbeddings = c.reduceScatterEmbeddings;
-        ModelParallelConfig emp = mp;
-        emp.sequenceParallel = false;  // the embedding's sequence parallelism is reduce_scatter_embeddings
-        VocabParallelEmbedding layer(lc, emp, w.shape[0], w.shape[1], unused, o);
-        const auto rows = ownedRanges(w.shape[0], T, 1, t);
-        const HostTensor wLocal = take(w, 0, rows);
-        setWeight(layer.weight(), wLocal, describe("weight", wLocal, w, 0, rows));
-        checkpoint(shardedStateDict(layer, "", {}, pg.tp(), &pg.dpCpGtp()), {{"weight", &layer.weight()}});
-        Tensor ids = toBackend(compute, input);
-        Tensor y = layer.forward(ids);
-        layer.backward(toBackend(compute, c.reduceScatterEmbeddings ? chunk(dyFull, 0, t, T) : dyFull));
-        reducer.drain();
-        finalize({&layer.weight()});
-        put("output", y);
-        per.put(r, "weight.grad", gradOf(compute, layer.weight()));
+      case LayerKind::kEmbedding:
+        y = layers.embedding->forward(x);
+        layers.embedding->backward(dy);
         break;
-      }
       case LayerKind::kMlp: {
-        const HostTensor &w1 = in.at("fc1.weight"), &w2 = in.at("fc2.weight");
-        ColumnParallelOptions o1;
-        o1.name = "fc1";
-        RowParallelOptions o2;
-        o2.inputIsParallel = true;
-        o2.name = "fc2";
-        ColumnParallelLinear fc1(lc, mp, w1.shape[1], w1.shape[0], unused, o1);
-        RowParallelLinear fc2(lc, mp, w2.shape[1], w2.shape[0], unused, o2);
-        const auto rows = ownedRanges(w1.shape[0], T, 1, t);
-        const HostTensor w1s = take(w1, 0, rows), b1s = take(in.at("fc1.bias"), 0, rows), w2s = take(w2, 1, rows);
-        setWeight(*fc1.weight(), w1s, describe("fc1.weight", w1s, w1, 0, rows));
-        setShard(compute, *fc1.bias(), b1s, c);
-        setWeight(fc2.weight(), w2s, describe("fc2.weight", w2s, w2, 1, rows));
-        setShard(compute, *fc2.bias(), in.at("fc2.bias"), c);
-        per.shard(r, describe("fc1.bias", b1s, in.at("fc1.bias"), 0, rows));
-        per.shard(r, "fc2.bias " + in.at("fc2.bias").shapeStr() + " replicated");
-        checkpoint(joined(shardedStateDict(fc1, "fc1.", {}, pg.tp(), &pg.dpCpGtp()),
-                          shardedStateDict(fc2, "fc2.", {}, pg.tp(), &pg.dpCpGtp())),
-                   {{"fc1.weight", fc1.weight()}, {"fc1.bias", fc1.bias()}, {"fc2.weight", &fc2.weight()},
-                    {"fc2.bias", fc2.bias()}});
-        Tensor xt = toBackend(compute, c.sequenceParallel ? chunk(input, 0, t, T) : input);
-        Tensor h = fc1.forward(xt).output;  // (s, b, F/T)
+        Tensor h = layers.column->forward(x).output;  // (s, b, F/T)
         Tensor a = compute.empty(h.shape(), h.dtype());
         compute.gelu(h, a);
-        Tensor y = fc2.forward(a).output;  // (s, b, h), or (s/T, b, h) under SP
-        Tensor dA = fc2.backward(toBackend(compute, c.sequenceParallel ? chunk(dyFull, 0, t, T) : dyFull));
+        y = layers.row->forward(a).output;  // (s, b, h), or (s/T, b, h) under SP
+        Tensor dA = layers.row->backward(dy);
         Tensor dH = compute.empty(h.shape(), h.dtype());
         compute.geluBackward(h, dA, dH);
-        Tensor dx = fc1.backward(dH);
-        reducer.drain();
-        finalize({fc1.weight(), fc1.bias(), &fc2.weight(), fc2.bias()});
-        put("output", y);
-        put("input.grad", dx);
-        per.put(r, "fc1.weight.grad", gradOf(compute, *fc1.weight()));
-        per.put(r, "fc1.bias.grad", gradOf(compute, *fc1.bias()));
-        per.put(r, "fc2.weight.grad", gradOf(compute, fc2.weight()));
-        per.put(r, "fc2.bias.grad", gradOf(compute, *fc2.bias()));
+        dx = layers.column->backward(dH);
         break;
       }
     }
+    reducer.drain();
+    // finalize_model_grads' TP step: the parameters' sequence_parallel tags decide what it sums.
+    std::vector<Parameter*> finalized;
+    for (const auto& entry : params) finalized.push_back(entry.second);
+    finalizeSequenceParallelGrads(finalized, pg.tp(), mp.sequenceParallel);
+    per.put(r, "output", fromBackend(compute, y));
+    if (dx.defined()) per.put(r, "input.grad", fromBackend(compute, dx));
+    for (const auto& [name, param] : params) per.put(r, name + ".grad", gradOf(compute, *param));
   };
   // A rank out of memory fails the world like any rank error; it is reported as what it is, an
   // allocation failure (exit 2 in the CLI), not as a failure of the simulated world.
@@ -635,93 +578,53 @@ RunResult runSharded(const RunConfig& c, const TensorMap& in, const CheckpointHo
     throw;
   }
 
-  // Back to the unsharded layout: first across the GTP_remat peers of each TP rank t (global
-  // rank t + T·g), then across TP as without GTP_remat.
+  // Back to the unsharded layout, each result through its placement.
   RunResult r;
-  r.shards = per.shards;
   r.trace = world->trace();
   r.records = std::move(records);
-  auto peers = [&](const std::string& name, int t) {
-    std::vector<HostTensor> out;
-    for (int g = 0; g < G; ++g) out.push_back(per.results[t + T * g].at(name));
-    return out;
+  r.placements = std::move(per.placements);
+  auto local = [&](const std::string& name) {
+    return [&per, name, T](int t, int g) -> const HostTensor& { return per.results[t + T * g].at(name); };
   };
-  // Activations: the peers' batch blocks side by side.
-  auto batchT = [&](const std::string& name, int dim) {
-    std::vector<HostTensor> out;
-    for (int t = 0; t < T; ++t) out.push_back(concat(peers(name, t), dim));
-    return out;
-  };
-  // GTP_remat weights: the peers' shards stacked, padding stripped back to dLog rows.
-  auto shardsT = [&](const std::string& name, std::int64_t dLog) {
-    std::vector<HostTensor> out;
-    for (int t = 0; t < T; ++t) out.push_back(G > 1 ? slice(concat(peers(name, t), 0), 0, 0, dLog) : peers(name, t)[0]);
-    return out;
-  };
-  // Replicated parameters: finalize reduces them over the peers, MEAN or SUM like the shards.
-  auto replicatedT = [&](const std::string& name) {
-    std::vector<HostTensor> out;
-    for (int t = 0; t < T; ++t) {
-      HostTensor total = sum(peers(name, t));
-      if (c.gtpReduceMean)
-        for (double& v : total.values) v /= double(G);
-      out.push_back(std::move(total));
-    }
-    return out;
-  };
-  const bool sp = c.sequenceParallel;
-  const int batchDim = embeddingBatchFirst ? 0 : 1;
-  auto activation = [&](const std::string& name, bool splitOverTp) {
-    auto perT = batchT(name, batchDim);
-    return splitOverTp ? concat(perT, 0) : perT[0];
-  };
-  // Each TP rank's own activation, stacked along a new dim 0.
-  auto stacked = [&](const std::string& name) {
-    auto perT = batchT(name, batchDim);
-    for (HostTensor& h : perT) h.shape.insert(h.shape.begin(), 1);
-    return concat(perT, 0);
-  };
-  switch (c.layer) {
-    case LayerKind::kColumn: {
-      const std::int64_t n = in.at("weight").shape[0];
-      // Gathered or not, each rank's block of the last dim holds its interleaved rows.
-      std::vector<HostTensor> outputs = batchT("output", batchDim);
-      if (c.gatherOutput) {
-        HostTensor gathered = outputs[0];
-        outputs.clear();
-        for (int t = 0; t < T; ++t) outputs.push_back(chunk(gathered, -1, t, T));
+  auto placement = [&](const std::string& name) { return placementNamed(r.placements, name); };
+  if (c.layer == LayerKind::kColumn && c.gatherOutput) {
+    // Rank t's shard of the rank-ordered gathered output is its block t.
+    std::vector<HostTensor> blocks(std::size_t(T * G));
+    for (int g = 0; g < G; ++g)
+      for (int t = 0; t < T; ++t) blocks[t + T * g] = chunk(per.results[T * g].at("output"), -1, t, T);
+    r.results["output"] = assemble(beforeGather(placement("output"), placement("weight")),
+                                   [&](int t, int g) -> const HostTensor& { return blocks[t + T * g]; });
+  } else {
+    r.results["output"] = assemble(placement(last + "output"), local("output"));
+  }
+  if (c.layer != LayerKind::kEmbedding) {
+    const TensorPlacement& dx = placement(first + "input.grad");
+    if (dx.tp.kind == AxisKind::kPartial) {
+      // disable_grad_reduce: every TP rank's partial, stacked along a new dim 0: (T, s, b, K).
+      TensorPlacement own = dx;
+      own.tp = {AxisKind::kReplicate, 1};
+      std::vector<HostTensor> partials;
+      for (int t = 0; t < T; ++t) {
+        HostTensor p = assemble(own, [&](int, int g) -> const HostTensor& { return per.results[t + T * g].at("input.grad"); });
+        p.shape.insert(p.shape.begin(), 1);
+        partials.push_back(std::move(p));
       }
-      r.results["output"] = place(outputs, -1, n, c.stride);
-      r.results["input.grad"] = c.disableGradReduce ? stacked("input.grad") : activation("input.grad", sp);
-      r.results["weight.grad"] = place(shardsT("weight.grad", n / T), 0, n, c.stride);
-      if (c.bias) r.results["bias.grad"] = place(replicatedT("bias.grad"), 0, n, c.stride);
-      break;
+      r.results["input.grad"] = concat(partials, 0);
+    } else {
+      r.results["input.grad"] = assemble(dx, local("input.grad"));
     }
-    case LayerKind::kRow: {
-      const std::int64_t k = in.at("weight").shape[1], n = in.at("weight").shape[0];
-      r.results["output"] = activation("output", sp);
-      r.results["input.grad"] = c.inputIsParallel ? place(batchT("input.grad", 1), -1, k, c.stride)
-                                                  : batchT("input.grad", 1)[0];
-      r.results["weight.grad"] = place(shardsT("weight.grad", n), 1, k, c.stride);
-      if (c.bias) r.results["bias.grad"] = replicatedT("bias.grad")[0];
-      break;
-    }
-    case LayerKind::kEmbedding: {
-      const std::int64_t v = in.at("weight").shape[0];
-      r.results["output"] = activation("output", c.reduceScatterEmbeddings);
-      r.results["weight.grad"] = concat(shardsT("weight.grad", v / T), 0);
-      break;
-    }
-    case LayerKind::kMlp: {
-      const std::int64_t f = in.at("fc1.weight").shape[0], h = in.at("fc2.weight").shape[0];
-      r.results["output"] = activation("output", sp);
-      r.results["input.grad"] = activation("input.grad", sp);
-      r.results["fc1.weight.grad"] = concat(shardsT("fc1.weight.grad", f / T), 0);
-      r.results["fc1.bias.grad"] = concat(replicatedT("fc1.bias.grad"), 0);
-      r.results["fc2.weight.grad"] = concat(shardsT("fc2.weight.grad", h), 1);
-      r.results["fc2.bias.grad"] = replicatedT("fc2.bias.grad")[0];
-      break;
-    }
+  }
+  for (const TensorPlacement& p : r.placements) {
+    if (p.role != TensorRole::kParameter) continue;
+    TensorPlacement grad = placement(p.name + ".grad");
+    // The peers' gradients of a parameter they replicate are data-parallel partial sums: the DP
+    // gradient reduction over them (MEAN or SUM, as the shards' reduce-scatter) happens here.
+    const bool dataParallel = grad.gtp.kind == AxisKind::kReplicate && G > 1;
+    if (dataParallel) grad.gtp.kind = AxisKind::kPartial;
+    HostTensor total = assemble(grad, local(p.name + ".grad"));
+    if (dataParallel && c.gtpReduceMean)
+      for (double& v : total.values) v /= double(G);
+    r.results[p.name + ".grad"] = std::move(total);
   }
   return r;
 }

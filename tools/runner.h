@@ -2,24 +2,29 @@
 // the results back into the unsharded layout: the engine behind `tpsim run` and `tpsim demo`.
 //
 // Inputs and results are unsharded HostTensors named after Megatron's tensors (reference.h).
-// Sharding: column weights by output rows, row weights by input columns, embeddings by vocab
-// rows, stride-interleaved when stride > 1 (SPEC 3.11), activations along the sequence under
-// sequence parallelism; under GTP_remat each weight's TP-local rows are padded and split over the
-// G peers, which take one batch block each. Gradients are what an optimizer would read after
-// Megatron's gradient finalization: main_grad under fusion or GTP_remat (stripped of padding),
-// parameters tagged sequence_parallel all-reduced over TP on the ranks (finalizeSequenceParallelGrads),
-// replicated parameters reduced over the GTP_remat peers (MEAN: the full-batch gradient / G, SUM:
-// the full-batch gradient).
+// Every rank builds the layers and cuts its parameters, input and output gradient out of the
+// unsharded tensors by the layers' own placements (core/placement.h: column weights by output
+// rows, row weights by input columns, embeddings by vocab rows, stride-interleaved chunks,
+// activations along the sequence under sequence parallelism, GTP_remat's padded second split of
+// the weights and the peers' batch blocks); the results go back through the same placements.
+// Gradients are what an optimizer would read after Megatron's gradient finalization: main_grad
+// under fusion or GTP_remat (stripped of padding), parameters tagged sequence_parallel all-reduced
+// over TP on the ranks (finalizeSequenceParallelGrads), replicated parameters reduced over the
+// GTP_remat peers (MEAN: the full-batch gradient / G, SUM: the full-batch gradient).
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "backends/world.h"
 #include "core/checkpoint_io.h"
+#include "core/config.h"
+#include "core/layers.h"
+#include "core/placement.h"
 #include "tools/reference.h"
 #include "tools/trace.h"
 
@@ -78,9 +83,27 @@ TensorMap generateInputs(const RunConfig& config);
 // Checks that loaded tensors have consistent shapes and dtypes; messages name the file.
 void checkInputs(const RunConfig& config, const TensorMap& inputs);
 
+// The layers of config's kind as one rank builds them (shapes from config's sizes, parameters not
+// initialized): what `tpsim run` runs and `tpsim layout` describes.
+struct RankLayers {
+  std::unique_ptr<ColumnParallelLinear> column;  // --layer column, or the MLP's fc1
+  std::unique_ptr<RowParallelLinear> row;        // --layer row, or the MLP's fc2
+  std::unique_ptr<VocabParallelEmbedding> embedding;
+
+  // Every parameter, named as the inputs name them ("weight", "bias"; "fc1.weight", ...).
+  std::vector<std::pair<std::string, Parameter*>> parameters() const;
+  // core/placement.h's description of every tensor on (seq, batch) tokens; the MLP's are fc1's
+  // then fc2's, prefixed "fc1." and "fc2.".
+  std::vector<TensorPlacement> placements(std::int64_t seq, std::int64_t batch) const;
+  // The rank's sharded_state_dict: what a checkpoint saves and loads.
+  ShardedStateDict stateDict(Collectives& tp, Collectives* dpCp) const;
+};
+ModelParallelConfig layerConfig(const RunConfig& config);
+RankLayers buildLayers(const LayerContext& context, const ModelParallelConfig& mp, const RunConfig& config);
+
 struct RunResult {
-  TensorMap results;                               // unsharded, named as in reference.h
-  std::vector<std::vector<std::string>> shards;    // per rank: "fc1.weight (16, 32) = rows [0, 16) of (64, 32)"
+  TensorMap results;                       // unsharded, named as in reference.h
+  std::vector<TensorPlacement> placements;  // of every tensor of the layers (RankLayers::placements)
   std::vector<std::vector<TraceEvent>> trace; // per rank: every collective it issued
   std::vector<RankRecord> records;             // per rank, with RunConfig::record: its ops in order
 };
