@@ -163,6 +163,20 @@ void checkTiling(const CheckpointKey& k, const std::string& where) {
               "; a chunk is missing (a rank that holds it did not contribute, or no replica of it is main)");
 }
 
+json axisJson(const AxisPlacement& a) {
+  json j = {{"kind", axisKindName(a.kind)}, {"size", a.size}};
+  if (a.kind == AxisKind::kShard) {
+    j["dim"] = a.dim;
+    j["stride"] = a.stride;
+    j["pad_length"] = a.padLength;
+  }
+  return j;
+}
+
+json placementJson(const TensorPlacement& p) {
+  return {{"text", placementText(p)}, {"tp", axisJson(p.tp)}, {"gtp_remat", axisJson(p.gtp)}};
+}
+
 json chunkJson(const CheckpointChunk& c) {
   json j{{"file", c.file},
          {"tensor", c.tensor},
@@ -282,6 +296,11 @@ void writeSafetensors(const std::string& path, const std::vector<SafetensorsEntr
 }
 
 // ---- Save ----------------------------------------------------------------------------------------
+
+void CheckpointWriter::describe(const TensorPlacement& placement) {
+  std::lock_guard<std::mutex> lock(mu_);
+  placements_[placement.name] = placement;
+}
 
 void CheckpointWriter::add(int rank, const ShardedStateDict& stateDict, Compute& compute) {
   std::vector<Held> mine;
@@ -419,6 +438,8 @@ void CheckpointWriter::commit(const std::string& dir) const {
                               {"global_shape", k.globalShape},
                               {"saved_global_shape", k.savedGlobalShape},
                               {"chunks", chunks}};
+    if (const auto p = placements_.find(name); p != placements_.end())
+      index["tensors"][name]["placement"] = placementJson(p->second);
   }
   for (const auto& [name, o] : objects_) {
     std::vector<std::pair<int, Ints>> cells;
@@ -523,6 +544,12 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
       k.dtype = *dtype;
       k.globalShape = readShape(t, where, "global_shape");
       k.savedGlobalShape = readShape(t, where, "saved_global_shape");
+      if (t.contains("placement")) {
+        const json& p = t.at("placement");
+        TPSIM_CHECK(p.is_object() && p.contains("text") && p.at("text").is_string(), where, ": key '", name,
+                    "': expected a placement object with a text, got ", p.dump());
+        k.placement = p.at("text").get<std::string>();
+      }
       TPSIM_CHECK(!k.globalShape.empty() && k.globalShape.size() == k.savedGlobalShape.size(), where, ": key '", name,
                   "': expected global shapes of one rank >= 1, got ", shapeStr(k.globalShape), " and ",
                   shapeStr(k.savedGlobalShape));

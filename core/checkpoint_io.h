@@ -17,6 +17,7 @@
 
 #include "backends/compute.h"
 #include "core/checkpoint.h"
+#include "core/placement.h"
 
 namespace tpsim {
 
@@ -57,6 +58,7 @@ struct CheckpointKey {
   std::vector<std::int64_t> globalShape;       // logical: without pad rows (what consolidate writes)
   std::vector<std::int64_t> savedGlobalShape;  // Megatron's: with the saving topology's pad rows
   std::vector<CheckpointChunk> chunks;
+  std::string placement;  // how the saving run placed it (placementText); empty if not recorded
 };
 
 // An `_extra_state` entry (value None): which cells were recorded, and by whom.
@@ -73,6 +75,9 @@ class CheckpointWriter {
  public:
   // Copies this rank's main-replica chunks to host memory (through compute), real rows only.
   void add(int rank, const ShardedStateDict& stateDict, Compute& compute);
+  // Records the saving run's placement of a key (core/placement.h) in the index, for people and
+  // tools reading it; a load does not depend on it.
+  void describe(const TensorPlacement& placement);
   // Writes the files and the index into `dir`, which must exist. Throws InvalidArgument, writing
   // nothing, when a chunk is written twice, a key's chunks leave rows uncovered or disagree on dtype
   // or shape. Files go to temporary names first, the index last: a failed save leaves no index.
@@ -89,6 +94,7 @@ class CheckpointWriter {
   mutable std::mutex mu_;
   std::vector<Held> chunks_;
   std::map<std::string, CheckpointObject> objects_;
+  std::map<std::string, TensorPlacement> placements_;
 };
 
 // A checkpoint read and checked whole at construction: the index, every file's header against it,

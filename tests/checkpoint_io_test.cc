@@ -14,6 +14,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -22,6 +23,7 @@
 #include "core/gtp.h"
 #include "core/init.h"
 #include "core/layers.h"
+#include "core/placement.h"
 #include "core/process_groups.h"
 #include "tests/sim_test_util.h"
 
@@ -146,6 +148,8 @@ void save(const Topology& topo, const std::string& dir) {
   CheckpointWriter writer;
   onWorld(topo, [&](RankContext& ctx, ProcessGroups& pg, LayerContext& lc) {
     Layers l = build(ctx, pg, lc, topo, true);
+    if (ctx.comm.rank() == 0)
+      for (const auto& [key, p] : l.params) writer.describe(parameterPlacement(*p, key, topo.tp, topo.gtp));
     writer.add(ctx.comm.rank(), l.stateDict, ctx.compute);
   });
   writer.commit(dir);
@@ -329,6 +333,47 @@ TEST(CheckpointErrors, TruncatedCorruptOrMissingFilesAreRefused) {
   EXPECT_EQ(loadError(dir), "no error");
   fs::remove(dir + "/index.json");
   EXPECT_THAT(loadError(dir), HasSubstr("index"));
+}
+
+// The index records each parameter's placement, and that placement puts every element of every
+// rank's shard where expected() (Megatron's layout, written out independently) has it.
+TEST(CheckpointFiles, IndexRecordsPlacementsThatAgreeWithTheShards) {
+  const Topology topo{4, 2, 16};
+  const std::string dir = tempDir("placement");
+  save(topo, dir);
+  const CheckpointReader reader(dir);
+  const auto index = nlohmann::json::parse(readFile(dir + "/index.json"));
+  EXPECT_EQ(index["tensors"]["col.weight"]["placement"]["tp"]["kind"], "shard");
+  EXPECT_EQ(index["tensors"]["col.weight"]["placement"]["gtp_remat"]["pad_length"], 26);
+  EXPECT_EQ(index["tensors"]["row.bias"]["placement"]["tp"]["kind"], "replicate");
+  std::mutex mu;
+  int checked = 0;
+  onWorld(topo, [&](RankContext& ctx, ProcessGroups& pg, LayerContext& lc) {
+    Layers l = build(ctx, pg, lc, topo, false);
+    const int t = pg.tp().rank(), g = pg.gtpRemat().rank();
+    for (const auto& [key, p] : l.params) {
+      const TensorPlacement placement = parameterPlacement(*p, key, topo.tp, topo.gtp);
+      EXPECT_EQ(reader.key(key).placement, placementText(placement)) << key;
+      const Ints shape = dims(p->data.shape());
+      const auto want = expected(key, shape, topo.tp, t, g, topo.dtype, topo.dtype);
+      const std::int64_t cols = shape.size() > 1 ? shape[1] : 1;
+      std::int64_t real = 0;
+      for (const Block& b : blocksOf(placement, t, g)) {
+        if (b.pad) continue;
+        for (std::int64_t i = 0; i < b.global[0].size(); ++i)
+          for (std::int64_t j = 0; j < (shape.size() > 1 ? b.global[1].size() : 1); ++j) {
+            const std::int64_t local = (b.local[0] + i) * cols + (shape.size() > 1 ? b.local[1] + j : 0);
+            const double v = through(topo.dtype, topo.dtype,
+                                     value(key, b.global[0].begin + i, shape.size() > 1 ? b.global[1].begin + j : 0));
+            ASSERT_EQ(want[std::size_t(local)], v) << key << " (t=" << t << ", g=" << g << ") local " << local;
+            ++real;
+          }
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      checked += real > 0;
+    }
+  });
+  EXPECT_GT(checked, 0);
 }
 
 TEST(CheckpointErrors, MalformedIndexIsRefused) {

@@ -431,6 +431,8 @@ for layer in column row embedding; do
 done
 check ckpt-inspect 0 "fc1.weight             F32   (64, 16)       (128, 16)           8  0-7" -- \
   "$tpsim" checkpoint inspect "$ck"
+check ckpt-inspect-placement 0 "fc2.weight             TP: shard dim 1; GTP_remat: shard dim 0 of the TP-local tensor, 16 pad rows per TP slice" -- \
+  "$tpsim" checkpoint inspect "$ck"
 check ckpt-consolidate 0 "fc2.weight             F32   (16, 64)" -- \
   "$tpsim" checkpoint consolidate "$ck" "$work/all.safetensors"
 if command -v python3 >/dev/null; then

@@ -75,6 +75,13 @@ int inspect(const std::string& dir) {
   for (const auto& [key, o] : reader.objects())
     std::printf("%-22s %-5s %-14s %-14s %6zu  %-10s %s\n", key.c_str(), "-", shapeString(o.globalShape).c_str(), "-",
                 o.writers.size(), rankList({o.writers.begin(), o.writers.end()}).c_str(), "(value None)");
+  bool placed = false;
+  for (const auto& [key, k] : reader.keys())
+    if (!k.placement.empty()) {
+      if (!placed) std::printf("\n# placements when saved\n");
+      placed = true;
+      std::printf("%-22s %s\n", key.c_str(), k.placement.c_str());
+    }
   std::printf("\n%-24s %6s %8s %12s\n", "file", "writer", "chunks", "bytes");
   for (const auto& [file, info] : files)
     std::printf("%-24s %6d %8lld %12lld\n", file.c_str(), info.first, (long long)info.second,

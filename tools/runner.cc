@@ -489,7 +489,12 @@ RunResult runSharded(const RunConfig& config, const TensorMap& in, const Checkpo
     const LayerContext lc{compute, pg.tp(), nullptr, nullptr, &pg.gtpRemat(), &pg.dpCp(), &reducer};
     RankLayers layers = buildLayers(lc, mp, c);
     const std::vector<TensorPlacement> placements = layers.placements(c.seq, c.batch);
-    if (r == 0) per.placements = placements;
+    if (r == 0) {
+      per.placements = placements;
+      if (hooks.save)
+        for (const TensorPlacement& p : placements)
+          if (p.role == TensorRole::kParameter) hooks.save->describe(p);
+    }
     auto shardOfInput = [&](const std::string& placement, const std::string& input) {
       return shardOf(placementNamed(placements, placement), in.at(input), t, g);
     };
