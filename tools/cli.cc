@@ -1,12 +1,14 @@
 #include "tools/cli.h"
 
-#include <boost/program_options/parsers.hpp>
+#include <boost/program_options.hpp>
 #include <cctype>
 #include <charconv>
 #include <cmath>
 #include <limits>
 
 #include "backends/errors.h"
+
+namespace po = boost::program_options;
 
 namespace tpsim::tools {
 
@@ -28,6 +30,47 @@ boost::program_options::variables_map parseOptions(const std::vector<std::string
   po::store(parsed, vm);
   po::notify(vm);
   return vm;
+}
+
+void addParallelismOptions(po::options_description& par, RunConfig& c, std::string& layer) {
+  par.add_options()
+      ("help,h", "show this help")
+      ("layer,l", po::value(&layer), "column | row | embedding | mlp (required)")
+      ("tp,p", po::value(&c.tp)->default_value(c.tp), "tensor-parallel size T (ranks)")
+      ("sequence-parallel,S", po::bool_switch(&c.sequenceParallel), "shard activations along the sequence")
+      ("gtp-remat,G", po::value(&c.gtpRemat)->default_value(c.gtpRemat),
+       "GTP_remat size G: weights sharded again over G peers that split the batch (world T x G)")
+      ("pad-for-alignment", po::value(&c.padForAlignment)->default_value(c.padForAlignment),
+       "GTP_remat: pad dim 0 to a multiple of A x G (0 = no padding; dim 0 must divide by G)");
+}
+
+void addLayerOptions(po::options_description& lay, RunConfig& c) {
+  lay.add_options()
+      ("bias", po::bool_switch(&c.bias), "column/row: with a bias")
+      ("gather-output", po::bool_switch(&c.gatherOutput), "column: all-gather the output")
+      ("input-is-parallel", po::bool_switch(&c.inputIsParallel), "row: the input is already split along K")
+      ("reduce-scatter-embeddings", po::bool_switch(&c.reduceScatterEmbeddings),
+       "embedding: reduce-scatter the output along the sequence")
+      ("skip-bias-add", po::bool_switch(&c.skipBiasAdd), "column/row: return the bias instead of adding it")
+      ("disable-grad-reduce", po::bool_switch(&c.disableGradReduce),
+       "column: no TP reduction of the input gradient; input.grad is each rank's partial, (T, s, b, K)")
+      ("stride", po::value(&c.stride)->default_value(c.stride), "column/row: interleaved partition stride");
+}
+
+void addSizeOptions(po::options_description& size, RunConfig& c) {
+  size.add_options()
+      ("seq,s", po::value(&c.seq)->default_value(c.seq), "sequence length s")
+      ("batch,b", po::value(&c.batch)->default_value(c.batch), "micro-batch b")
+      ("in-features,k", po::value(&c.inFeatures)->default_value(c.inFeatures), "K (the MLP's hidden size h)")
+      ("out-features,n", po::value(&c.outFeatures)->default_value(c.outFeatures), "N (the embedding's h)")
+      ("ffn-hidden,f", po::value(&c.ffnHidden)->default_value(c.ffnHidden), "mlp: ffn hidden size F")
+      ("vocab,V", po::value(&c.vocab)->default_value(c.vocab), "embedding: vocabulary size V");
+}
+
+LayerKind parseLayer(const std::string& s) {
+  for (LayerKind k : {LayerKind::kColumn, LayerKind::kRow, LayerKind::kEmbedding, LayerKind::kMlp})
+    if (s == layerName(k)) return k;
+  throw UsageError{"--layer: expected column, row, embedding or mlp, got '" + s + "'"};
 }
 
 std::uint64_t parseSeed(const std::string& text) {

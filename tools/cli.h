@@ -81,6 +81,15 @@ BenchArgs parseBenchArgs(const std::vector<std::string>& args);
 // word: Boost would drop it silently, so `--bias false` would run with the bias on.
 boost::program_options::variables_map parseOptions(const std::vector<std::string>& args,
                                                    const boost::program_options::options_description& options);
+// The flags `tpsim run` and `tpsim layout` share, bound to `c` (--layer to `layer`, for
+// parseLayer): help, layer, TP, sequence parallelism and GTP_remat into `parallelism`; Megatron's
+// constructor arguments into `layer`; the shape flags into `size`.
+void addParallelismOptions(boost::program_options::options_description& parallelism, RunConfig& c, std::string& layer);
+void addLayerOptions(boost::program_options::options_description& layerOptions, RunConfig& c);
+void addSizeOptions(boost::program_options::options_description& size, RunConfig& c);
+// --layer's value. Throws UsageError.
+LayerKind parseLayer(const std::string& text);
+
 // "1234" -> 1234 for --seed: digits only, so "-1" is refused instead of wrapping to 2^64 - 1.
 std::uint64_t parseSeed(const std::string& text);
 

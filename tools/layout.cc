@@ -303,12 +303,6 @@ void writeAtomically(const std::string& file, const std::string& text) {
   }
 }
 
-LayerKind parseLayer(const std::string& s) {
-  for (LayerKind k : {LayerKind::kColumn, LayerKind::kRow, LayerKind::kEmbedding, LayerKind::kMlp})
-    if (s == layerName(k)) return k;
-  throw UsageError{"--layer: expected column, row, embedding or mlp, got '" + s + "'"};
-}
-
 std::string configLine(const RunConfig& c) {
   std::string s = detail::concat("layer=", layerName(c.layer), " tp=", c.tp, " gtp-remat=", c.gtpRemat);
   if (c.gtpRemat > 1) s += detail::concat(" pad-for-alignment=", c.padForAlignment);
@@ -319,13 +313,7 @@ std::string configLine(const RunConfig& c) {
   if (c.reduceScatterEmbeddings) s += " reduce-scatter-embeddings";
   if (c.disableGradReduce) s += " disable-grad-reduce";
   if (c.stride > 1) s += detail::concat(" stride=", c.stride);
-  s += detail::concat(" seq=", c.seq, " batch=", c.batch);
-  switch (c.layer) {
-    case LayerKind::kColumn:
-    case LayerKind::kRow: return s + detail::concat(" in-features=", c.inFeatures, " out-features=", c.outFeatures);
-    case LayerKind::kEmbedding: return s + detail::concat(" out-features=", c.outFeatures, " vocab=", c.vocab);
-    case LayerKind::kMlp: return s + detail::concat(" in-features=", c.inFeatures, " ffn-hidden=", c.ffnHidden);
-  }
+  for (const auto& [flag, value] : shapeFlags(c)) s += detail::concat(" ", flag, "=", value);
   return s;
 }
 
@@ -482,33 +470,11 @@ int layoutMain(const std::vector<std::string>& args) {
   RunConfig c;
   std::string layer, svg;
   po::options_description par("Parallelism");
-  par.add_options()
-      ("help,h", "show this help")
-      ("layer,l", po::value(&layer), "column | row | embedding | mlp (required)")
-      ("tp,p", po::value(&c.tp)->default_value(c.tp), "tensor-parallel size T (ranks)")
-      ("sequence-parallel,S", po::bool_switch(&c.sequenceParallel), "shard activations along the sequence")
-      ("gtp-remat,G", po::value(&c.gtpRemat)->default_value(c.gtpRemat),
-       "GTP_remat size G: weights sharded again over G peers that split the batch (world T x G)")
-      ("pad-for-alignment", po::value(&c.padForAlignment)->default_value(c.padForAlignment),
-       "GTP_remat: pad dim 0 to a multiple of A x G (0 = no padding; dim 0 must divide by G)");
+  addParallelismOptions(par, c, layer);
   po::options_description lay("Layer options (Megatron's constructor arguments)");
-  lay.add_options()
-      ("bias", po::bool_switch(&c.bias), "column/row: with a bias")
-      ("gather-output", po::bool_switch(&c.gatherOutput), "column: all-gather the output")
-      ("input-is-parallel", po::bool_switch(&c.inputIsParallel), "row: the input is already split along K")
-      ("reduce-scatter-embeddings", po::bool_switch(&c.reduceScatterEmbeddings),
-       "embedding: reduce-scatter the output along the sequence")
-      ("disable-grad-reduce", po::bool_switch(&c.disableGradReduce),
-       "column: no TP reduction of the input gradient (each rank's partial)")
-      ("stride", po::value(&c.stride)->default_value(c.stride), "column/row: interleaved partition stride");
+  addLayerOptions(lay, c);
   po::options_description size("Problem size");
-  size.add_options()
-      ("seq,s", po::value(&c.seq)->default_value(c.seq), "sequence length s")
-      ("batch,b", po::value(&c.batch)->default_value(c.batch), "micro-batch b")
-      ("in-features,k", po::value(&c.inFeatures)->default_value(c.inFeatures), "K (the MLP's hidden size h)")
-      ("out-features,n", po::value(&c.outFeatures)->default_value(c.outFeatures), "N (the embedding's h)")
-      ("ffn-hidden,f", po::value(&c.ffnHidden)->default_value(c.ffnHidden), "mlp: ffn hidden size F")
-      ("vocab,V", po::value(&c.vocab)->default_value(c.vocab), "embedding: vocabulary size V");
+  addSizeOptions(size, c);
   po::options_description output("Output");
   output.add_options()("svg", po::value(&svg), "also write the drawing as one standalone SVG page to FILE");
   po::options_description all("tpsim layout --layer KIND [options]");

@@ -158,12 +158,6 @@ void save(const std::string& dir, const TensorMap& tensors) {
   for (const auto& [tmp, file] : files) fs::rename(tmp, file);
 }
 
-LayerKind parseLayer(const std::string& s) {
-  for (LayerKind k : {LayerKind::kColumn, LayerKind::kRow, LayerKind::kEmbedding, LayerKind::kMlp})
-    if (s == layerName(k)) return k;
-  throw UsageError{"--layer: expected column, row, embedding or mlp, got '" + s + "'"};
-}
-
 VerifyMode parseVerify(const std::string& s) {
   if (s == "bound") return VerifyMode::kBound;
   if (s == "exact") return VerifyMode::kExact;
@@ -188,29 +182,14 @@ RunArgs parseRunArgs(const std::vector<std::string>& args) {
   std::vector<std::string> injects;
   TraceOptions& trace = out.trace;
   po::options_description par("Parallelism");
+  addParallelismOptions(par, c, layer);
   par.add_options()
-      ("help,h", "show this help")
-      ("layer,l", po::value(&layer), "column | row | embedding | mlp (required)")
-      ("tp,p", po::value(&c.tp)->default_value(c.tp), "tensor-parallel size T (ranks)")
-      ("sequence-parallel,S", po::bool_switch(&c.sequenceParallel), "shard activations along the sequence")
-      ("gtp-remat,G", po::value(&c.gtpRemat)->default_value(c.gtpRemat),
-       "GTP_remat size G: weights sharded again over G peers that split the batch (world T x G)")
-      ("pad-for-alignment", po::value(&c.padForAlignment)->default_value(c.padForAlignment),
-       "GTP_remat: pad dim 0 to a multiple of A x G (0 = no padding; dim 0 must divide by G)")
       ("gtp-reduce", po::value(&gtpReduce)->default_value(gtpReduce), "GTP_remat wgrad reduction: mean | sum")
       ("fp32-accum-reduce-scatter", po::bool_switch(&c.fp32AccumReduceScatter),
        "GTP_remat: all-to-all + fp32 sum instead of the reduce-scatter (bypassed at G <= 2)");
   po::options_description lay("Layer options (Megatron's constructor arguments)");
+  addLayerOptions(lay, c);
   lay.add_options()
-      ("bias", po::bool_switch(&c.bias), "column/row: with a bias")
-      ("gather-output", po::bool_switch(&c.gatherOutput), "column: all-gather the output")
-      ("input-is-parallel", po::bool_switch(&c.inputIsParallel), "row: the input is already split along K")
-      ("reduce-scatter-embeddings", po::bool_switch(&c.reduceScatterEmbeddings),
-       "embedding: reduce-scatter the output along the sequence")
-      ("skip-bias-add", po::bool_switch(&c.skipBiasAdd), "column/row: return the bias instead of adding it")
-      ("disable-grad-reduce", po::bool_switch(&c.disableGradReduce),
-       "column: no TP reduction of the input gradient; input.grad is each rank's partial, (T, s, b, K)")
-      ("stride", po::value(&c.stride)->default_value(c.stride), "column/row: interleaved partition stride")
       ("dtype,d", po::value(&dtype)->default_value(dtype), "fp32 | bf16 | fp16: params and activations")
       ("output-dtype", po::value(&outputDtype), "column: output dtype when it differs from --dtype")
       ("grad-accumulation-fusion", po::bool_switch(&c.gradAccumulationFusion), "add wgrads into main_grad")
@@ -219,13 +198,7 @@ RunArgs parseRunArgs(const std::vector<std::string>& args) {
        "column/row/mlp: native | mxfp8 (E4M3 weights, one E8M0 scale per 32; GTP_remat needs "
        "--pad-for-alignment 32)");
   po::options_description size("Problem size (generated data; ignored with --load)");
-  size.add_options()
-      ("seq,s", po::value(&c.seq)->default_value(c.seq), "sequence length s")
-      ("batch,b", po::value(&c.batch)->default_value(c.batch), "micro-batch b")
-      ("in-features,k", po::value(&c.inFeatures)->default_value(c.inFeatures), "K (the MLP's hidden size h)")
-      ("out-features,n", po::value(&c.outFeatures)->default_value(c.outFeatures), "N (the embedding's h)")
-      ("ffn-hidden,f", po::value(&c.ffnHidden)->default_value(c.ffnHidden), "mlp: ffn hidden size F")
-      ("vocab,V", po::value(&c.vocab)->default_value(c.vocab), "embedding: vocabulary size V");
+  addSizeOptions(size, c);
   po::options_description run("Run");
   run.add_options()
       ("backend,B", po::value(&c.backend)->default_value(c.backend),

@@ -698,6 +698,17 @@ std::string nonFiniteNote(const Verdict& v) {
                         "\n");
 }
 
+std::vector<std::pair<std::string, std::int64_t>> shapeFlags(const RunConfig& c) {
+  std::vector<std::pair<std::string, std::int64_t>> out{{"seq", c.seq}, {"batch", c.batch}};
+  switch (c.layer) {
+    case LayerKind::kColumn:
+    case LayerKind::kRow: out.insert(out.end(), {{"in-features", c.inFeatures}, {"out-features", c.outFeatures}}); break;
+    case LayerKind::kEmbedding: out.insert(out.end(), {{"out-features", c.outFeatures}, {"vocab", c.vocab}}); break;
+    case LayerKind::kMlp: out.insert(out.end(), {{"in-features", c.inFeatures}, {"ffn-hidden", c.ffnHidden}}); break;
+  }
+  return out;
+}
+
 std::string commandLine(const RunConfig& c, const std::string& loadDir) {
   std::string s = detail::concat("tpsim run --layer ", layerName(c.layer), " --tp ", c.tp);
   if (c.sequenceParallel) s += " --sequence-parallel";
@@ -732,13 +743,7 @@ std::string commandLine(const RunConfig& c, const std::string& loadDir) {
     for (char ch : loadDir) quoted += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
     return s + " --load " + (plain ? loadDir : quoted + "'");
   }
-  s += detail::concat(" --seq ", c.seq, " --batch ", c.batch);
-  switch (c.layer) {
-    case LayerKind::kColumn:
-    case LayerKind::kRow: return s + detail::concat(" --in-features ", c.inFeatures, " --out-features ", c.outFeatures);
-    case LayerKind::kEmbedding: return s + detail::concat(" --out-features ", c.outFeatures, " --vocab ", c.vocab);
-    case LayerKind::kMlp: return s + detail::concat(" --in-features ", c.inFeatures, " --ffn-hidden ", c.ffnHidden);
-  }
+  for (const auto& [flag, value] : shapeFlags(c)) s += detail::concat(" --", flag, " ", value);
   return s;
 }
 

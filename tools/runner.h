@@ -152,6 +152,10 @@ std::string nonFiniteNote(const Verdict& v);
 ReferenceOptions referenceOptions(const RunConfig& config);
 std::map<std::string, Checked> referenceFor(const RunConfig& config, const TensorMap& inputs);
 
+// The shape flags of c's layer in order, as (flag, value): seq, batch, then in-features and
+// out-features, out-features and vocab, or in-features and ffn-hidden.
+std::vector<std::pair<std::string, std::int64_t>> shapeFlags(const RunConfig& c);
+
 // The `tpsim run` command line that runs `config`: "tpsim run --layer row --tp 4 ... --seed 7".
 // With loadDir, it ends in "--load <loadDir>" (quoted for a POSIX shell when needed) and leaves out
 // the shape flags, which --load ignores; without it, it lists the shape flags of config's layer.
