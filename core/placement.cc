@@ -366,4 +366,34 @@ std::vector<TensorPlacement> layerPlacements(VocabParallelEmbedding& layer, std:
   return out;
 }
 
+std::vector<TensorPlacement> layerPlacements(GroupedParallelLinear& layer, std::int64_t tokens,
+                                             const std::string& prefix) {
+  const bool column = layer.parallelMode() == GroupedParallelMode::kColumn;
+  const int T = layer.tpGroup().size(), G = gtpSizeOf(&layer.weight(0));
+  const std::int64_t K = layer.inputSizePerPartition() * (column ? 1 : T);
+  const std::int64_t N = layer.outputSizePerPartition() * (column ? T : 1);
+  std::vector<TensorPlacement> params;
+  for (int i = 0; i < layer.numGemms(); ++i) {
+    params.push_back(parameterPlacement(layer.weight(i), detail::concat(prefix, "weight", i), T, G));
+    if (layer.bias(i)) params.push_back(parameterPlacement(*layer.bias(i), detail::concat(prefix, "bias", i), T, G));
+  }
+  const char* dispatcher = "summed over expert TP by the token dispatcher";
+  // Column: the tokens whole, the features of y sharded. Row: x's features sharded, y partial.
+  TensorPlacement x = activation(prefix + "input", TensorRole::kInput, {tokens, K}, column ? replicate(T) : shard(T, 1), 0, G);
+  TensorPlacement y = activation(prefix + "output", TensorRole::kOutput, {tokens, N}, column ? shard(T, 1) : replicate(T), 0, G);
+  TensorPlacement dy = y;
+  dy.name += ".grad";
+  dy.role = TensorRole::kGradient;
+  TensorPlacement dx = x;
+  dx.name += ".grad";
+  dx.role = TensorRole::kGradient;
+  if (T > 1 && !column) y = withPartial(y, y.name, dispatcher);
+  if (T > 1 && column) dx = withPartial(dx, dx.name, dispatcher);
+  std::vector<TensorPlacement> out{x};
+  addParams(out, params, false);
+  for (TensorPlacement* p : {&y, &dy, &dx}) out.push_back(*p);
+  addParams(out, params, true);
+  return out;
+}
+
 }  // namespace tpsim

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/embedding.h"
+#include "core/grouped_linear.h"
 #include "core/layers.h"
 #include "core/parameter.h"
 
@@ -108,6 +109,13 @@ std::vector<TensorPlacement> layerPlacements(ColumnParallelLinear& layer, std::i
 std::vector<TensorPlacement> layerPlacements(RowParallelLinear& layer, std::int64_t seq, std::int64_t batch,
                                              const std::string& prefix = "");
 std::vector<TensorPlacement> layerPlacements(VocabParallelEmbedding& layer, std::int64_t seq, std::int64_t batch,
+                                             const std::string& prefix = "");
+
+// The local experts of an MoE layer on `tokens` routed tokens in all (rows sorted by expert; the
+// GTP_remat peers, data parallel, hold tokens / G each): expert i's "weight<i>" and "bias<i>",
+// the tokens' activations (M, ·) and every gradient. The token dispatcher, not the layer, sums the
+// partial sums over the expert TP group.
+std::vector<TensorPlacement> layerPlacements(GroupedParallelLinear& layer, std::int64_t tokens,
                                              const std::string& prefix = "");
 
 const char* axisKindName(AxisKind kind);  // "replicate", "shard", "partial"

@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "core/attributes.h"
+#include "core/grouped_linear.h"
 #include "core/gtp.h"
 #include "core/process_groups.h"
 #include "sim_test_util.h"
@@ -203,6 +204,84 @@ TEST(Placement, ColumnWeightPadRowsFollowEachTpSlice) {
   EXPECT_EQ(row20[0].g, 1);
   EXPECT_EQ(row20[0].local, (std::vector<std::int64_t>{4, 0}));
   EXPECT_TRUE(row20[0].pad);
+}
+
+// The experts' placements against GroupedParallelLinear's own shards: every expert weight initialized
+// from the indexed master sits where its blocks say (EGTP_remat pad rows zero), and the activations
+// and gradients tile their tensors.
+TEST(Placement, ExpertWeightsMatchTheGroupedLayersShards) {
+  constexpr int E = 3;
+  const InitMethod indexed = [](Generator&, std::vector<float>& m) {
+    for (std::size_t i = 0; i < m.size(); ++i) m[i] = float(i + 1);
+  };
+  for (GroupedParallelMode mode : {GroupedParallelMode::kColumn, GroupedParallelMode::kRow})
+    for (int T : {1, 2})
+      for (int G : {1, 2})
+        for (int pad : {0, 16}) {
+          const std::string where = detail::concat(mode == GroupedParallelMode::kColumn ? "column" : "row", " T=", T,
+                                                   " G=", G, " pad=", pad);
+          ParallelSizes sizes;
+          sizes.world = T * G;
+          sizes.tp = T;
+          sizes.gtpRemat = G;
+          const ParallelLayout layout(sizes);
+          std::mutex mu;
+          std::vector<TensorPlacement> first;
+          const std::int64_t K = 8 * T, N = 12 * T, tokens = 6 * G;
+          runRanks(T * G, [&](RankContext& ctx) {
+            ProcessGroups pg(ctx.comm, layout);
+            GtpGradReducer reducer(ctx.compute, {});
+            Generator gen(1);
+            ModelParallelConfig mp;
+            mp.tensorModelParallelSize = T;
+            mp.gtpRematSize = G;
+            mp.gtpPadForAlignment = pad;
+            mp.useCpuInitialization = true;
+            GroupedLinearOptions o;
+            o.numGemms = E;
+            o.parallelMode = mode;
+            o.isExpert = true;
+            GroupedParallelLinear layer({ctx.compute, pg.tp(), nullptr, &gen, &pg.gtpRemat(), nullptr, &reducer}, mp, K, N,
+                                        indexed, o);
+            const std::vector<TensorPlacement> ps = layerPlacements(layer, tokens, "experts.");
+            const int t = pg.tp().rank(), g = pg.gtpRemat().rank();
+            int weights = 0;
+            for (const TensorPlacement& p : ps) {
+              if (p.role != TensorRole::kParameter) continue;
+              const bool isWeight = p.name.rfind("experts.weight", 0) == 0;
+              const int i = std::stoi(p.name.substr(isWeight ? 14 : 12));
+              const Parameter& param = isWeight ? layer.weight(i) : *layer.bias(i);
+              std::vector<std::int64_t> want;
+              for (int d = 0; d < param.data.shape().rank(); ++d) want.push_back(param.data.shape()[d]);
+              EXPECT_EQ(localShape(p, t, g), want) << where << " " << p.name;
+              EXPECT_EQ(padZeroCount(p, t, g), gtpLocalPadZeroCount(param, 0, param.data.shape().numel())) << where;
+              // The layer's TP and GTP_remat groups are the expert ones, whichever the filters pick.
+              EXPECT_EQ(p.countedOn(t, g), paramIsNotTensorParallelDuplicate(param, &pg.tp(), &pg.tp()) &&
+                                               paramIsNotGtpDuplicate(param, &pg.gtpRemat(), &pg.gtpRemat()))
+                  << where << " " << p.name;
+              if (!isWeight) continue;
+              ++weights;
+              const std::vector<double> v = valuesOf(ctx.compute, param.data);
+              for (const Block& blk : blocksOf(p, t, g))
+                for (std::int64_t r = 0; r < blk.layout[0].size(); ++r)
+                  for (std::int64_t j = 0; j < blk.layout[1].size(); ++j) {
+                    const double got = v[std::size_t((blk.local[0] + r) * want[1] + blk.local[1] + j)];
+                    const double expect = blk.pad ? 0.0 : double((blk.global[0].begin + r) * K + blk.global[1].begin + j + 1);
+                    ASSERT_EQ(got, expect) << where << " " << p.name << " rank (" << t << ", " << g << ")";
+                  }
+            }
+            EXPECT_EQ(weights, E) << where;
+            std::lock_guard<std::mutex> lock(mu);
+            if (t == 0 && g == 0) first = ps;
+          });
+          for (const TensorPlacement& p : first) expectTiles(p, where);
+          // Column: dX is partial over TP; row: y is. Both are the token dispatcher's to sum.
+          for (const TensorPlacement& p : first) {
+            if (p.tp.kind == AxisKind::kPartial) {
+              EXPECT_EQ(p.name, mode == GroupedParallelMode::kColumn ? "experts.input.grad" : "experts.output") << where;
+            }
+          }
+        }
 }
 
 TEST(Placement, PartialSumsAndReplicatedTensorsAreFullCopies) {
