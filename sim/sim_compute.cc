@@ -293,6 +293,27 @@ void gemmAs(ConstView a, ConstView b, View c, float alpha, float beta, HostPool*
   });
 }
 
+// fp32 gemm through sgemm: fp32 operands in place, 16-bit ones widened to dense fp32 first.
+void gemmPacked(GemmKernel kernel, ConstView a, ConstView b, View c, float alpha, float beta, HostPool* pool) {
+  const std::int64_t m = c.dim(0), n = c.dim(1), k = a.dim(1);
+  if (double(m) * double(n) * double(k) < SimCompute::kGemmTiledMacs) pool = nullptr;
+  Dense<float> aDense, bDense;  // (M, K) (K, N), when widened
+  auto matrix = [](ConstView v, Dense<float>& dense) {
+    if (v.dtype() == DType::kFloat32) return FloatMatrix{v.typed<float>(), v.stride(0), v.stride(1)};
+    dense = toDense<float>(v);
+    return FloatMatrix{dense.data(), v.dim(1), 1};
+  };
+  const FloatMatrix am = matrix(a, aDense), bm = matrix(b, bDense);
+  if (c.dtype() == DType::kFloat32 && (unitStride(c, 0) || unitStride(c, 1)))
+    return sgemm(kernel, m, n, k, alpha, am, bm, beta, c.typed<float>(), c.stride(0), c.stride(1), pool);
+  // c is 16-bit or has no unit-stride mode: accumulate in fp32, then round once into c.
+  Dense<float> acc(m, n);  // (M, N)
+  if (beta != 0.f) acc = toDense<float>(c);
+  sgemm(kernel, m, n, k, alpha, am, bm, beta, acc.data(), n, 1, pool);
+  forEach<2>(c.shape(), {c.shape().contiguousStrides(), c.strides()},
+             [&](const auto& o) { store<float>(c.at(o[1]), c.dtype(), acc.data()[o[0]]); });
+}
+
 // ---- MXFP8 --------------------------------------------------------------------------------------
 
 constexpr std::int64_t kMxBlock = compute_checks::kMxfp8Block;
@@ -391,12 +412,19 @@ void SimCompute::scale(View y, float alpha) {
 
 // ---- gemm ---------------------------------------------------------------------------------------
 
+SimCompute::SimCompute(HostPool* pool, GemmKernel fp32Kernel) : pool_(pool), fp32Kernel_(fp32Kernel) {
+  TPSIM_CHECK(gemmKernelRuns(fp32Kernel), "SimCompute: GEMM kernel ", gemmKernelName(fp32Kernel),
+              " does not run on this core");
+}
+
 void SimCompute::gemm(ConstView a, ConstView b, View c, float alpha, float beta) {
   compute_checks::checkGemm(Device::kHost, a, b, c);
   if (a.dtype() == DType::kFloat64)
     gemmAs<double>(a, b, c, alpha, beta, pool_);
-  else
+  else if (fp32Kernel_ == GemmKernel::kEigen)
     gemmAs<float>(a, b, c, alpha, beta, pool_);
+  else
+    gemmPacked(fp32Kernel_, a, b, c, alpha, beta, pool_);
 }
 
 // ---- Bias, reductions, activations ---------------------------------------------------------------

@@ -348,8 +348,8 @@ void benchGemm(const BenchConfig& c) {
 using RowMajorF = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
 // Seconds per forward + backward of the unsharded block in plain Eigen (best of reps), its GEMMs
-// through SimCompute::gemm on `threads` threads: Eigen's products, tiled as the simulator tiles
-// them, so both sides have the same cores.
+// through SimCompute::gemm's Eigen kernel on `threads` threads: Eigen's products, tiled as the
+// simulator tiles them, so both sides have the same cores.
 double eigenMlp(std::int64_t m, std::int64_t h, std::int64_t f, int reps, int threads) {
   // The simulator's values (simMlp): erf's cost depends on its argument, so the data must match.
   RowMajorF x = RowMajorF::Constant(m, h, 0.5f), w1 = RowMajorF::Constant(f, h, 0.01f),
@@ -359,7 +359,7 @@ double eigenMlp(std::int64_t m, std::int64_t h, std::int64_t f, int reps, int th
             dW2(h, f);
   Eigen::RowVectorXf db1(f), db2(h);
   sim::HostPool pool(threads - 1);
-  sim::SimCompute compute(&pool);
+  sim::SimCompute compute(&pool, sim::GemmKernel::kEigen);
   auto view = [](auto& mat) { return View(mat.data(), Shape{mat.rows(), mat.cols()}, DType::kFloat32); };
   auto product = [&](ConstView lhs, ConstView rhs, View out) { compute.gemm(lhs, rhs, out); };
   double best = 1e30;

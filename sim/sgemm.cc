@@ -1,0 +1,298 @@
+#include "sim/sgemm.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <new>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "backends/errors.h"
+
+namespace tpsim::sim {
+namespace {
+
+// Blocking, one set for both kernels (so that they add in the same order). A task owns a block of
+// c (kMc x kNg, 252 KiB) and runs through all of K, so the block stays in L2 while each K block
+// adds to it; the A block (kMc x kKc) it multiplies is in L2 too, each B micro-panel (kKc x NR,
+// 32 KiB for NR = 32) in L1. kMc is a multiple of both MR, kNg of both NR.
+constexpr std::int64_t kKc = 256;
+constexpr std::int64_t kMc = 252;
+constexpr std::int64_t kNg = 256;
+// The packed operands hold at most about this many floats each (more when K alone needs it):
+// larger products are done in chunks of rows and of columns.
+constexpr std::int64_t kPackedFloats = std::int64_t(1) << 23;
+constexpr int kMaxTile = 14 * 32;  // MR x NR of the largest micro-kernel
+
+// c (MR x NR tile, row stride ldc, unit column stride) = alpha·acc + beta·c, acc = Σ_p a_p·b_p
+// over kc packed steps, each element one FMA chain in increasing p.
+using MicroKernel = void (*)(std::int64_t kc, const float* a, const float* b, float* c, std::int64_t ldc,
+                             float alpha, float beta);
+
+struct Kernel {
+  int mr, nr;
+  MicroKernel run;
+};
+
+#if defined(__x86_64__)
+// 14 x 32: 28 accumulators, the two B vectors and a broadcast A value fill the 32 registers.
+// Written out without templates or lambdas, which the target attribute would not reach.
+constexpr int kMr512 = 14, kNr512 = 32;
+
+__attribute__((target("avx512f"))) void microAvx512(std::int64_t kc, const float* a, const float* b, float* c,
+                                                    std::int64_t ldc, float alpha, float beta) {
+  __m512 acc[kMr512][2];
+#pragma GCC unroll 14
+  for (int i = 0; i < kMr512; ++i) {
+    acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    // c is wanted only after the loop, which hides a fetch from memory (large c: it is not cached).
+    _mm_prefetch(reinterpret_cast<const char*>(c + i * ldc), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(c + i * ldc + kNr512 - 1), _MM_HINT_T0);
+  }
+  for (std::int64_t p = 0; p < kc; ++p, a += kMr512, b += kNr512) {
+    const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
+#pragma GCC unroll 14
+    for (int i = 0; i < kMr512; ++i) {
+      const __m512 ai = _mm512_set1_ps(a[i]);
+      acc[i][0] = _mm512_fmadd_ps(ai, b0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(ai, b1, acc[i][1]);
+    }
+  }
+  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+#pragma GCC unroll 14
+  for (int i = 0; i < kMr512; ++i) {
+    float* row = c + i * ldc;
+    __m512 t0 = _mm512_mul_ps(va, acc[i][0]), t1 = _mm512_mul_ps(va, acc[i][1]);
+    if (beta == 1.f) {
+      t0 = _mm512_add_ps(_mm512_loadu_ps(row), t0);
+      t1 = _mm512_add_ps(_mm512_loadu_ps(row + 16), t1);
+    } else if (beta != 0.f) {
+      t0 = _mm512_add_ps(_mm512_mul_ps(vb, _mm512_loadu_ps(row)), t0);
+      t1 = _mm512_add_ps(_mm512_mul_ps(vb, _mm512_loadu_ps(row + 16)), t1);
+    }
+    _mm512_storeu_ps(row, t0);
+    _mm512_storeu_ps(row + 16, t1);
+  }
+}
+
+// 6 x 16: 12 accumulators, two B vectors and a broadcast in the 16 registers.
+constexpr int kMr256 = 6, kNr256 = 16;
+
+__attribute__((target("avx2,fma"))) void microAvx2(std::int64_t kc, const float* a, const float* b, float* c,
+                                                   std::int64_t ldc, float alpha, float beta) {
+  __m256 acc[kMr256][2];
+#pragma GCC unroll 6
+  for (int i = 0; i < kMr256; ++i) {
+    acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    _mm_prefetch(reinterpret_cast<const char*>(c + i * ldc), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(c + i * ldc + kNr256 - 1), _MM_HINT_T0);
+  }
+  for (std::int64_t p = 0; p < kc; ++p, a += kMr256, b += kNr256) {
+    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+#pragma GCC unroll 6
+    for (int i = 0; i < kMr256; ++i) {
+      const __m256 ai = _mm256_broadcast_ss(a + i);
+      acc[i][0] = _mm256_fmadd_ps(ai, b0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(ai, b1, acc[i][1]);
+    }
+  }
+  const __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta);
+#pragma GCC unroll 6
+  for (int i = 0; i < kMr256; ++i) {
+    float* row = c + i * ldc;
+    __m256 t0 = _mm256_mul_ps(va, acc[i][0]), t1 = _mm256_mul_ps(va, acc[i][1]);
+    if (beta == 1.f) {
+      t0 = _mm256_add_ps(_mm256_loadu_ps(row), t0);
+      t1 = _mm256_add_ps(_mm256_loadu_ps(row + 8), t1);
+    } else if (beta != 0.f) {
+      t0 = _mm256_add_ps(_mm256_mul_ps(vb, _mm256_loadu_ps(row)), t0);
+      t1 = _mm256_add_ps(_mm256_mul_ps(vb, _mm256_loadu_ps(row + 8)), t1);
+    }
+    _mm256_storeu_ps(row, t0);
+    _mm256_storeu_ps(row + 8, t1);
+  }
+}
+#endif
+
+Kernel kernelFor(GemmKernel kernel) {
+  TPSIM_INTERNAL_ASSERT(gemmKernelRuns(kernel) && kernel != GemmKernel::kEigen, "sgemm: kernel ",
+                        gemmKernelName(kernel), " does not run here");
+#if defined(__x86_64__)
+  if (kernel == GemmKernel::kAvx512) return {kMr512, kNr512, microAvx512};
+  return {kMr256, kNr256, microAvx2};
+#else
+  return {};
+#endif
+}
+
+// The tile's update done element by element, with the micro-kernels' operations in their order.
+void updateTile(const float* acc, int ldAcc, std::int64_t rows, std::int64_t cols, float* c, std::int64_t rs,
+                std::int64_t cs, float alpha, float beta) {
+  for (std::int64_t i = 0; i < rows; ++i)
+    for (std::int64_t j = 0; j < cols; ++j) {
+      float& x = c[i * rs + j * cs];
+      const float t = alpha * acc[i * ldAcc + j];
+      x = beta == 0.f ? t : beta == 1.f ? x + t : beta * x + t;
+    }
+}
+
+// Packs `count` lines of kc values into panels of w lines, zero-padded: panel s holds
+// dst[s·w·kc + p·w + i] = line (s·w + i), value p. Line i, value p is at src[i·across + p·along].
+void packPanels(const float* src, std::int64_t across, std::int64_t along, std::int64_t count, std::int64_t kc,
+                int w, float* dst) {
+  for (std::int64_t s = 0; s < count; s += w, dst += w * kc) {
+    const std::int64_t lines = std::min<std::int64_t>(w, count - s);
+    const float* first = src + s * across;
+    if (across == 1) {  // the lines sit side by side: copy rows of the panel
+      for (std::int64_t p = 0; p < kc; ++p) {
+        const float* from = first + p * along;
+        float* to = dst + p * w;
+        for (std::int64_t i = 0; i < lines; ++i) to[i] = from[i];
+        for (std::int64_t i = lines; i < w; ++i) to[i] = 0.f;
+      }
+      continue;
+    }
+    for (std::int64_t i = 0; i < lines; ++i) {  // read each line along its values
+      const float* from = first + i * across;
+      for (std::int64_t p = 0; p < kc; ++p) dst[p * w + i] = from[p * along];
+    }
+    for (std::int64_t i = lines; i < w; ++i)
+      for (std::int64_t p = 0; p < kc; ++p) dst[p * w + i] = 0.f;
+  }
+}
+
+// A 64-byte aligned scratch block that only grows, one per calling thread: the packed operands.
+class Scratch {
+ public:
+  ~Scratch() { std::free(data_); }
+  float* get(std::size_t floats) {
+    if (floats > size_) {
+      std::free(data_);
+      const std::size_t bytes = (floats * sizeof(float) + 63) / 64 * 64;
+      data_ = static_cast<float*>(std::aligned_alloc(64, bytes));
+      if (data_ == nullptr) throw std::bad_alloc();
+      size_ = floats;
+    }
+    return data_;
+  }
+
+ private:
+  float* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+}  // namespace
+
+bool gemmKernelRuns(GemmKernel kernel) {
+  switch (kernel) {
+    case GemmKernel::kEigen: return true;
+#if defined(__x86_64__)
+    case GemmKernel::kAvx512: return __builtin_cpu_supports("avx512f");
+    case GemmKernel::kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    default: return false;
+#endif
+  }
+  return false;
+}
+
+GemmKernel bestGemmKernel() {
+  static const GemmKernel best = gemmKernelRuns(GemmKernel::kAvx512) ? GemmKernel::kAvx512
+                                 : gemmKernelRuns(GemmKernel::kAvx2) ? GemmKernel::kAvx2
+                                                                     : GemmKernel::kEigen;
+  return best;
+}
+
+const char* gemmKernelName(GemmKernel kernel) {
+  switch (kernel) {
+    case GemmKernel::kAvx512: return "avx512";
+    case GemmKernel::kAvx2: return "avx2";
+    case GemmKernel::kEigen: return "eigen";
+  }
+  return "?";
+}
+
+void sgemm(GemmKernel kernel, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, FloatMatrix a,
+           FloatMatrix b, float beta, float* c, std::int64_t cRowStride, std::int64_t cColStride, HostPool* pool) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int64_t j = 0; j < n; ++j) {
+        float& x = c[i * cRowStride + j * cColStride];
+        x = beta == 0.f ? 0.f : beta * x;
+      }
+    return;
+  }
+  // A column-major c is the row-major cᵀ = bᵀ·aᵀ; fma(a, b, acc) == fma(b, a, acc), so the bits
+  // do not change.
+  if (cColStride != 1 && cRowStride == 1) {
+    std::swap(m, n);
+    std::swap(a, b);
+    std::swap(a.rowStride, a.colStride);
+    std::swap(b.rowStride, b.colStride);
+    std::swap(cRowStride, cColStride);
+  }
+  const Kernel kern = kernelFor(kernel);
+  const std::int64_t kBlocks = (k + kKc - 1) / kKc;
+  auto chunk = [&](std::int64_t extent, std::int64_t block) {  // a multiple of block, up to extent rounded up
+    const std::int64_t whole = (extent + block - 1) / block * block;
+    return std::min(whole, std::max(block, kPackedFloats / k / block * block));
+  };
+  const std::int64_t mChunk = chunk(m, kMc), nChunk = chunk(n, kNg);
+  thread_local Scratch scratchA, scratchB;
+  // A block i, K block p at packedA[i·kMc·k + p·kMc·kKc], its sliver s kc·MR further on (kc: the
+  // K block's size); B likewise in groups of kNg columns and panels of NR.
+  float* packedA = scratchA.get(std::size_t(mChunk * k));
+  float* packedB = scratchB.get(std::size_t(nChunk * k));
+  for (std::int64_t ic = 0; ic < m; ic += mChunk) {
+    const std::int64_t mc = std::min(mChunk, m - ic), mBlocks = (mc + kMc - 1) / kMc;
+    for (std::int64_t jc = 0; jc < n; jc += nChunk) {
+      const std::int64_t nc = std::min(nChunk, n - jc), nGroups = (nc + kNg - 1) / kNg;
+      // Pack one (block, K block) of A or of B per task: A's chunk once per chunk of rows, B's
+      // chunk again for each chunk of rows unless it is all of B.
+      const std::int64_t aTasks = jc == 0 ? mBlocks * kBlocks : 0;
+      const std::int64_t bTasks = ic == 0 || nc < n ? nGroups * kBlocks : 0;
+      runTasks(pool, aTasks + bTasks, [&](std::int64_t t) {
+        const bool packsA = t < aTasks;
+        const std::int64_t u = packsA ? t : t - aTasks, block = u / kBlocks, pc = u % kBlocks * kKc;
+        const std::int64_t kc = std::min(kKc, k - pc);
+        if (packsA) {
+          const std::int64_t i0 = block * kMc;
+          packPanels(a.data + (ic + i0) * a.rowStride + pc * a.colStride, a.rowStride, a.colStride,
+                     std::min(kMc, mc - i0), kc, kern.mr, packedA + i0 * k + kMc * pc);
+        } else {
+          const std::int64_t j0 = block * kNg;
+          packPanels(b.data + pc * b.rowStride + (jc + j0) * b.colStride, b.colStride, b.rowStride,
+                     std::min(kNg, nc - j0), kc, kern.nr, packedB + j0 * k + kNg * pc);
+        }
+      });
+      // Multiply: a block of c through all K blocks, in increasing order.
+      runTasks(pool, mBlocks * nGroups, [&](std::int64_t t) {
+        const std::int64_t i0 = t / nGroups * kMc, j0 = t % nGroups * kNg;
+        const std::int64_t rows = std::min(kMc, mc - i0), cols = std::min(kNg, nc - j0);
+        for (std::int64_t pc = 0; pc < k; pc += kKc) {
+          const std::int64_t kc = std::min(kKc, k - pc);
+          const float betaNow = pc == 0 ? beta : 1.f;  // later K blocks add to the first's result
+          for (std::int64_t jr = 0; jr < cols; jr += kern.nr)
+            for (std::int64_t ir = 0; ir < rows; ir += kern.mr) {
+              const float* ap = packedA + i0 * k + kMc * pc + ir * kc;
+              const float* bp = packedB + j0 * k + kNg * pc + jr * kc;
+              float* ct = c + (ic + i0 + ir) * cRowStride + (jc + j0 + jr) * cColStride;
+              const std::int64_t h = std::min<std::int64_t>(kern.mr, rows - ir);
+              const std::int64_t w = std::min<std::int64_t>(kern.nr, cols - jr);
+              if (h == kern.mr && w == kern.nr && cColStride == 1) {
+                kern.run(kc, ap, bp, ct, cRowStride, alpha, betaNow);
+              } else {
+                alignas(64) float tile[kMaxTile];
+                kern.run(kc, ap, bp, tile, kern.nr, 1.f, 0.f);
+                updateTile(tile, kern.nr, h, w, ct, cRowStride, cColStride, alpha, betaNow);
+              }
+            }
+        }
+      });
+    }
+  }
+}
+
+}  // namespace tpsim::sim

@@ -1,0 +1,137 @@
+// Tests of fp32 gemm's kernels (sim/sgemm.h) through SimCompute, each kernel this core runs.
+//
+// Every result is checked against a double-precision product of the stored values, within
+// (K + 2)·2^-24 of the sum of the magnitudes it adds: shapes around the micro-kernels' and the
+// blocks' sizes, each operand stored either way, alpha and beta, NaN in c with beta 0.
+#include "sim/sgemm.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "sim/sim_compute.h"
+
+namespace tpsim::sim {
+namespace {
+
+std::vector<GemmKernel> runnableKernels() {
+  std::vector<GemmKernel> kernels;
+  for (GemmKernel kernel : {GemmKernel::kAvx512, GemmKernel::kAvx2, GemmKernel::kEigen})
+    if (gemmKernelRuns(kernel)) kernels.push_back(kernel);
+  return kernels;
+}
+
+struct Case {
+  std::int64_t m, k, n;
+  bool aTransposed, bTransposed, cTransposed;  // stored as the transpose, read through .t()
+  float alpha, beta;
+};
+
+std::string describe(const Case& g, GemmKernel kernel) {
+  return std::string(gemmKernelName(kernel)) + " m=" + std::to_string(g.m) + " k=" + std::to_string(g.k) +
+         " n=" + std::to_string(g.n) + (g.aTransposed ? " a^T" : "") + (g.bTransposed ? " b^T" : "") +
+         (g.cTransposed ? " c^T" : "") + " alpha=" + std::to_string(g.alpha) + " beta=" + std::to_string(g.beta);
+}
+
+// A (rows, cols) matrix of normal values; `at(i, j)` reads it whichever way it is stored.
+struct Matrix {
+  std::int64_t rows, cols;
+  bool transposed;
+  std::vector<float> data;  // (rows, cols), or (cols, rows) when transposed
+
+  float& at(std::int64_t i, std::int64_t j) { return transposed ? data[j * rows + i] : data[i * cols + j]; }
+  View view() {
+    return transposed ? View(data.data(), Shape{cols, rows}, DType::kFloat32).t()
+                      : View(data.data(), Shape{rows, cols}, DType::kFloat32);
+  }
+};
+
+Matrix randomMatrix(std::int64_t rows, std::int64_t cols, bool transposed, std::mt19937& rng) {
+  std::normal_distribution<float> normal;
+  Matrix x{rows, cols, transposed, std::vector<float>(std::size_t(rows * cols))};
+  for (float& v : x.data) v = normal(rng);
+  return x;
+}
+
+// Runs the case on `kernel` and checks every element of every rowStep-th row; returns c as stored.
+std::vector<float> checkCase(const Case& g, GemmKernel kernel, std::mt19937& rng, std::int64_t rowStep = 1) {
+  Matrix a = randomMatrix(g.m, g.k, g.aTransposed, rng);  // (M, K)
+  Matrix b = randomMatrix(g.k, g.n, g.bTransposed, rng);  // (K, N)
+  Matrix c = randomMatrix(g.m, g.n, g.cTransposed, rng);  // (M, N)
+  if (g.beta == 0.f)
+    for (float& v : c.data) v = std::numeric_limits<float>::quiet_NaN();  // must not leak
+  Matrix before = c;
+  SimCompute(nullptr, kernel).gemm(a.view(), b.view(), c.view(), g.alpha, g.beta);
+  int wrong = 0;
+  for (std::int64_t i = 0; i < g.m && wrong < 5; i += rowStep)
+    for (std::int64_t j = 0; j < g.n && wrong < 5; ++j) {
+      double sum = 0, magnitude = 0;
+      for (std::int64_t p = 0; p < g.k; ++p) {
+        const double product = double(a.at(i, p)) * b.at(p, j);
+        sum += product;
+        magnitude += std::fabs(product);
+      }
+      const double old = g.beta == 0.f ? 0.0 : double(before.at(i, j));
+      const double want = double(g.alpha) * sum + double(g.beta) * old;
+      const double bound = (double(g.k) + 2) * 0x1p-24 * (std::fabs(g.alpha) * magnitude + std::fabs(g.beta * old));
+      const double got = c.at(i, j);
+      if (!(std::fabs(got - want) <= bound)) {
+        ++wrong;
+        ADD_FAILURE() << describe(g, kernel) << ": c(" << i << ", " << j << ") = " << got << ", want " << want
+                      << " within " << bound;
+      }
+    }
+  return c.data;
+}
+
+// Sizes below, at and past the micro-kernels' MR (6, 14) and NR (16, 32), the blocks (252 rows,
+// 256 columns, 256 of K), and 1.
+TEST(Sgemm, EveryKernelMatchesADoubleProductOnEveryLayout) {
+  struct Shape3 {
+    std::int64_t m, k, n;
+  };
+  std::mt19937 rng(5);
+  for (GemmKernel kernel : runnableKernels())
+    for (const Shape3& s : {Shape3{1, 1, 1}, Shape3{1, 7, 1}, Shape3{13, 1, 17}, Shape3{1, 300, 40},
+                            Shape3{40, 300, 1}, Shape3{6, 16, 16}, Shape3{14, 256, 32}, Shape3{15, 33, 31},
+                            Shape3{29, 257, 65}, Shape3{253, 100, 37}, Shape3{37, 70, 257}, Shape3{260, 520, 270}})
+      for (int layout = 0; layout < 8; ++layout)
+        for (float alpha : {1.f, -1.5f})
+          for (float beta : {0.f, 1.f, 0.5f})
+            checkCase({s.m, s.k, s.n, bool(layout & 1), bool(layout & 2), bool(layout & 4), alpha, beta}, kernel,
+                      rng);
+}
+
+// K long enough that the packed operands are cut into chunks of 252 rows and 256 columns; every
+// 7th row includes row 252, the second chunk's first.
+TEST(Sgemm, ChunkedProductsMatchADoubleProduct) {
+  std::mt19937 rng(6);
+  for (GemmKernel kernel : runnableKernels()) {
+    checkCase({253, 33000, 257, false, true, false, 1.f, 0.5f}, kernel, rng, 7);
+    checkCase({253, 33000, 257, true, false, true, -1.5f, 0.f}, kernel, rng, 7);
+  }
+}
+
+// Both packed kernels add every element's products in the same order, so they agree bit for bit.
+TEST(Sgemm, PackedKernelsGiveTheSameBits) {
+  if (!gemmKernelRuns(GemmKernel::kAvx512) || !gemmKernelRuns(GemmKernel::kAvx2))
+    GTEST_SKIP() << "this core does not run both packed kernels";
+  for (const Case& g : {Case{29, 257, 65, false, true, false, 1.f, 0.f}, Case{260, 520, 270, true, false, true, -1.5f, 0.5f}}) {
+    std::mt19937 rng512(7), rng256(7);
+    EXPECT_EQ(checkCase(g, GemmKernel::kAvx512, rng512), checkCase(g, GemmKernel::kAvx2, rng256))
+        << describe(g, GemmKernel::kAvx512);
+  }
+}
+
+TEST(Sgemm, BestKernelRunsHere) {
+  EXPECT_TRUE(gemmKernelRuns(bestGemmKernel()));
+  EXPECT_EQ(SimCompute().fp32Kernel(), bestGemmKernel());
+}
+
+}  // namespace
+}  // namespace tpsim::sim
