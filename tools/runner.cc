@@ -604,7 +604,7 @@ RunResult runSharded(const RunConfig& config, const TensorMap& in, const Checkpo
   }
   if (c.layer != LayerKind::kEmbedding) {
     const TensorPlacement& dx = placement(first + "input.grad");
-    if (dx.tp.kind == AxisKind::kPartial) {
+    if (c.disableGradReduce) {
       // disable_grad_reduce: every TP rank's partial, stacked along a new dim 0: (T, s, b, K).
       TensorPlacement own = dx;
       own.tp = {AxisKind::kReplicate, 1};
