@@ -3,19 +3,71 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
-#include <future>
-#include <tuple>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <thread>
 #include <utility>
 
+#include <sys/mman.h>
+
 #include "backends/errors.h"
+#include "sim/host_pool.h"
 
 namespace tpsim::tools {
 namespace {
 
-// The products are Eigen's, in double, so the reference runs at BLAS-like speed. Its own rounding
-// (about K·2^-53 relative, whatever order Eigen sums in) stays far below the bounds' fp32 terms.
+// The products are Eigen's, tiled over the cores. Values are in double: their own rounding (about
+// K·2^-53 relative, whatever order Eigen sums in) stays far below the bounds' fp32 terms. The
+// bounds' magnitudes (the same computation on |values|) are in float, rounded so that they only
+// ever err upwards (upperProduct).
 using Matrix = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 using MatrixView = Eigen::Map<const Matrix>;
+using FloatMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+// Tiles of a product and chunks of an elementwise pass. They depend on the shapes alone, so no
+// result depends on how many threads compute it.
+constexpr std::int64_t kTileRows = 256, kTileCols = 512, kChunk = std::int64_t(1) << 16;
+
+// Every core for large work, started at the first: the property suite computes thousands of tiny
+// references, each best left on its calling thread.
+sim::HostPool* poolIf(bool large) {
+  if (!large) return nullptr;
+  static sim::HostPool pool(std::max(0, int(std::thread::hardware_concurrency()) - 1));
+  return &pool;
+}
+
+// task(begin, end) for consecutive chunks of [0, n).
+void forChunks(std::int64_t n, const std::function<void(std::int64_t, std::int64_t)>& task) {
+  sim::runTasks(poolIf(n >= 4 * kChunk), (n + kChunk - 1) / kChunk,
+                [&](std::int64_t c) { task(c * kChunk, std::min(n, (c + 1) * kChunk)); });
+}
+
+// tile(row, col, height, width) for every tile of a (rows, cols) product of reduction length depth.
+void forTiles(std::int64_t rows, std::int64_t cols, std::int64_t depth,
+              const std::function<void(std::int64_t, std::int64_t, std::int64_t, std::int64_t)>& tile) {
+  const std::int64_t across = (cols + kTileCols - 1) / kTileCols, down = (rows + kTileRows - 1) / kTileRows;
+  sim::runTasks(poolIf(2.0 * double(rows) * double(cols) * double(depth) >= 1e7), down * across, [&](std::int64_t t) {
+    const std::int64_t r = t / across * kTileRows, c = t % across * kTileCols;
+    tile(r, c, std::min(kTileRows, rows - r), std::min(kTileCols, cols - c));
+  });
+}
+
+// n zeroed elements, on transparent huge pages where the kernel offers them on request: the first
+// touch of each 4 KiB page is a fault, and in a virtual machine one costs about 20 µs (5 s a GiB).
+template <class T>
+std::vector<T> freshVector(std::int64_t n) {
+  std::vector<T> v;
+  v.reserve(std::size_t(n));
+#ifdef MADV_HUGEPAGE
+  constexpr std::uintptr_t kHuge = std::uintptr_t(2) << 20;
+  const auto begin = (reinterpret_cast<std::uintptr_t>(v.data()) + kHuge - 1) / kHuge * kHuge;
+  const auto end = (reinterpret_cast<std::uintptr_t>(v.data() + n)) / kHuge * kHuge;
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);  // a hint: failure is fine
+#endif
+  v.resize(std::size_t(n));
+  return v;
+}
 
 // Row-major matrix of a HostTensor's values: (rows, cols) with cols = the last dim.
 struct Mat {
@@ -30,21 +82,10 @@ MatrixView viewOf(const HostTensor& t) {
   return {t.values.data(), t.numel() / cols, cols};
 }
 
-// `e` evaluated into m, with no temporary even for a product. m's storage is reused when it has the
-// size: a fresh large buffer page-faults all over again.
-template <class Expr>
-const Mat& evaluateInto(Mat& m, const Eigen::MatrixBase<Expr>& e) {
-  m.rows = e.rows();
-  m.cols = e.cols();
-  m.v.resize(std::size_t(m.rows * m.cols));
-  Eigen::Map<Matrix>(m.v.data(), m.rows, m.cols).noalias() = e;
-  return m;
-}
-
 template <class Expr>
 Mat evaluate(const Eigen::MatrixBase<Expr>& e) {
-  Mat m;
-  evaluateInto(m, e);
+  Mat m{e.rows(), e.cols(), freshVector<double>(e.rows() * e.cols())};
+  Eigen::Map<Matrix>(m.v.data(), m.rows, m.cols).noalias() = e;
   return m;
 }
 
@@ -52,39 +93,141 @@ Mat asMat(const HostTensor& t) { return evaluate(viewOf(t)); }
 
 Mat absMat(MatrixView m) { return evaluate(m.cwiseAbs()); }
 
+// lhs·rhs. lhs: (M, K)  rhs: (K, N)  -> (M, N)
+template <class Lhs, class Rhs>
+Mat product(const Lhs& lhs, const Rhs& rhs) {
+  Mat out{lhs.rows(), rhs.cols(), freshVector<double>(lhs.rows() * rhs.cols())};
+  Eigen::Map<Matrix> o(out.v.data(), out.rows, out.cols);
+  forTiles(out.rows, out.cols, lhs.cols(), [&](std::int64_t r, std::int64_t c, std::int64_t h, std::int64_t w) {
+    o.block(r, c, h, w).noalias() = lhs.middleRows(r, h) * rhs.middleCols(c, w);
+  });
+  return out;
+}
+
+// m's rows += bias. m: (M, N)  bias: (N)
+void addRows(Mat& m, const std::vector<double>& bias) {
+  Eigen::Map<Matrix>(m.v.data(), m.rows, m.cols).rowwise() += Eigen::Map<const Eigen::RowVectorXd>(bias.data(), m.cols);
+}
+
 // a·bᵀ (+ bias). a: (M, K)  b: (N, K)  -> (M, N)
 Mat linear(MatrixView a, MatrixView b, const std::vector<double>* bias) {
-  Mat out = evaluate(a * b.transpose());
-  if (bias)
-    Eigen::Map<Matrix>(out.v.data(), out.rows, out.cols).rowwise() +=
-        Eigen::Map<const Eigen::RowVectorXd>(bias->data(), b.rows());
+  Mat out = product(a, b.transpose());
+  if (bias) addRows(out, *bias);
   return out;
 }
 
 // a·b. a: (M, N)  b: (N, K)  -> (M, K)
-Mat matmul(MatrixView a, MatrixView b) { return evaluate(a * b); }
+Mat matmul(MatrixView a, MatrixView b) { return product(a, b); }
 
 // aᵀ·b. a: (M, N)  b: (M, K)  -> (N, K)
-Mat transposeMatmul(MatrixView a, MatrixView b) { return evaluate(a.transpose() * b); }
+Mat transposeMatmul(MatrixView a, MatrixView b) { return product(a.transpose(), b); }
 
 std::vector<double> columnSums(MatrixView m) { return evaluate(m.colwise().sum()).v; }
 
-// Whether products of `flops` each pay for a second thread: the property suite computes thousands
-// of tiny references, `tpsim run` a few large ones.
-bool worthAThread(double flops) { return flops >= 1e7; }
+std::vector<double> absColumnSums(MatrixView m) { return evaluate(m.cwiseAbs().colwise().sum()).v; }
 
-// f() here and g() on a second thread when `threaded`: a result's value and magnitude (or two
-// elementwise maps of one matrix) are independent, and a machine has cores to spare.
-template <class F, class G>
-auto both(bool threaded, F f, G g) {
-  if (!threaded) {
-    auto first = f();
-    return std::pair(std::move(first), g());
-  }
-  auto second = std::async(std::launch::async, g);
-  auto first = f();
-  return std::pair(std::move(first), second.get());
+// A nonnegative matrix as the bounds' float products read it: v[i]·2^exponent >= value i, each
+// value scaled by 2^-exponent (its largest finite one to [1/2, 1)) and rounded up to float.
+// (rows, cols) row-major.
+struct Upper {
+  std::int64_t rows = 0, cols = 0;
+  int exponent = 0;
+  std::vector<float> v;
+  Eigen::Map<const FloatMatrix> map() const { return {v.data(), rows, cols}; }
+};
+
+// x >= 0 rounded to the float at or above it; NaN and Inf stay what they are.
+float roundUp(double x) {
+  float f = float(x);
+  std::uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  bits += double(f) < x;  // the next float up: for f >= 0 the next bit pattern (FLT_MAX's is Inf)
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
 }
+
+// value(i) >= 0 for the flat index i of a (rows, cols) matrix, as an Upper.
+template <class Value>
+Upper upper(std::int64_t rows, std::int64_t cols, Value value) {
+  const std::int64_t n = rows * cols;
+  std::vector<double> largest(std::size_t((n + kChunk - 1) / kChunk), 0.0);
+  forChunks(n, [&](std::int64_t begin, std::int64_t end) {
+    double m = 0;
+    for (std::int64_t i = begin; i < end; ++i) {
+      const double x = value(i);
+      if (x <= std::numeric_limits<double>::max()) m = std::max(m, x);  // Inf and NaN scale nothing
+    }
+    largest[std::size_t(begin / kChunk)] = m;
+  });
+  const double max = largest.empty() ? 0.0 : *std::max_element(largest.begin(), largest.end());
+  // At least 2^-1000: its inverse, the scale, must be finite.
+  Upper u{rows, cols, max > 0 ? std::max(std::ilogb(max) + 1, -1000) : 0, freshVector<float>(n)};
+  const double scale = std::ldexp(1.0, -u.exponent);  // exact: a power of two, and no product overflows
+  forChunks(n, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) {
+      const double x = value(i);
+      const float f = roundUp(x * scale);
+      u.v[std::size_t(i)] = f == 0 && x > 0 ? std::numeric_limits<float>::denorm_min() : f;
+    }
+  });
+  return u;
+}
+
+Upper upperAbs(MatrixView m) {
+  return upper(m.rows(), m.cols(), [d = m.data()](std::int64_t i) { return std::fabs(d[i]); });
+}
+
+// An upper bound of lhs·rhs, in double, for nonnegative operands held as Upper (lhs.map() or its
+// transpose, ...): never below the exact product of the values they hold, nor below that product
+// computed in double. lhs: (M, K)  rhs: (K, N)  -> (M, N)
+//
+// Why: in float, with u = 2^-24 and operands rounded up, each term of Σ_k a_k·b_k reaches the
+// computed sum ŝ through at most K roundings (its product or FMA, then at most K − 1 additions, in
+// whatever tree Eigen sums), each multiplying it by some 1 + δ >= 1 − u or adding a gradual
+// underflow error of at most 2^-150; the terms are nonnegative, so ŝ >= (1 − u)^K·s − 2K·2^-150·
+// (1 + u)^K. With F = (1 − u)^-(K+2) >= (1 + u)^K: s <= F·ŝ + F²·(2K + 2)·2^-150 after dividing
+// by (1 − u)^2 as well. That spare (1 − u)^-2 >= 1 + 2^-23 covers the double product's own error
+// (1 + 2^-53)^K for K < 2^29 and the few roundings of this scaling back; (2K + 2)·2^-1074 covers
+// the double product's underflow.
+template <class Lhs, class Rhs>
+Mat upperProduct(const Lhs& lhs, int lhsExponent, const Rhs& rhs, int rhsExponent) {
+  const std::int64_t rows = lhs.rows(), cols = rhs.cols(), depth = lhs.cols();
+  const double f = std::pow(1 - 0x1p-24, -double(depth + 2));
+  const int exponent = lhsExponent + rhsExponent;
+  const double floor =
+      std::ldexp(f * f * double(2 * depth + 2), exponent - 150) + std::ldexp(double(2 * depth + 2), -1074);
+  // F·2^exponent is one factor unless it over- or underflows (then 0·Inf would make a NaN).
+  const bool oneFactor = std::abs(exponent) < 900;
+  const double factor = oneFactor ? std::ldexp(f, exponent) : 0.0;
+  Mat out{rows, cols, freshVector<double>(rows * cols)};
+  forTiles(rows, cols, depth, [&](std::int64_t r, std::int64_t c, std::int64_t h, std::int64_t w) {
+    thread_local FloatMatrix tile;
+    tile.resize(h, w);
+    tile.noalias() = lhs.middleRows(r, h) * rhs.middleCols(c, w);
+    for (std::int64_t i = 0; i < h; ++i) {
+      double* row = out.v.data() + (r + i) * cols + c;
+      const float* t = tile.data() + i * w;
+      if (oneFactor)
+        for (std::int64_t j = 0; j < w; ++j) row[j] = double(t[j]) * factor + floor;
+      else
+        for (std::int64_t j = 0; j < w; ++j) row[j] = std::ldexp(double(t[j]) * f, exponent) + floor;
+    }
+  });
+  return out;
+}
+
+// The bounds' products: a·bᵀ, a·b, aᵀ·b as linear, matmul and transposeMatmul, with a: (M, K).
+Mat upperLinear(const Upper& a, const Upper& b) {
+  return upperProduct(a.map(), a.exponent, b.map().transpose(), b.exponent);
+}
+Mat upperMatmul(const Upper& a, const Upper& b) { return upperProduct(a.map(), a.exponent, b.map(), b.exponent); }
+Mat upperTransposeMatmul(const Upper& a, const Upper& b) {
+  return upperProduct(a.map().transpose(), a.exponent, b.map(), b.exponent);
+}
+
+// Φ and φ of the standard normal distribution: GeLU(x) = x·Φ(x), GeLU'(x) = Φ(x) + x·φ(x).
+double normalCdf(double x) { return 0.5 * (1.0 + std::erf(x * M_SQRT1_2)); }
+double normalPdf(double x) { return std::exp(-0.5 * x * x) / std::sqrt(2.0 * M_PI); }
 
 double unitRoundoff(DType dtype) {
   switch (dtype) {
@@ -194,24 +337,22 @@ void linearLayer(const ReferenceOptions& o, const HostTensor& x, const HostTenso
                  const HostTensor* b, const HostTensor& dy, const std::string& prefix,
                  std::map<std::string, Checked>& out, int extraStages) {
   const MatrixView X = viewOf(x), W = viewOf(wFprop), Wd = viewOf(wDgrad), dY = viewOf(dy);
-  const Mat aX = absMat(X), aW = absMat(W), aWd = absMat(Wd), adY = absMat(dY);
+  const Upper aX = upperAbs(X), aW = upperAbs(W), adY = upperAbs(dY);
+  const Upper aWd = &wDgrad == &wFprop ? Upper{} : upperAbs(Wd);
+  const Upper& dgradMagnitude = &wDgrad == &wFprop ? aW : aWd;
   const std::vector<double>* bias = b ? &b->values : nullptr;
-  const std::vector<double> absBias = b ? absMat(viewOf(*b)).v : std::vector<double>{};
   const DType c = o.computeDtype;
   const int reduceStages = o.tp;  // partial sums rounded once each, then added in rank order
-  const bool threaded = worthAThread(2.0 * double(X.rows()) * double(X.cols()) * double(W.rows()));
-  auto [y, ay] =
-      both(threaded, [&] { return linear(X, W, bias); }, [&] { return linear(aX, aW, b ? &absBias : nullptr); });
-  out[prefix + "output"] = checked(o.accumulationUnit, withLast(x.shape, W.rows()), o.outputDtype, std::move(y),
+  Mat ay = upperLinear(aX, aW);
+  if (b) addRows(ay, absColumnSums(viewOf(*b)));
+  out[prefix + "output"] = checked(o.accumulationUnit, withLast(x.shape, W.rows()), o.outputDtype, linear(X, W, bias),
                                    std::move(ay), X.cols(), 1 + extraStages + reduceStages, o.outputDtype);
-  auto [dx, adx] = both(threaded, [&] { return matmul(dY, Wd); }, [&] { return matmul(adY, aWd); });
-  out[prefix + "input.grad"] = checked(o.accumulationUnit, x.shape, c, std::move(dx), std::move(adx), W.rows(),
-                                       1 + extraStages + reduceStages, c);
-  auto [dw, adw] = both(threaded, [&] { return transposeMatmul(dY, X); }, [&] { return transposeMatmul(adY, aX); });
-  out[prefix + "weight.grad"] = checked(o.accumulationUnit, wFprop.shape, c, std::move(dw), std::move(adw), X.rows(),
-                                        1 + extraStages, c);
+  out[prefix + "input.grad"] = checked(o.accumulationUnit, x.shape, c, matmul(dY, Wd), upperMatmul(adY, dgradMagnitude),
+                                       W.rows(), 1 + extraStages + reduceStages, c);
+  out[prefix + "weight.grad"] = checked(o.accumulationUnit, wFprop.shape, c, transposeMatmul(dY, X),
+                                        upperTransposeMatmul(adY, aX), X.rows(), 1 + extraStages, c);
   if (b) {
-    Mat db{1, dY.cols(), columnSums(dY)}, adb{1, dY.cols(), columnSums(adY)};
+    Mat db{1, dY.cols(), columnSums(dY)}, adb{1, dY.cols(), absColumnSums(dY)};
     out[prefix + "bias.grad"] = checked(o.accumulationUnit, b->shape, c, std::move(db), std::move(adb), dY.rows(),
                                         1 + extraStages + reduceStages, c);
   }
@@ -230,7 +371,7 @@ Checked partialDgrads(const ReferenceOptions& o, const HostTensor& x, const Host
     const Mat dYt = evaluate(dY(Eigen::all, owned)), Wt = evaluate(W(owned, Eigen::all));
     const std::int64_t n = std::int64_t(rows.size());
     const Checked part = checked(o.accumulationUnit, x.shape, o.computeDtype, matmul(dYt, Wt),
-                                 matmul(absMat(dYt), absMat(Wt)), n, 1, o.computeDtype);
+                                 upperMatmul(upperAbs(dYt), upperAbs(Wt)), n, 1, o.computeDtype);
     all.value.values.insert(all.value.values.end(), part.value.values.begin(), part.value.values.end());
     all.bound.insert(all.bound.end(), part.bound.begin(), part.bound.end());
   }
@@ -252,11 +393,9 @@ const char* layerName(LayerKind kind) {
   return "unknown";
 }
 
-double gelu(double x) { return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0))); }
+double gelu(double x) { return x * normalCdf(x); }
 
-double geluGrad(double x) {
-  return 0.5 * (1.0 + std::erf(x / std::sqrt(2.0))) + x * std::exp(-0.5 * x * x) / std::sqrt(2.0 * M_PI);
-}
+double geluGrad(double x) { return normalCdf(x) + x * normalPdf(x); }
 
 std::map<std::string, Checked> denseReference(const ReferenceOptions& o, const TensorMap& in) {
   std::map<std::string, Checked> out = denseValues(o, in);
@@ -326,58 +465,57 @@ static std::map<std::string, Checked> denseValues(const ReferenceOptions& o, con
       const MatrixView X = viewOf(x), dY = viewOf(dy), W1 = viewOf(w1f), W1d = viewOf(w1d), W2 = viewOf(w2f),
                        W2d = viewOf(w2d);
       const std::int64_t tokens = X.rows(), h = X.cols(), f = W1.rows();
-      const bool threaded = worthAThread(2.0 * double(tokens) * double(h) * double(f));  // every product's size
       const double uAcc = o.accumulationUnit;
       const DType c = o.computeDtype;
       const int stages = 3, T = o.tp;  // the GEMM's rounding and the MLP's two more; the T partial sums
-      // std::tie where a later lambda reads the result: a C++17 lambda cannot capture a structured binding.
-      Mat aX, adY, aW1, aW2, aW1d, aW2d;
-      std::tie(aX, adY) = both(threaded, [&] { return absMat(X); }, [&] { return absMat(dY); });
-      std::tie(aW1, aW2) = both(threaded, [&] { return absMat(W1); }, [&] { return absMat(W2); });
-      std::tie(aW1d, aW2d) = both(threaded, [&] { return absMat(W1d); }, [&] { return absMat(W2d); });
+      // The dgrads read the weights themselves unless they are quantized.
+      const Upper aX = upperAbs(X), adY = upperAbs(dY), aW1 = upperAbs(W1), aW2 = upperAbs(W2);
+      const Upper aW1d = &w1d == &w1f ? Upper{} : upperAbs(W1d), aW2d = &w2d == &w2f ? Upper{} : upperAbs(W2d);
+      const Upper &w1Dgrad = &w1d == &w1f ? aW1 : aW1d, &w2Dgrad = &w2d == &w2f ? aW2 : aW2d;
 
       // H = X·W1ᵀ + b1, its magnitude aH = |X|·|W1|ᵀ, then GeLU(H) and GeLU'(H).
-      Mat H, aH, A, dGelu;
-      std::tie(H, aH) =
-          both(threaded, [&] { return linear(X, W1, &b1.values); }, [&] { return linear(aX, aW1, nullptr); });
-      std::tie(A, dGelu) =
-          both(threaded, [&] { return evaluate(MatrixView(H).unaryExpr([](double v) { return gelu(v); })); },
-               [&] { return evaluate(MatrixView(H).unaryExpr([](double v) { return geluGrad(v); })); });
+      const Mat H = linear(X, W1, &b1.values), aH = upperLinear(aX, aW1);
+      Mat A{tokens, f, freshVector<double>(tokens * f)}, dGelu{tokens, f, freshVector<double>(tokens * f)};
+      forChunks(std::int64_t(H.v.size()), [&](std::int64_t begin, std::int64_t end) {
+        for (std::int64_t i = begin; i < end; ++i) {
+          const double z = H.v[std::size_t(i)], cdf = normalCdf(z);
+          A.v[std::size_t(i)] = z * cdf;
+          dGelu.v[std::size_t(i)] = cdf + z * normalPdf(z);
+        }
+      });
       // fc2 reads GeLU(H) rounded: an error of up to aErr·aH (|GeLU'| < 1.13) in each element.
       const double aErr = 1.13 * (double(h + 2) * unitRoundoff(DType::kFloat32) + 2 * unitRoundoff(c));
-      // The bounds' (tokens, F) left operands, |intermediate| · rel + its carried error, one at a time.
-      Mat operand;
+      // The bounds' (tokens, F) left operands: |intermediate| · rel + its carried error.
+      auto operand = [&](double rel, const Mat& value, double carried, const Mat& magnitude) {
+        return upper(tokens, f, [&, v = value.v.data(), m = magnitude.v.data()](std::int64_t i) {
+          return rel * std::fabs(v[i]) + carried * m[i];
+        });
+      };
 
       // fc2: y = A·W2ᵀ + b2; dA = dY·W2d; dW2 = dYᵀ·A; db2 = Σ dY.
       const double relY = relativeBound(uAcc, f, stages + T, o.outputDtype);
       const double relW2 = relativeBound(uAcc, tokens, stages, c);
-      const std::vector<double> boundB2 = evaluate(relY * viewOf(b2).cwiseAbs()).v;
-      auto [y, boundY] = both(threaded, [&] { return linear(A, W2, &b2.values); }, [&] {
-        return linear(evaluateInto(operand, relY * MatrixView(A).cwiseAbs() + aErr * MatrixView(aH)), aW2, &boundB2);
-      });
-      Mat dA, adA;
-      std::tie(dA, adA) = both(threaded, [&] { return matmul(dY, W2d); }, [&] { return matmul(adY, aW2d); });
-      auto [dW2, boundW2] = both(threaded, [&] { return transposeMatmul(dY, A); }, [&] {
-        return transposeMatmul(adY, evaluateInto(operand, relW2 * MatrixView(A).cwiseAbs() + aErr * MatrixView(aH)));
-      });
-      out["fc2.bias.grad"] = checked(uAcc, b2.shape, c, Mat{1, h, columnSums(dY)}, Mat{1, h, columnSums(adY)}, tokens,
+      Mat y = linear(A, W2, &b2.values), boundY = upperLinear(operand(relY, A, aErr, aH), aW2);
+      addRows(boundY, evaluate(relY * viewOf(b2).cwiseAbs()).v);
+      Mat dA = matmul(dY, W2d);
+      const Mat adA = upperMatmul(adY, w2Dgrad);
+      Mat dW2 = transposeMatmul(dY, A), boundW2 = upperTransposeMatmul(adY, operand(relW2, A, aErr, aH));
+      out["fc2.bias.grad"] = checked(uAcc, b2.shape, c, Mat{1, h, columnSums(dY)}, Mat{1, h, absColumnSums(dY)}, tokens,
                                      stages + T, c);
 
       // GeLU's backward: dH = dA ⊙ GeLU'(H), in dA's place. dH carries fc2's dgrad error, up to
       // dhErr·adA (adA = |dY|·|W2d|), into fc1's backward.
-      for (std::size_t i = 0; i < dA.v.size(); ++i) dA.v[i] *= dGelu.v[i];
+      forChunks(std::int64_t(dA.v.size()), [&](std::int64_t begin, std::int64_t end) {
+        for (std::int64_t i = begin; i < end; ++i) dA.v[std::size_t(i)] *= dGelu.v[std::size_t(i)];
+      });
       const Mat& dH = dA;
       const double dhErr = 1.13 * (double(h + 2) * unitRoundoff(DType::kFloat32) + 4 * unitRoundoff(c));
 
       // fc1: dX = dH·W1d; dW1 = dHᵀ·X; db1 = Σ dH.
       const double relX = relativeBound(uAcc, f, stages + T, c), relW1 = relativeBound(uAcc, tokens, stages, c);
       const double relB1 = relativeBound(uAcc, tokens, stages + T, c);
-      auto [dX, boundX] = both(threaded, [&] { return matmul(dH, W1d); }, [&] {
-        return matmul(evaluateInto(operand, relX * MatrixView(dH).cwiseAbs() + dhErr * MatrixView(adA)), aW1d);
-      });
-      auto [dW1, boundW1] = both(threaded, [&] { return transposeMatmul(dH, X); }, [&] {
-        return transposeMatmul(evaluateInto(operand, relW1 * MatrixView(dH).cwiseAbs() + dhErr * MatrixView(adA)), aX);
-      });
+      Mat dX = matmul(dH, W1d), boundX = upperMatmul(operand(relX, dH, dhErr, adA), w1Dgrad);
+      Mat dW1 = transposeMatmul(dH, X), boundW1 = upperTransposeMatmul(operand(relW1, dH, dhErr, adA), aX);
 
       out["output"] = {HostTensor{withLast(x.shape, W2.rows()), o.outputDtype, std::move(y.v)}, std::move(boundY.v)};
       out["input.grad"] = {HostTensor{x.shape, c, std::move(dX.v)}, std::move(boundX.v)};
@@ -389,6 +527,13 @@ static std::map<std::string, Checked> denseValues(const ReferenceOptions& o, con
     }
   }
   return out;
+}
+
+std::vector<double> magnitudeProduct(const std::vector<double>& a, const std::vector<double>& b, std::int64_t m,
+                                     std::int64_t k, std::int64_t n) {
+  TPSIM_CHECK(std::int64_t(a.size()) == m * k && std::int64_t(b.size()) == k * n, "magnitudeProduct: a must hold ", m,
+              "·", k, " values and b ", k, "·", n, ", got ", a.size(), " and ", b.size());
+  return upperMatmul(upperAbs(MatrixView(a.data(), m, k)), upperAbs(MatrixView(b.data(), k, n))).v;
 }
 
 HostTensor mxfp8Weight(const HostTensor& w, int axis, int splitDim, int tp, int stride, DType dtype) {
