@@ -32,7 +32,7 @@ std::unique_ptr<World> makeWorld(const std::string& backend, const WorldOptions&
 }
 
 std::string backendReport() {
-  std::string s = "sim: usable (host memory, exact collectives, Eigen GEMMs)\n";
+  std::string s = "sim: usable (host memory, exact collectives, packed fp32 GEMMs)\n";
 #if TPSIM_HAVE_GPU
   const std::string whyNot = gpu::unusableReason();
   s += whyNot.empty() ? "gpu: usable\n" : "gpu: not usable: " + whyNot + "\n";
