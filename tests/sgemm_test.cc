@@ -107,13 +107,15 @@ TEST(Sgemm, EveryKernelMatchesADoubleProductOnEveryLayout) {
                       rng);
 }
 
-// K long enough that the packed operands are cut into chunks of 252 rows and 256 columns; every
-// 7th row includes row 252, the second chunk's first.
+// K long enough (2^23 / K between 252 and 504) that the packed operands are cut into chunks of 252
+// rows and 256 columns, close to the least K that does, so that sanitizer builds stay quick; every 7th row
+// includes row 252, the second chunk's first. Only the packed kernels chunk.
 TEST(Sgemm, ChunkedProductsMatchADoubleProduct) {
   std::mt19937 rng(6);
   for (GemmKernel kernel : runnableKernels()) {
-    checkCase({253, 33000, 257, false, true, false, 1.f, 0.5f}, kernel, rng, 7);
-    checkCase({253, 33000, 257, true, false, true, -1.5f, 0.f}, kernel, rng, 7);
+    if (kernel == GemmKernel::kEigen) continue;
+    checkCase({253, 16700, 257, false, true, false, 1.f, 0.5f}, kernel, rng, 7);
+    checkCase({253, 16700, 257, true, false, true, -1.5f, 0.f}, kernel, rng, 7);
   }
 }
 
