@@ -383,16 +383,6 @@ Checked partialDgrads(const ReferenceOptions& o, const HostTensor& x, const Host
 // The dense results and their relative bounds; denseReference adds the underflow allowance.
 static std::map<std::string, Checked> denseValues(const ReferenceOptions& o, const TensorMap& in);
 
-const char* layerName(LayerKind kind) {
-  switch (kind) {
-    case LayerKind::kColumn: return "column";
-    case LayerKind::kRow: return "row";
-    case LayerKind::kEmbedding: return "embedding";
-    case LayerKind::kMlp: return "mlp";
-  }
-  return "unknown";
-}
-
 double gelu(double x) { return x * normalCdf(x); }
 
 double geluGrad(double x) { return normalCdf(x) + x * normalPdf(x); }

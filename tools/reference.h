@@ -19,7 +19,16 @@
 namespace tpsim::tools {
 
 enum class LayerKind { kColumn, kRow, kEmbedding, kMlp };
-const char* layerName(LayerKind kind);
+// Inline: the command-line parsers (and their fuzz target) need the names without the reference.
+inline const char* layerName(LayerKind kind) {
+  switch (kind) {
+    case LayerKind::kColumn: return "column";
+    case LayerKind::kRow: return "row";
+    case LayerKind::kEmbedding: return "embedding";
+    case LayerKind::kMlp: return "mlp";
+  }
+  return "unknown";
+}
 
 // name -> tensor. Inputs: input (or ids), weight, bias, grad_output; mlp: fc1.weight, fc1.bias,
 // fc2.weight, fc2.bias. Results: output, input.grad, weight.grad, bias.grad (mlp: fc1.weight.grad,
