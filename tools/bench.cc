@@ -231,19 +231,36 @@ long benchBandwidth(const BenchConfig& c) {
 
 // --- gemm -------------------------------------------------------------------------------------
 
+// The layers' three products: forward x·Wᵀ (b is the transpose of a row-major W (N, K)), dgrad
+// dy·W, and wgrad dyᵀ·x (a is the transpose of a row-major dy (K, M)).
+enum class GemmForm { kForward, kDgrad, kWgrad };
+
 struct GemmShape {
   int m, k, n;
-  bool transposedB;  // b is W.t() of a row-major W (N, K): the layers' x·Wᵀ
+  GemmForm form;
 };
 
+const char* gemmFormName(GemmForm form) {
+  switch (form) {
+    case GemmForm::kForward: return "a*b^T";
+    case GemmForm::kDgrad: return "a*b";
+    case GemmForm::kWgrad: return "a^T*b";
+  }
+  return "?";
+}
+
 // One core's fp32 FMA peak: 12 independent FMA chains (enough to cover the FMA latency on two
-// pipes) on the widest vectors the core has, not the build's ISA. GFLOP/s of one pass over
+// pipes) on the widest vectors the core has, not the build's ISA. The chains start from different
+// values: chains that start equal compute equal values, and the compiler folds them into one chain,
+// whose latency-bound time would overstate the peak by 12 / (latency · pipes), 1.5x on Zen 5. GFLOP/s of one pass over
 // `iters` iterations; fmaPeak keeps the best of 3. Each width is written out in full: code that a
 // target attribute compiles for AVX-512 must not be a template or lambda shared with other code.
 #if defined(__x86_64__)
 __attribute__((target("avx512f"))) double fmaPassAvx512(long iters) {
   const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-3f);
-  __m512 c0 = b, c1 = b, c2 = b, c3 = b, c4 = b, c5 = b, c6 = b, c7 = b, c8 = b, c9 = b, c10 = b, c11 = b;
+  __m512 c0 = _mm512_set1_ps(0.f), c1 = _mm512_set1_ps(1.f), c2 = _mm512_set1_ps(2.f), c3 = _mm512_set1_ps(3.f);
+  __m512 c4 = _mm512_set1_ps(4.f), c5 = _mm512_set1_ps(5.f), c6 = _mm512_set1_ps(6.f), c7 = _mm512_set1_ps(7.f);
+  __m512 c8 = _mm512_set1_ps(8.f), c9 = _mm512_set1_ps(9.f), c10 = _mm512_set1_ps(10.f), c11 = _mm512_set1_ps(11.f);
   const auto start = Clock::now();
   for (long i = 0; i < iters; ++i) {
     c0 = _mm512_fmadd_ps(c0, a, b), c1 = _mm512_fmadd_ps(c1, a, b), c2 = _mm512_fmadd_ps(c2, a, b);
@@ -259,7 +276,9 @@ __attribute__((target("avx512f"))) double fmaPassAvx512(long iters) {
 
 __attribute__((target("avx2,fma"))) double fmaPassAvx2(long iters) {
   const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-3f);
-  __m256 c0 = b, c1 = b, c2 = b, c3 = b, c4 = b, c5 = b, c6 = b, c7 = b, c8 = b, c9 = b, c10 = b, c11 = b;
+  __m256 c0 = _mm256_set1_ps(0.f), c1 = _mm256_set1_ps(1.f), c2 = _mm256_set1_ps(2.f), c3 = _mm256_set1_ps(3.f);
+  __m256 c4 = _mm256_set1_ps(4.f), c5 = _mm256_set1_ps(5.f), c6 = _mm256_set1_ps(6.f), c7 = _mm256_set1_ps(7.f);
+  __m256 c8 = _mm256_set1_ps(8.f), c9 = _mm256_set1_ps(9.f), c10 = _mm256_set1_ps(10.f), c11 = _mm256_set1_ps(11.f);
   const auto start = Clock::now();
   for (long i = 0; i < iters; ++i) {
     c0 = _mm256_fmadd_ps(c0, a, b), c1 = _mm256_fmadd_ps(c1, a, b), c2 = _mm256_fmadd_ps(c2, a, b);
@@ -300,18 +319,22 @@ void benchGemm(const BenchConfig& c) {
                 peak.unit, peak.gflops);
   else
     std::printf("# peak: not measured (this core has no FMA instruction tpsim knows)\n");
-  std::printf("#%6s %6s %6s %4s %12s %12s %10s %9s %9s\n", "M", "K", "N", "b", "sim GF/s", "eigen GF/s", "sim/eigen",
+  std::printf("#%6s %6s %6s %6s %12s %12s %10s %9s %9s\n", "M", "K", "N", "form", "sim GF/s", "eigen GF/s", "sim/eigen",
               "sim/peak", "eig/peak");
-  const GemmShape shapes[] = {{2048, 1024, 4096, true}, {2048, 4096, 1024, false}, {512, 512, 512, false},
-                              {64, 32, 128, true}};
+  // The MLP's fc1 at 2048 tokens, h 1024, ffn 4096 in its three forms, then a cube and a unit shape.
+  const GemmShape shapes[] = {{2048, 1024, 4096, GemmForm::kForward}, {2048, 4096, 1024, GemmForm::kDgrad},
+                              {4096, 2048, 1024, GemmForm::kWgrad},   {512, 512, 512, GemmForm::kDgrad},
+                              {64, 32, 128, GemmForm::kForward}};
   sim::SimCompute compute;
   for (const GemmShape& s : shapes) {
-    RowMajor a = RowMajor::Random(s.m, s.k);
-    RowMajor w = s.transposedB ? RowMajor::Random(s.n, s.k) : RowMajor::Random(s.k, s.n);
+    const bool transposedA = s.form == GemmForm::kWgrad, transposedB = s.form == GemmForm::kForward;
+    RowMajor a = transposedA ? RowMajor::Random(s.k, s.m) : RowMajor::Random(s.m, s.k);
+    RowMajor w = transposedB ? RowMajor::Random(s.n, s.k) : RowMajor::Random(s.k, s.n);
     RowMajor cs(s.m, s.n), ce(s.m, s.n);
-    ConstView av(a.data(), Shape{s.m, s.k}, DType::kFloat32);
+    ConstView aStored(a.data(), Shape{a.rows(), a.cols()}, DType::kFloat32);
     ConstView wv(w.data(), Shape{w.rows(), w.cols()}, DType::kFloat32);
-    ConstView bv = s.transposedB ? wv.t() : wv;
+    ConstView av = transposedA ? aStored.t() : aStored;
+    ConstView bv = transposedB ? wv.t() : wv;
     View cv(cs.data(), Shape{s.m, s.n}, DType::kFloat32);
     const double flops = 2.0 * s.m * s.k * s.n;
     // Enough calls per sample for ~50 ms; best of gemmReps samples, sim and Eigen interleaved.
@@ -323,8 +346,10 @@ void benchGemm(const BenchConfig& c) {
       const double tSim = secondsSince(start) / calls;
       start = Clock::now();
       for (int i = 0; i < calls; ++i) {
-        if (s.transposedB)
+        if (transposedB)
           ce.noalias() = a * w.transpose();
+        else if (transposedA)
+          ce.noalias() = a.transpose() * w;
         else
           ce.noalias() = a * w;
       }
@@ -336,8 +361,8 @@ void benchGemm(const BenchConfig& c) {
     if (!cs.isApprox(ce, 1e-4f)) throw Error("bench gemm: SimCompute and Eigen disagree");
     const double simRate = flops / bestSim / 1e9, eigenRate = flops / bestEigen / 1e9;
     auto ofPeak = [&](double rate) { return peak.gflops > 0 ? 100 * rate / peak.gflops : 0.0; };
-    std::printf(" %6d %6d %6d %4s %12.1f %12.1f %9.3fx %8.1f%% %8.1f%%\n", s.m, s.k, s.n,
-                s.transposedB ? "W^T" : "row", simRate, eigenRate, bestSim / bestEigen, ofPeak(simRate),
+    std::printf(" %6d %6d %6d %6s %12.1f %12.1f %9.3fx %8.1f%% %8.1f%%\n", s.m, s.k, s.n, gemmFormName(s.form),
+                simRate, eigenRate, bestSim / bestEigen, ofPeak(simRate),
                 ofPeak(eigenRate));
   }
 }
