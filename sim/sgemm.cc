@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cstdlib>
 #include <new>
+#include <type_traits>
+
+#include <sys/mman.h>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -20,19 +23,20 @@ namespace {
 constexpr std::int64_t kKc = 256;
 constexpr std::int64_t kMc = 252;
 constexpr std::int64_t kNg = 256;
-// The packed operands hold at most about this many floats each (more when K alone needs it):
-// larger products are done in chunks of rows and of columns.
-constexpr std::int64_t kPackedFloats = std::int64_t(1) << 23;
+// The packed operands hold at most about this many bytes each (more when K alone needs it): larger
+// products are done in chunks of rows and of columns.
+constexpr std::int64_t kPackedBytes = std::int64_t(32) << 20;
 constexpr int kMaxTile = 14 * 32;  // MR x NR of the largest micro-kernel
 
 // c (MR x NR tile, row stride ldc, unit column stride) = alpha·acc + beta·c, acc = Σ_p a_p·b_p
 // over kc packed steps, each element one FMA chain in increasing p.
-using MicroKernel = void (*)(std::int64_t kc, const float* a, const float* b, float* c, std::int64_t ldc,
-                             float alpha, float beta);
+template <class T>
+using MicroKernel = void (*)(std::int64_t kc, const T* a, const T* b, T* c, std::int64_t ldc, T alpha, T beta);
 
+template <class T>
 struct Kernel {
   int mr, nr;
-  MicroKernel run;
+  MicroKernel<T> run;
 };
 
 #if defined(__x86_64__)
@@ -113,74 +117,256 @@ __attribute__((target("avx2,fma"))) void microAvx2(std::int64_t kc, const float*
     _mm256_storeu_ps(row + 8, t1);
   }
 }
+
+// The fp64 kernels: the same shapes in 8- and 4-lane vectors, 14 x 16 and 6 x 8.
+constexpr int kMr512d = 14, kNr512d = 16;
+
+__attribute__((target("avx512f"))) void microAvx512Double(std::int64_t kc, const double* a, const double* b, double* c,
+                                                          std::int64_t ldc, double alpha, double beta) {
+  __m512d acc[kMr512d][2];
+#pragma GCC unroll 14
+  for (int i = 0; i < kMr512d; ++i) {
+    acc[i][0] = acc[i][1] = _mm512_setzero_pd();
+    _mm_prefetch(reinterpret_cast<const char*>(c + i * ldc), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(c + i * ldc + kNr512d - 1), _MM_HINT_T0);
+  }
+  for (std::int64_t p = 0; p < kc; ++p, a += kMr512d, b += kNr512d) {
+    const __m512d b0 = _mm512_loadu_pd(b), b1 = _mm512_loadu_pd(b + 8);
+#pragma GCC unroll 14
+    for (int i = 0; i < kMr512d; ++i) {
+      const __m512d ai = _mm512_set1_pd(a[i]);
+      acc[i][0] = _mm512_fmadd_pd(ai, b0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_pd(ai, b1, acc[i][1]);
+    }
+  }
+  const __m512d va = _mm512_set1_pd(alpha), vb = _mm512_set1_pd(beta);
+#pragma GCC unroll 14
+  for (int i = 0; i < kMr512d; ++i) {
+    double* row = c + i * ldc;
+    __m512d t0 = _mm512_mul_pd(va, acc[i][0]), t1 = _mm512_mul_pd(va, acc[i][1]);
+    if (beta == 1.0) {
+      t0 = _mm512_add_pd(_mm512_loadu_pd(row), t0);
+      t1 = _mm512_add_pd(_mm512_loadu_pd(row + 8), t1);
+    } else if (beta != 0.0) {
+      t0 = _mm512_add_pd(_mm512_mul_pd(vb, _mm512_loadu_pd(row)), t0);
+      t1 = _mm512_add_pd(_mm512_mul_pd(vb, _mm512_loadu_pd(row + 8)), t1);
+    }
+    _mm512_storeu_pd(row, t0);
+    _mm512_storeu_pd(row + 8, t1);
+  }
+}
+
+constexpr int kMr256d = 6, kNr256d = 8;
+
+__attribute__((target("avx2,fma"))) void microAvx2Double(std::int64_t kc, const double* a, const double* b, double* c,
+                                                         std::int64_t ldc, double alpha, double beta) {
+  __m256d acc[kMr256d][2];
+#pragma GCC unroll 6
+  for (int i = 0; i < kMr256d; ++i) {
+    acc[i][0] = acc[i][1] = _mm256_setzero_pd();
+    _mm_prefetch(reinterpret_cast<const char*>(c + i * ldc), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(c + i * ldc + kNr256d - 1), _MM_HINT_T0);
+  }
+  for (std::int64_t p = 0; p < kc; ++p, a += kMr256d, b += kNr256d) {
+    const __m256d b0 = _mm256_loadu_pd(b), b1 = _mm256_loadu_pd(b + 4);
+#pragma GCC unroll 6
+    for (int i = 0; i < kMr256d; ++i) {
+      const __m256d ai = _mm256_broadcast_sd(a + i);
+      acc[i][0] = _mm256_fmadd_pd(ai, b0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_pd(ai, b1, acc[i][1]);
+    }
+  }
+  const __m256d va = _mm256_set1_pd(alpha), vb = _mm256_set1_pd(beta);
+#pragma GCC unroll 6
+  for (int i = 0; i < kMr256d; ++i) {
+    double* row = c + i * ldc;
+    __m256d t0 = _mm256_mul_pd(va, acc[i][0]), t1 = _mm256_mul_pd(va, acc[i][1]);
+    if (beta == 1.0) {
+      t0 = _mm256_add_pd(_mm256_loadu_pd(row), t0);
+      t1 = _mm256_add_pd(_mm256_loadu_pd(row + 4), t1);
+    } else if (beta != 0.0) {
+      t0 = _mm256_add_pd(_mm256_mul_pd(vb, _mm256_loadu_pd(row)), t0);
+      t1 = _mm256_add_pd(_mm256_mul_pd(vb, _mm256_loadu_pd(row + 4)), t1);
+    }
+    _mm256_storeu_pd(row, t0);
+    _mm256_storeu_pd(row + 4, t1);
+  }
+}
 #endif
 
-Kernel kernelFor(GemmKernel kernel) {
-  TPSIM_INTERNAL_ASSERT(gemmKernelRuns(kernel) && kernel != GemmKernel::kEigen, "sgemm: kernel ",
+template <class T>
+Kernel<T> kernelFor(GemmKernel kernel) {
+  TPSIM_INTERNAL_ASSERT(gemmKernelRuns(kernel) && kernel != GemmKernel::kEigen, "gemm: kernel ",
                         gemmKernelName(kernel), " does not run here");
 #if defined(__x86_64__)
-  if (kernel == GemmKernel::kAvx512) return {kMr512, kNr512, microAvx512};
-  return {kMr256, kNr256, microAvx2};
+  if constexpr (std::is_same_v<T, float>) {
+    if (kernel == GemmKernel::kAvx512) return {kMr512, kNr512, microAvx512};
+    return {kMr256, kNr256, microAvx2};
+  } else {
+    if (kernel == GemmKernel::kAvx512) return {kMr512d, kNr512d, microAvx512Double};
+    return {kMr256d, kNr256d, microAvx2Double};
+  }
 #else
   return {};
 #endif
 }
 
 // The tile's update done element by element, with the micro-kernels' operations in their order.
-void updateTile(const float* acc, int ldAcc, std::int64_t rows, std::int64_t cols, float* c, std::int64_t rs,
-                std::int64_t cs, float alpha, float beta) {
+template <class T>
+void updateTile(const T* acc, int ldAcc, std::int64_t rows, std::int64_t cols, T* c, std::int64_t rs, std::int64_t cs,
+                T alpha, T beta) {
   for (std::int64_t i = 0; i < rows; ++i)
     for (std::int64_t j = 0; j < cols; ++j) {
-      float& x = c[i * rs + j * cs];
-      const float t = alpha * acc[i * ldAcc + j];
-      x = beta == 0.f ? t : beta == 1.f ? x + t : beta * x + t;
+      T& x = c[i * rs + j * cs];
+      const T t = alpha * acc[i * ldAcc + j];
+      x = beta == T(0) ? t : beta == T(1) ? x + t : beta * x + t;
     }
 }
 
 // Packs `count` lines of kc values into panels of w lines, zero-padded: panel s holds
 // dst[s·w·kc + p·w + i] = line (s·w + i), value p. Line i, value p is at src[i·across + p·along].
-void packPanels(const float* src, std::int64_t across, std::int64_t along, std::int64_t count, std::int64_t kc,
-                int w, float* dst) {
+template <class T>
+void packPanels(const T* src, std::int64_t across, std::int64_t along, std::int64_t count, std::int64_t kc, int w,
+                T* dst) {
   for (std::int64_t s = 0; s < count; s += w, dst += w * kc) {
     const std::int64_t lines = std::min<std::int64_t>(w, count - s);
-    const float* first = src + s * across;
+    const T* first = src + s * across;
     if (across == 1) {  // the lines sit side by side: copy rows of the panel
       for (std::int64_t p = 0; p < kc; ++p) {
-        const float* from = first + p * along;
-        float* to = dst + p * w;
+        const T* from = first + p * along;
+        T* to = dst + p * w;
         for (std::int64_t i = 0; i < lines; ++i) to[i] = from[i];
-        for (std::int64_t i = lines; i < w; ++i) to[i] = 0.f;
+        for (std::int64_t i = lines; i < w; ++i) to[i] = T(0);
       }
       continue;
     }
-    for (std::int64_t i = 0; i < lines; ++i) {  // read each line along its values
-      const float* from = first + i * across;
-      for (std::int64_t p = 0; p < kc; ++p) dst[p * w + i] = from[p * along];
+    // Each line along its values, a cache line of them at a time for all lines: the few panel
+    // rows written stay in L1, and the lines are read as parallel streams.
+    constexpr std::int64_t kStep = 64 / sizeof(T);
+    for (std::int64_t p0 = 0; p0 < kc; p0 += kStep) {
+      const std::int64_t p1 = std::min(kc, p0 + kStep);
+      for (std::int64_t i = 0; i < lines; ++i) {
+        const T* from = first + i * across;
+        for (std::int64_t p = p0; p < p1; ++p) dst[p * w + i] = from[p * along];
+      }
     }
     for (std::int64_t i = lines; i < w; ++i)
-      for (std::int64_t p = 0; p < kc; ++p) dst[p * w + i] = 0.f;
+      for (std::int64_t p = 0; p < kc; ++p) dst[p * w + i] = T(0);
   }
 }
 
-// A 64-byte aligned scratch block that only grows, one per calling thread: the packed operands.
+// A scratch block that only grows, one per calling thread and element type: the packed operands.
+// Blocks of several MiB go on huge pages where the kernel gives them on request (a first touch of
+// each 4 KiB page is a page fault); small ones, which short-lived threads ask for, do not.
+template <class T>
 class Scratch {
  public:
   ~Scratch() { std::free(data_); }
-  float* get(std::size_t floats) {
-    if (floats > size_) {
+  T* get(std::size_t count) {
+    if (count > size_) {
       std::free(data_);
-      const std::size_t bytes = (floats * sizeof(float) + 63) / 64 * 64;
-      data_ = static_cast<float*>(std::aligned_alloc(64, bytes));
+      constexpr std::size_t kHuge = std::size_t(2) << 20;
+      const bool huge = count * sizeof(T) >= 4 * kHuge;
+      const std::size_t align = huge ? kHuge : 64, bytes = (count * sizeof(T) + align - 1) / align * align;
+      data_ = static_cast<T*>(std::aligned_alloc(align, bytes));
       if (data_ == nullptr) throw std::bad_alloc();
-      size_ = floats;
+#ifdef MADV_HUGEPAGE
+      if (huge) madvise(data_, bytes, MADV_HUGEPAGE);  // a hint: failure is fine
+#endif
+      size_ = count;
     }
     return data_;
   }
 
  private:
-  float* data_ = nullptr;
+  T* data_ = nullptr;
   std::size_t size_ = 0;
 };
+
+template <class T>
+void packedGemm(GemmKernel kernel, std::int64_t m, std::int64_t n, std::int64_t k, T alpha, StridedMatrix<T> a,
+                StridedMatrix<T> b, T beta, T* c, std::int64_t cRowStride, std::int64_t cColStride, HostPool* pool) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int64_t j = 0; j < n; ++j) {
+        T& x = c[i * cRowStride + j * cColStride];
+        x = beta == T(0) ? T(0) : beta * x;
+      }
+    return;
+  }
+  // A column-major c is the row-major cᵀ = bᵀ·aᵀ; fma(a, b, acc) == fma(b, a, acc), so the bits
+  // do not change.
+  if (cColStride != 1 && cRowStride == 1) {
+    std::swap(m, n);
+    std::swap(a, b);
+    std::swap(a.rowStride, a.colStride);
+    std::swap(b.rowStride, b.colStride);
+    std::swap(cRowStride, cColStride);
+  }
+  const Kernel<T> kern = kernelFor<T>(kernel);
+  const std::int64_t kBlocks = (k + kKc - 1) / kKc;
+  constexpr std::int64_t kPackedElements = kPackedBytes / std::int64_t(sizeof(T));
+  auto chunk = [&](std::int64_t extent, std::int64_t block) {  // a multiple of block, up to extent rounded up
+    const std::int64_t whole = (extent + block - 1) / block * block;
+    return std::min(whole, std::max(block, kPackedElements / k / block * block));
+  };
+  const std::int64_t mChunk = chunk(m, kMc), nChunk = chunk(n, kNg);
+  thread_local Scratch<T> scratchA, scratchB;
+  // A block i, K block p at packedA[i·kMc·k + p·kMc·kKc], its sliver s kc·MR further on (kc: the
+  // K block's size); B likewise in groups of kNg columns and panels of NR.
+  T* packedA = scratchA.get(std::size_t(mChunk * k));
+  T* packedB = scratchB.get(std::size_t(nChunk * k));
+  for (std::int64_t ic = 0; ic < m; ic += mChunk) {
+    const std::int64_t mc = std::min(mChunk, m - ic), mBlocks = (mc + kMc - 1) / kMc;
+    for (std::int64_t jc = 0; jc < n; jc += nChunk) {
+      const std::int64_t nc = std::min(nChunk, n - jc), nGroups = (nc + kNg - 1) / kNg;
+      // Pack one (block, K block) of A or of B per task: A's chunk once per chunk of rows, B's
+      // chunk again for each chunk of rows unless it is all of B.
+      const std::int64_t aTasks = jc == 0 ? mBlocks * kBlocks : 0;
+      const std::int64_t bTasks = ic == 0 || nc < n ? nGroups * kBlocks : 0;
+      runTasks(pool, aTasks + bTasks, [&](std::int64_t t) {
+        const bool packsA = t < aTasks;
+        const std::int64_t u = packsA ? t : t - aTasks, block = u / kBlocks, pc = u % kBlocks * kKc;
+        const std::int64_t kc = std::min(kKc, k - pc);
+        if (packsA) {
+          const std::int64_t i0 = block * kMc;
+          packPanels(a.data + (ic + i0) * a.rowStride + pc * a.colStride, a.rowStride, a.colStride,
+                     std::min(kMc, mc - i0), kc, kern.mr, packedA + i0 * k + kMc * pc);
+        } else {
+          const std::int64_t j0 = block * kNg;
+          packPanels(b.data + pc * b.rowStride + (jc + j0) * b.colStride, b.colStride, b.rowStride,
+                     std::min(kNg, nc - j0), kc, kern.nr, packedB + j0 * k + kNg * pc);
+        }
+      });
+      // Multiply: a block of c through all K blocks, in increasing order.
+      runTasks(pool, mBlocks * nGroups, [&](std::int64_t t) {
+        const std::int64_t i0 = t / nGroups * kMc, j0 = t % nGroups * kNg;
+        const std::int64_t rows = std::min(kMc, mc - i0), cols = std::min(kNg, nc - j0);
+        for (std::int64_t pc = 0; pc < k; pc += kKc) {
+          const std::int64_t kc = std::min(kKc, k - pc);
+          const T betaNow = pc == 0 ? beta : T(1);  // later K blocks add to the first's result
+          for (std::int64_t jr = 0; jr < cols; jr += kern.nr)
+            for (std::int64_t ir = 0; ir < rows; ir += kern.mr) {
+              const T* ap = packedA + i0 * k + kMc * pc + ir * kc;
+              const T* bp = packedB + j0 * k + kNg * pc + jr * kc;
+              T* ct = c + (ic + i0 + ir) * cRowStride + (jc + j0 + jr) * cColStride;
+              const std::int64_t h = std::min<std::int64_t>(kern.mr, rows - ir);
+              const std::int64_t w = std::min<std::int64_t>(kern.nr, cols - jr);
+              if (h == kern.mr && w == kern.nr && cColStride == 1) {
+                kern.run(kc, ap, bp, ct, cRowStride, alpha, betaNow);
+              } else {
+                alignas(64) T tile[kMaxTile];
+                kern.run(kc, ap, bp, tile, kern.nr, T(1), T(0));
+                updateTile(tile, kern.nr, h, w, ct, cRowStride, cColStride, alpha, betaNow);
+              }
+            }
+        }
+      });
+    }
+  }
+}
+
 
 }  // namespace
 
@@ -215,84 +401,12 @@ const char* gemmKernelName(GemmKernel kernel) {
 
 void sgemm(GemmKernel kernel, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, FloatMatrix a,
            FloatMatrix b, float beta, float* c, std::int64_t cRowStride, std::int64_t cColStride, HostPool* pool) {
-  if (m == 0 || n == 0) return;
-  if (k == 0) {
-    for (std::int64_t i = 0; i < m; ++i)
-      for (std::int64_t j = 0; j < n; ++j) {
-        float& x = c[i * cRowStride + j * cColStride];
-        x = beta == 0.f ? 0.f : beta * x;
-      }
-    return;
-  }
-  // A column-major c is the row-major cᵀ = bᵀ·aᵀ; fma(a, b, acc) == fma(b, a, acc), so the bits
-  // do not change.
-  if (cColStride != 1 && cRowStride == 1) {
-    std::swap(m, n);
-    std::swap(a, b);
-    std::swap(a.rowStride, a.colStride);
-    std::swap(b.rowStride, b.colStride);
-    std::swap(cRowStride, cColStride);
-  }
-  const Kernel kern = kernelFor(kernel);
-  const std::int64_t kBlocks = (k + kKc - 1) / kKc;
-  auto chunk = [&](std::int64_t extent, std::int64_t block) {  // a multiple of block, up to extent rounded up
-    const std::int64_t whole = (extent + block - 1) / block * block;
-    return std::min(whole, std::max(block, kPackedFloats / k / block * block));
-  };
-  const std::int64_t mChunk = chunk(m, kMc), nChunk = chunk(n, kNg);
-  thread_local Scratch scratchA, scratchB;
-  // A block i, K block p at packedA[i·kMc·k + p·kMc·kKc], its sliver s kc·MR further on (kc: the
-  // K block's size); B likewise in groups of kNg columns and panels of NR.
-  float* packedA = scratchA.get(std::size_t(mChunk * k));
-  float* packedB = scratchB.get(std::size_t(nChunk * k));
-  for (std::int64_t ic = 0; ic < m; ic += mChunk) {
-    const std::int64_t mc = std::min(mChunk, m - ic), mBlocks = (mc + kMc - 1) / kMc;
-    for (std::int64_t jc = 0; jc < n; jc += nChunk) {
-      const std::int64_t nc = std::min(nChunk, n - jc), nGroups = (nc + kNg - 1) / kNg;
-      // Pack one (block, K block) of A or of B per task: A's chunk once per chunk of rows, B's
-      // chunk again for each chunk of rows unless it is all of B.
-      const std::int64_t aTasks = jc == 0 ? mBlocks * kBlocks : 0;
-      const std::int64_t bTasks = ic == 0 || nc < n ? nGroups * kBlocks : 0;
-      runTasks(pool, aTasks + bTasks, [&](std::int64_t t) {
-        const bool packsA = t < aTasks;
-        const std::int64_t u = packsA ? t : t - aTasks, block = u / kBlocks, pc = u % kBlocks * kKc;
-        const std::int64_t kc = std::min(kKc, k - pc);
-        if (packsA) {
-          const std::int64_t i0 = block * kMc;
-          packPanels(a.data + (ic + i0) * a.rowStride + pc * a.colStride, a.rowStride, a.colStride,
-                     std::min(kMc, mc - i0), kc, kern.mr, packedA + i0 * k + kMc * pc);
-        } else {
-          const std::int64_t j0 = block * kNg;
-          packPanels(b.data + pc * b.rowStride + (jc + j0) * b.colStride, b.colStride, b.rowStride,
-                     std::min(kNg, nc - j0), kc, kern.nr, packedB + j0 * k + kNg * pc);
-        }
-      });
-      // Multiply: a block of c through all K blocks, in increasing order.
-      runTasks(pool, mBlocks * nGroups, [&](std::int64_t t) {
-        const std::int64_t i0 = t / nGroups * kMc, j0 = t % nGroups * kNg;
-        const std::int64_t rows = std::min(kMc, mc - i0), cols = std::min(kNg, nc - j0);
-        for (std::int64_t pc = 0; pc < k; pc += kKc) {
-          const std::int64_t kc = std::min(kKc, k - pc);
-          const float betaNow = pc == 0 ? beta : 1.f;  // later K blocks add to the first's result
-          for (std::int64_t jr = 0; jr < cols; jr += kern.nr)
-            for (std::int64_t ir = 0; ir < rows; ir += kern.mr) {
-              const float* ap = packedA + i0 * k + kMc * pc + ir * kc;
-              const float* bp = packedB + j0 * k + kNg * pc + jr * kc;
-              float* ct = c + (ic + i0 + ir) * cRowStride + (jc + j0 + jr) * cColStride;
-              const std::int64_t h = std::min<std::int64_t>(kern.mr, rows - ir);
-              const std::int64_t w = std::min<std::int64_t>(kern.nr, cols - jr);
-              if (h == kern.mr && w == kern.nr && cColStride == 1) {
-                kern.run(kc, ap, bp, ct, cRowStride, alpha, betaNow);
-              } else {
-                alignas(64) float tile[kMaxTile];
-                kern.run(kc, ap, bp, tile, kern.nr, 1.f, 0.f);
-                updateTile(tile, kern.nr, h, w, ct, cRowStride, cColStride, alpha, betaNow);
-              }
-            }
-        }
-      });
-    }
-  }
+  packedGemm(kernel, m, n, k, alpha, a, b, beta, c, cRowStride, cColStride, pool);
+}
+
+void dgemm(GemmKernel kernel, std::int64_t m, std::int64_t n, std::int64_t k, double alpha, DoubleMatrix a,
+           DoubleMatrix b, double beta, double* c, std::int64_t cRowStride, std::int64_t cColStride, HostPool* pool) {
+  packedGemm(kernel, m, n, k, alpha, a, b, beta, c, cRowStride, cColStride, pool);
 }
 
 }  // namespace tpsim::sim

@@ -1,10 +1,11 @@
-// sgemm: the simulator's fp32 GEMM, packed and cache-blocked the GotoBLAS/BLIS way.
+// sgemm and dgemm: packed, cache-blocked GEMMs the GotoBLAS/BLIS way, in fp32 for the simulator
+// and in fp64 for the reference that checks it (tools/reference.h).
 //
 // B is packed into panels of NR columns by KC rows, A into slivers of MR rows, and an MR x NR
 // register-blocked FMA micro-kernel (AVX-512 or AVX2, chosen at run time) multiplies them. Every
 // element of c sums its K products in one fixed order, KC blocks of increasing k, whatever the
 // tiling, the threads or c's layout: results depend on the shape alone, and both kernels give the
-// same bits. fp32 only; SimCompute keeps Eigen for fp64 and for cores without AVX2 and FMA.
+// same bits. SimCompute keeps Eigen for fp64 and for cores without AVX2 and FMA.
 #pragma once
 
 #include <cstdint>
@@ -21,11 +22,14 @@ GemmKernel bestGemmKernel();
 bool gemmKernelRuns(GemmKernel kernel);
 const char* gemmKernelName(GemmKernel kernel);
 
-// A read-only fp32 matrix: element (i, j) at data[i·rowStride + j·colStride], any strides.
-struct FloatMatrix {
-  const float* data;
+// A read-only matrix: element (i, j) at data[i·rowStride + j·colStride], any strides.
+template <class T>
+struct StridedMatrix {
+  const T* data;
   std::int64_t rowStride, colStride;
 };
+using FloatMatrix = StridedMatrix<float>;
+using DoubleMatrix = StridedMatrix<double>;
 
 // c = alpha·a·b + beta·c, a (M, K), b (K, N), c (M, N) at c[i·cRowStride + j·cColStride], which
 // must not overlap a or b, nor itself. beta == 0 ignores c's old contents (NaN there does not
@@ -33,5 +37,9 @@ struct FloatMatrix {
 // `pool` (null: the calling thread does all).
 void sgemm(GemmKernel kernel, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, FloatMatrix a,
            FloatMatrix b, float beta, float* c, std::int64_t cRowStride, std::int64_t cColStride, HostPool* pool);
+
+// The same in fp64.
+void dgemm(GemmKernel kernel, std::int64_t m, std::int64_t n, std::int64_t k, double alpha, DoubleMatrix a,
+           DoubleMatrix b, double beta, double* c, std::int64_t cRowStride, std::int64_t cColStride, HostPool* pool);
 
 }  // namespace tpsim::sim

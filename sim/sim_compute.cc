@@ -42,6 +42,8 @@ using Dense = Eigen::Matrix<T, Dynamic, Dynamic, Eigen::RowMajor>;
 // comes from mmap and page-faults on first touch, which cost about 5% of an MLP step of tpsim
 // bench -W mlp. Small blocks go straight back to malloc, which reuses them well. The cache holds
 // at most kMaxCachedBytes; AddressSanitizer builds bypass it so that use-after-free stays visible.
+// A world's ranks reuse each other's blocks while it runs; when it returns, the blocks go back to
+// malloc (releaseCachedHostBlocks), for whatever the process does next.
 class BlockCache {
  public:
   static BlockCache& instance() {
@@ -81,6 +83,17 @@ class BlockCache {
     std::free(block);
   }
 
+  void releaseAll() {
+    std::unordered_map<std::size_t, std::vector<void*>> blocks;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      blocks.swap(free_);
+      cached_ = 0;
+    }
+    for (const auto& [bytes, list] : blocks)
+      for (void* block : list) std::free(block);
+  }
+
  private:
 #if defined(__SANITIZE_ADDRESS__)
   static constexpr bool kEnabled = false;
@@ -95,6 +108,12 @@ class BlockCache {
 };
 
 void freeHost(void* p) { BlockCache::instance().release(p); }
+
+}  // namespace
+
+void releaseCachedHostBlocks() { BlockCache::instance().releaseAll(); }
+
+namespace {
 
 // True when every view is dense fp32: the elementwise ops then run plain loops over float
 // pointers, doing exactly the float operations of the general path (same results, bit for bit).

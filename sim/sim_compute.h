@@ -79,4 +79,7 @@ class SimCompute final : public Compute {
   GemmKernel fp32Kernel_;
 };
 
+// Returns the freed host blocks SimCompute keeps for reuse (1 MiB and more) to malloc.
+void releaseCachedHostBlocks();
+
 }  // namespace tpsim::sim

@@ -83,6 +83,9 @@ World::World(WorldOptions options)
     computes_.push_back(std::make_shared<SimCompute>(gemmPool_.get()));
 }
 
-void World::run(const std::function<void(RankContext&)>& fn) { rendezvous_.run(fn, computes_, transport_); }
+void World::run(const std::function<void(RankContext&)>& fn) {
+  rendezvous_.run(fn, computes_, transport_);
+  releaseCachedHostBlocks();  // the ranks' tensors are freed; their memory is the caller's again
+}
 
 }  // namespace tpsim::sim

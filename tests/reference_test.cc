@@ -1,5 +1,6 @@
 // The dense reference's magnitudes: computed in float, they must never fall below the same
 // products computed in double (the bound they replace), whatever the magnitudes, and stay close.
+// The MLP's reference, which takes F in blocks, against loops over the whole.
 #include "tools/reference.h"
 
 #include <gtest/gtest.h>
@@ -8,7 +9,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <random>
+#include <string>
 
 namespace tpsim::tools {
 namespace {
@@ -60,6 +63,82 @@ TEST(Reference, MagnitudeProductKeepsInfinityAndNan) {
   EXPECT_TRUE(std::isnan(got[1]));  // ∞·0, as in double
   EXPECT_GE(got[2], 6.0);
   EXPECT_GE(got[3], 8.0);
+}
+
+// An MLP small enough for loops: 6 tokens, h = 5, F = 700. In blocks of 256 columns of F (256, 256,
+// 188) and in one block, the reference's values are the loops' in double, and its bounds agree to
+// their float rounding (each block rounds its own operands up, with F factors of its own depth).
+TEST(Reference, MlpInBlocksOfFMatchesLoopsOverTheWhole) {
+  const std::int64_t tokens = 6, h = 5, f = 700;
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> normal;
+  auto random = [&](std::vector<std::int64_t> shape) {
+    std::int64_t n = 1;
+    for (std::int64_t d : shape) n *= d;
+    std::vector<double> v(static_cast<std::size_t>(n));
+    for (double& x : v) x = normal(rng);
+    return HostTensor{std::move(shape), DType::kFloat32, std::move(v)};
+  };
+  const TensorMap in = {{"input", random({2, 3, h})},     {"grad_output", random({2, 3, h})},
+                        {"fc1.weight", random({f, h})},   {"fc1.bias", random({f})},
+                        {"fc2.weight", random({h, f})},   {"fc2.bias", random({h})}};
+  const std::vector<double> &x = in.at("input").values, &dy = in.at("grad_output").values;
+  const std::vector<double> &w1 = in.at("fc1.weight").values, &b1 = in.at("fc1.bias").values;
+  const std::vector<double> &w2 = in.at("fc2.weight").values, &b2 = in.at("fc2.bias").values;
+
+  // The loops, with each result's sum of |terms| for the tolerance.
+  std::map<std::string, std::vector<double>> want, scale;
+  auto result = [&](const std::string& name, std::size_t n) {
+    want[name].assign(n, 0.0);
+    scale[name].assign(n, 0.0);
+  };
+  result("output", tokens * h), result("input.grad", tokens * h), result("fc1.weight.grad", f * h);
+  result("fc1.bias.grad", f), result("fc2.weight.grad", h * f), result("fc2.bias.grad", h);
+  auto add = [&](const std::string& name, std::int64_t i, double term) {
+    want[name][std::size_t(i)] += term;
+    scale[name][std::size_t(i)] += std::fabs(term);
+  };
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    std::vector<double> a(static_cast<std::size_t>(f)), dh(static_cast<std::size_t>(f));
+    for (std::int64_t j = 0; j < f; ++j) {
+      double z = b1[std::size_t(j)];
+      for (std::int64_t k = 0; k < h; ++k) z += x[std::size_t(t * h + k)] * w1[std::size_t(j * h + k)];
+      a[std::size_t(j)] = gelu(z);
+      double da = 0;
+      for (std::int64_t k = 0; k < h; ++k) da += dy[std::size_t(t * h + k)] * w2[std::size_t(k * f + j)];
+      dh[std::size_t(j)] = da * geluGrad(z);
+      add("fc1.bias.grad", j, dh[std::size_t(j)]);
+      for (std::int64_t k = 0; k < h; ++k) {
+        add("output", t * h + k, a[std::size_t(j)] * w2[std::size_t(k * f + j)]);
+        add("input.grad", t * h + k, dh[std::size_t(j)] * w1[std::size_t(j * h + k)]);
+        add("fc1.weight.grad", j * h + k, dh[std::size_t(j)] * x[std::size_t(t * h + k)]);
+        add("fc2.weight.grad", k * f + j, dy[std::size_t(t * h + k)] * a[std::size_t(j)]);
+      }
+    }
+    for (std::int64_t k = 0; k < h; ++k) {
+      add("output", t * h + k, b2[std::size_t(k)]);
+      add("fc2.bias.grad", k, dy[std::size_t(t * h + k)]);
+    }
+  }
+
+  ReferenceOptions whole;
+  whole.kind = LayerKind::kMlp;
+  ReferenceOptions blocks = whole;
+  blocks.mlpBlockElements = tokens * 256;
+  const std::map<std::string, Checked> one = denseReference(whole, in), three = denseReference(blocks, in);
+  ASSERT_EQ(one.size(), want.size());
+  for (const auto& [name, values] : want) {
+    const Checked &a = one.at(name), &b = three.at(name);
+    ASSERT_EQ(a.value.values.size(), values.size()) << name;
+    ASSERT_EQ(b.value.values.size(), values.size()) << name;
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      const double tolerance = 1e-13 * scale[name][i] + 1e-300;
+      ASSERT_NEAR(a.value.values[i], values[i], tolerance) << name << " element " << i << ", one block";
+      ASSERT_NEAR(b.value.values[i], values[i], tolerance) << name << " element " << i << ", three blocks";
+      ASSERT_GT(a.bound[i], 0.0) << name << " element " << i;
+      ASSERT_NEAR(b.bound[i] / a.bound[i], 1.0, 1e-4) << name << " element " << i;
+    }
+  }
 }
 
 }  // namespace

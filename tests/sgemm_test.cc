@@ -1,4 +1,5 @@
-// Tests of fp32 gemm's kernels (sim/sgemm.h) through SimCompute, each kernel this core runs.
+// Tests of fp32 gemm's kernels (sim/sgemm.h) through SimCompute, each kernel this core runs, and of
+// their fp64 twins (dgemm) directly.
 //
 // Every result is checked against a double-precision product of the stored values, within
 // (K + 2)·2^-24 of the sum of the magnitudes it adds: shapes around the micro-kernels' and the
@@ -12,6 +13,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "sim/sim_compute.h"
@@ -133,6 +135,88 @@ TEST(Sgemm, PackedKernelsGiveTheSameBits) {
 TEST(Sgemm, BestKernelRunsHere) {
   EXPECT_TRUE(gemmKernelRuns(bestGemmKernel()));
   EXPECT_EQ(SimCompute().fp32Kernel(), bestGemmKernel());
+}
+
+// dgemm on `kernel`: c = alpha·a·b + beta·c for a case, every element against a long double
+// product within (K + 2)·2^-53 of the sum of the magnitudes it adds; returns c as stored.
+std::vector<double> checkDgemmCase(const Case& g, GemmKernel kernel, std::mt19937& rng) {
+  std::normal_distribution<double> normal;
+  auto random = [&](std::int64_t n) {
+    std::vector<double> v(static_cast<std::size_t>(n));
+    for (double& x : v) x = normal(rng);
+    return v;
+  };
+  // Element (i, j) of a (rows, cols) matrix stored as itself or as its transpose.
+  auto at = [](const std::vector<double>& v, std::int64_t rows, std::int64_t cols, bool transposed, std::int64_t i,
+               std::int64_t j) { return transposed ? v[std::size_t(j * rows + i)] : v[std::size_t(i * cols + j)]; };
+  auto strides = [](std::int64_t rows, std::int64_t cols, bool transposed) {
+    return transposed ? std::pair<std::int64_t, std::int64_t>{1, rows} : std::pair<std::int64_t, std::int64_t>{cols, 1};
+  };
+  const std::vector<double> a = random(g.m * g.k), b = random(g.k * g.n);
+  std::vector<double> c = random(g.m * g.n);
+  if (g.beta == 0.f)
+    for (double& v : c) v = std::numeric_limits<double>::quiet_NaN();  // must not leak
+  const std::vector<double> before = c;
+  const auto [ars, acs] = strides(g.m, g.k, g.aTransposed);
+  const auto [brs, bcs] = strides(g.k, g.n, g.bTransposed);
+  const auto [crs, ccs] = strides(g.m, g.n, g.cTransposed);
+  dgemm(kernel, g.m, g.n, g.k, g.alpha, {a.data(), ars, acs}, {b.data(), brs, bcs}, g.beta, c.data(), crs, ccs,
+        nullptr);
+  int wrong = 0;
+  for (std::int64_t i = 0; i < g.m && wrong < 5; ++i)
+    for (std::int64_t j = 0; j < g.n && wrong < 5; ++j) {
+      long double sum = 0, magnitude = 0;
+      for (std::int64_t p = 0; p < g.k; ++p) {
+        const long double product =
+            (long double)at(a, g.m, g.k, g.aTransposed, i, p) * at(b, g.k, g.n, g.bTransposed, p, j);
+        sum += product;
+        magnitude += std::fabs(product);
+      }
+      const long double old = g.beta == 0.f ? 0.0L : (long double)at(before, g.m, g.n, g.cTransposed, i, j);
+      const long double want = (long double)g.alpha * sum + (long double)g.beta * old;
+      const long double bound =
+          (g.k + 2) * 0x1p-53L * (std::fabs((long double)g.alpha) * magnitude + std::fabs((long double)g.beta * old));
+      const double got = at(c, g.m, g.n, g.cTransposed, i, j);
+      if (!(std::fabs(got - want) <= bound)) {
+        ++wrong;
+        ADD_FAILURE() << "dgemm " << describe(g, kernel) << ": c(" << i << ", " << j << ") = " << got << ", want "
+                      << double(want) << " within " << double(bound);
+      }
+    }
+  return c;
+}
+
+std::vector<GemmKernel> packedKernels() {
+  std::vector<GemmKernel> kernels;
+  for (GemmKernel kernel : runnableKernels())
+    if (kernel != GemmKernel::kEigen) kernels.push_back(kernel);
+  return kernels;
+}
+
+TEST(Dgemm, EveryKernelMatchesALongDoubleProductOnEveryLayout) {
+  struct Shape3 {
+    std::int64_t m, k, n;
+  };
+  std::mt19937 rng(8);
+  if (packedKernels().empty()) GTEST_SKIP() << "this core runs neither packed kernel (AVX-512 or AVX2 with FMA)";
+  for (GemmKernel kernel : packedKernels())
+    for (const Shape3& s : {Shape3{1, 1, 1}, Shape3{13, 1, 9}, Shape3{6, 8, 8}, Shape3{14, 256, 16},
+                            Shape3{15, 33, 17}, Shape3{29, 257, 65}, Shape3{253, 100, 37}, Shape3{37, 70, 257},
+                            Shape3{0, 5, 3}, Shape3{4, 0, 3}})
+      for (int layout = 0; layout < 8; ++layout)
+        for (float alpha : {1.f, -1.5f})
+          for (float beta : {0.f, 1.f, 0.5f})
+            checkDgemmCase({s.m, s.k, s.n, bool(layout & 1), bool(layout & 2), bool(layout & 4), alpha, beta}, kernel,
+                           rng);
+}
+
+TEST(Dgemm, PackedKernelsGiveTheSameBits) {
+  if (!gemmKernelRuns(GemmKernel::kAvx512) || !gemmKernelRuns(GemmKernel::kAvx2))
+    GTEST_SKIP() << "this core does not run both packed kernels";
+  const Case g{260, 520, 270, true, false, true, -1.5f, 0.5f};
+  std::mt19937 rng512(9), rng256(9);
+  EXPECT_EQ(checkDgemmCase(g, GemmKernel::kAvx512, rng512), checkDgemmCase(g, GemmKernel::kAvx2, rng256))
+      << describe(g, GemmKernel::kAvx512);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "tools/memory.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -34,30 +35,39 @@ std::optional<double> readNumber(const std::string& file) {
 //         + T(2X + Y) each rank's own copy of the full input and output gradient, and of x
 //         + (8 + 4(G - 1))W  shards, backend copies, gradients, main_grad, GTP_remat gathers
 //         + 2H        the MLP's per-rank intermediates (H, GeLU(H), dA, dH in fp32)
-//   verify: 4W + 8H   the reference's |W| copies and products, the MLP's (tokens, F) matrices;
-//                     freed run memory that malloc keeps is why it adds to the run, not maxes.
+//   verify: 4W + 8B   the reference's |W| copies and products, the MLP's (tokens, F) matrices,
+//                     which it holds for a block of F at a time: B = min(H, max(2^21, 256 tokens))
+//                     (tools/reference.h); freed run memory that malloc keeps is why it adds to
+//                     the run, not maxes.
 // Estimate / peak RSS measured with /usr/bin/time -v (Release, 2-core VM), 26 runs: 1.17-1.62.
 // column (s=256, b=4, K=N=1024) T=1 1.46, T=4 1.47 (--verify none 1.34), T=8 SP bias 1.50,
 // T=4 G=2 1.49, --disable-grad-reduce 1.46; (s=16, b=2, K=2048, N=4096) T=2 1.56 (none 1.17);
 // mxfp8 T=8 G=4 1.44; row T=4 1.24, SP 1.60; embedding (V=8192, h=512) T=1 1.36, T=4 1.21,
 // T=4 G=2 1.26; mlp (s=128, b=4, h=256, F=2048) T=4 1.31 (none 1.36), T=2 G=2 SP 1.41, --load
-// T=2 1.27; (s=64, b=4, h=128, F=4096) T=1 1.40, T=8 1.62.
+// T=2 1.27; (s=64, b=4, h=128, F=4096) T=1 1.40, T=8 1.62. Since the reference takes F in blocks
+// and the CLI keeps freed memory for reuse (tools/main.cc), 6 runs: 1.47-2.39: mlp (s=512, b=4,
+// h=1024, F=4096) T=4 SP 2.39 (none 1.92), (s=128, b=4, h=256, F=2048) T=4 1.57, (s=64, b=4,
+// h=128, F=4096) T=1 1.48, T=8 1.47, (s=256, b=8, h=512, F=8192) T=2 1.88; column (s=256, b=4,
+// K=N=1024) T=4 2.01.
 double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode verify) {
   const double T = c.tp, G = c.gtpRemat;
   const double x = numel(shapes, "input"), y = numel(shapes, "grad_output");
-  double w = 0, h = 0;
+  double w = 0, h = 0, hBlock = 0;
   for (const char* name : {"weight", "bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"})
     w += numel(shapes, name);
   if (c.layer == LayerKind::kMlp) {
     auto in = shapes.find("input");
     auto fc1 = shapes.find("fc1.weight");
     if (in != shapes.end() && fc1 != shapes.end() && !in->second.empty() && in->second.back() > 0 &&
-        !fc1->second.empty())
-      h = x / double(in->second.back()) * double(fc1->second[0]);
+        !fc1->second.empty()) {
+      const double tokens = x / double(in->second.back());
+      h = tokens * double(fc1->second[0]);
+      hBlock = std::min(h, std::max(double(ReferenceOptions().mlpBlockElements), 256 * tokens));
+    }
   }
   double doubles = 8 * (x + y) + T * (2 * x + y) + (8 + 4 * (G - 1)) * w + 2 * h;
   if (c.disableGradReduce) doubles += 3 * T * x;  // input.grad is (T, s, b, K): results and reference
-  if (verify != VerifyMode::kNone) doubles += 4 * w + 8 * h;
+  if (verify != VerifyMode::kNone) doubles += 4 * w + 8 * hBlock;
   const double base = 16.0 * (1 << 20) + 256.0 * 1024 * T * G;  // the program, threads, fiber stacks
   return base + 8 * doubles;
 }

@@ -7,18 +7,21 @@
 #include <functional>
 #include <limits>
 #include <thread>
+#include <type_traits>
 #include <utility>
 
 #include <sys/mman.h>
 
 #include "backends/errors.h"
 #include "sim/host_pool.h"
+#include "sim/sgemm.h"
 
 namespace tpsim::tools {
 namespace {
 
-// The products are Eigen's, tiled over the cores. Values are in double: their own rounding (about
-// K·2^-53 relative, whatever order Eigen sums in) stays far below the bounds' fp32 terms. The
+// The products are sim/sgemm.h's packed kernels, their blocks spread over the cores (Eigen's
+// product in tiles on cores without AVX2 and FMA). Values are in double: their own rounding (about
+// K·2^-53 relative, whatever order the kernel sums in) stays far below the bounds' fp32 terms. The
 // bounds' magnitudes (the same computation on |values|) are in float, rounded so that they only
 // ever err upwards (upperProduct).
 using Matrix = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -93,14 +96,43 @@ Mat asMat(const HostTensor& t) { return evaluate(viewOf(t)); }
 
 Mat absMat(MatrixView m) { return evaluate(m.cwiseAbs()); }
 
+// Element (row, col) of an Eigen map (or its transpose) onwards, as the packed kernels read it.
+template <class T, class Expr>
+sim::StridedMatrix<T> strided(const Expr& x, std::int64_t row, std::int64_t col) {
+  return {x.data() + row * x.rowStride() + col * x.colStride(), x.rowStride(), x.colStride()};
+}
+
+// lhs·rhs into out (M, N) at out[i·ld + j], or added to it: the packed kernel over the whole product,
+// its blocks on the cores; on cores without one, Eigen's product in tiles.
+template <class T, class Lhs, class Rhs>
+void productInto(const Lhs& lhs, const Rhs& rhs, T* out, std::int64_t ld, bool add = false) {
+  static const sim::GemmKernel kernel = sim::bestGemmKernel();
+  const std::int64_t rows = lhs.rows(), cols = rhs.cols(), depth = lhs.cols();
+  if (kernel != sim::GemmKernel::kEigen) {
+    sim::HostPool* pool = poolIf(2.0 * double(rows) * double(cols) * double(depth) >= 1e7);
+    if constexpr (std::is_same_v<T, float>)
+      sim::sgemm(kernel, rows, cols, depth, 1.f, strided<float>(lhs, 0, 0), strided<float>(rhs, 0, 0), add ? 1.f : 0.f,
+                 out, ld, 1, pool);
+    else
+      sim::dgemm(kernel, rows, cols, depth, 1.0, strided<double>(lhs, 0, 0), strided<double>(rhs, 0, 0),
+                 add ? 1.0 : 0.0, out, ld, 1, pool);
+    return;
+  }
+  using Out = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  Eigen::Map<Out, 0, Eigen::OuterStride<>> o(out, rows, cols, Eigen::OuterStride<>(ld));
+  forTiles(rows, cols, depth, [&](std::int64_t r, std::int64_t c, std::int64_t h, std::int64_t w) {
+    if (add)
+      o.block(r, c, h, w).noalias() += lhs.middleRows(r, h) * rhs.middleCols(c, w);
+    else
+      o.block(r, c, h, w).noalias() = lhs.middleRows(r, h) * rhs.middleCols(c, w);
+  });
+}
+
 // lhs·rhs. lhs: (M, K)  rhs: (K, N)  -> (M, N)
 template <class Lhs, class Rhs>
 Mat product(const Lhs& lhs, const Rhs& rhs) {
   Mat out{lhs.rows(), rhs.cols(), freshVector<double>(lhs.rows() * rhs.cols())};
-  Eigen::Map<Matrix> o(out.v.data(), out.rows, out.cols);
-  forTiles(out.rows, out.cols, lhs.cols(), [&](std::int64_t r, std::int64_t c, std::int64_t h, std::int64_t w) {
-    o.block(r, c, h, w).noalias() = lhs.middleRows(r, h) * rhs.middleCols(c, w);
-  });
+  productInto<double>(lhs, rhs, out.v.data(), out.cols);
   return out;
 }
 
@@ -146,9 +178,9 @@ float roundUp(double x) {
   return f;
 }
 
-// value(i) >= 0 for the flat index i of a (rows, cols) matrix, as an Upper.
+// value(i) >= 0 for the flat index i of a (rows, cols) matrix, as an Upper, in u's storage.
 template <class Value>
-Upper upper(std::int64_t rows, std::int64_t cols, Value value) {
+void upperInto(std::int64_t rows, std::int64_t cols, Value value, Upper& u) {
   const std::int64_t n = rows * cols;
   std::vector<double> largest(std::size_t((n + kChunk - 1) / kChunk), 0.0);
   forChunks(n, [&](std::int64_t begin, std::int64_t end) {
@@ -161,7 +193,11 @@ Upper upper(std::int64_t rows, std::int64_t cols, Value value) {
   });
   const double max = largest.empty() ? 0.0 : *std::max_element(largest.begin(), largest.end());
   // At least 2^-1000: its inverse, the scale, must be finite.
-  Upper u{rows, cols, max > 0 ? std::max(std::ilogb(max) + 1, -1000) : 0, freshVector<float>(n)};
+  u.rows = rows;
+  u.cols = cols;
+  u.exponent = max > 0 ? std::max(std::ilogb(max) + 1, -1000) : 0;
+  if (u.v.capacity() < std::size_t(n)) u.v = freshVector<float>(n);
+  u.v.resize(std::size_t(n));
   const double scale = std::ldexp(1.0, -u.exponent);  // exact: a power of two, and no product overflows
   forChunks(n, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t i = begin; i < end; ++i) {
@@ -170,6 +206,12 @@ Upper upper(std::int64_t rows, std::int64_t cols, Value value) {
       u.v[std::size_t(i)] = f == 0 && x > 0 ? std::numeric_limits<float>::denorm_min() : f;
     }
   });
+}
+
+template <class Value>
+Upper upper(std::int64_t rows, std::int64_t cols, Value value) {
+  Upper u;
+  upperInto(rows, cols, value, u);
   return u;
 }
 
@@ -179,18 +221,21 @@ Upper upperAbs(MatrixView m) {
 
 // An upper bound of lhs·rhs, in double, for nonnegative operands held as Upper (lhs.map() or its
 // transpose, ...): never below the exact product of the values they hold, nor below that product
-// computed in double. lhs: (M, K)  rhs: (K, N)  -> (M, N)
+// computed in double. lhs: (M, K)  rhs: (K, N)  -> out (M, N) row-major, or added to it (a sum of
+// such bounds, rounded to nearest in double, stays one: its few roundings fit the spare below).
 //
 // Why: in float, with u = 2^-24 and operands rounded up, each term of Σ_k a_k·b_k reaches the
-// computed sum ŝ through at most K roundings (its product or FMA, then at most K − 1 additions, in
-// whatever tree Eigen sums), each multiplying it by some 1 + δ >= 1 − u or adding a gradual
-// underflow error of at most 2^-150; the terms are nonnegative, so ŝ >= (1 − u)^K·s − 2K·2^-150·
+// computed sum ŝ through at most K roundings (Eigen: its product or FMA, then at most K − 1
+// additions, in whatever tree it sums; sgemm: one FMA chain of at most 256 per K block, then one
+// addition per later block, kc + blocks − 1 <= K), each multiplying it by some 1 + δ >= 1 − u or
+// adding a gradual underflow error of at most 2^-150; the terms are nonnegative, so ŝ >= (1 − u)^K·s − 2K·2^-150·
 // (1 + u)^K. With F = (1 − u)^-(K+2) >= (1 + u)^K: s <= F·ŝ + F²·(2K + 2)·2^-150 after dividing
 // by (1 − u)^2 as well. That spare (1 − u)^-2 >= 1 + 2^-23 covers the double product's own error
 // (1 + 2^-53)^K for K < 2^29 and the few roundings of this scaling back; (2K + 2)·2^-1074 covers
 // the double product's underflow.
 template <class Lhs, class Rhs>
-Mat upperProduct(const Lhs& lhs, int lhsExponent, const Rhs& rhs, int rhsExponent) {
+void upperProductInto(const Lhs& lhs, int lhsExponent, const Rhs& rhs, int rhsExponent, double* out, std::int64_t ld,
+                      bool add) {
   const std::int64_t rows = lhs.rows(), cols = rhs.cols(), depth = lhs.cols();
   const double f = std::pow(1 - 0x1p-24, -double(depth + 2));
   const int exponent = lhsExponent + rhsExponent;
@@ -199,20 +244,24 @@ Mat upperProduct(const Lhs& lhs, int lhsExponent, const Rhs& rhs, int rhsExponen
   // F·2^exponent is one factor unless it over- or underflows (then 0·Inf would make a NaN).
   const bool oneFactor = std::abs(exponent) < 900;
   const double factor = oneFactor ? std::ldexp(f, exponent) : 0.0;
-  Mat out{rows, cols, freshVector<double>(rows * cols)};
-  forTiles(rows, cols, depth, [&](std::int64_t r, std::int64_t c, std::int64_t h, std::int64_t w) {
-    thread_local FloatMatrix tile;
-    tile.resize(h, w);
-    tile.noalias() = lhs.middleRows(r, h) * rhs.middleCols(c, w);
-    for (std::int64_t i = 0; i < h; ++i) {
-      double* row = out.v.data() + (r + i) * cols + c;
-      const float* t = tile.data() + i * w;
-      if (oneFactor)
-        for (std::int64_t j = 0; j < w; ++j) row[j] = double(t[j]) * factor + floor;
-      else
-        for (std::int64_t j = 0; j < w; ++j) row[j] = std::ldexp(double(t[j]) * f, exponent) + floor;
+  // The float product in a buffer each thread keeps (its pages are touched once), then scaled.
+  thread_local std::vector<float> product;
+  if (product.size() < std::size_t(rows * cols)) product = freshVector<float>(rows * cols);
+  productInto<float>(lhs, rhs, product.data(), cols);
+  forChunks(rows * cols, [&, t = product.data()](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin, r = begin / cols, c = begin % cols; i < end; ++i) {
+      const double bound = oneFactor ? double(t[i]) * factor + floor : std::ldexp(double(t[i]) * f, exponent) + floor;
+      double& o = out[r * ld + c];
+      o = add ? o + bound : bound;
+      if (++c == cols) c = 0, ++r;
     }
   });
+}
+
+template <class Lhs, class Rhs>
+Mat upperProduct(const Lhs& lhs, int lhsExponent, const Rhs& rhs, int rhsExponent) {
+  Mat out{lhs.rows(), rhs.cols(), freshVector<double>(lhs.rows() * rhs.cols())};
+  upperProductInto(lhs, lhsExponent, rhs, rhsExponent, out.v.data(), out.cols, false);
   return out;
 }
 
@@ -463,56 +512,101 @@ static std::map<std::string, Checked> denseValues(const ReferenceOptions& o, con
       const Upper aW1d = &w1d == &w1f ? Upper{} : upperAbs(W1d), aW2d = &w2d == &w2f ? Upper{} : upperAbs(W2d);
       const Upper &w1Dgrad = &w1d == &w1f ? aW1 : aW1d, &w2Dgrad = &w2d == &w2f ? aW2 : aW2d;
 
-      // H = X·W1ᵀ + b1, its magnitude aH = |X|·|W1|ᵀ, then GeLU(H) and GeLU'(H).
-      const Mat H = linear(X, W1, &b1.values), aH = upperLinear(aX, aW1);
-      Mat A{tokens, f, freshVector<double>(tokens * f)}, dGelu{tokens, f, freshVector<double>(tokens * f)};
-      forChunks(std::int64_t(H.v.size()), [&](std::int64_t begin, std::int64_t end) {
-        for (std::int64_t i = begin; i < end; ++i) {
-          const double z = H.v[std::size_t(i)], cdf = normalCdf(z);
-          A.v[std::size_t(i)] = z * cdf;
-          dGelu.v[std::size_t(i)] = cdf + z * normalPdf(z);
-        }
-      });
-      // fc2 reads GeLU(H) rounded: an error of up to aErr·aH (|GeLU'| < 1.13) in each element.
+      // fc2 reads GeLU(H) rounded: an error of up to aErr·aH (|GeLU'| < 1.13) in each element. dH
+      // carries fc2's dgrad error, up to dhErr·adA (adA = |dY|·|W2d|), into fc1's backward.
       const double aErr = 1.13 * (double(h + 2) * unitRoundoff(DType::kFloat32) + 2 * unitRoundoff(c));
-      // The bounds' (tokens, F) left operands: |intermediate| · rel + its carried error.
-      auto operand = [&](double rel, const Mat& value, double carried, const Mat& magnitude) {
-        return upper(tokens, f, [&, v = value.v.data(), m = magnitude.v.data()](std::int64_t i) {
-          return rel * std::fabs(v[i]) + carried * m[i];
-        });
-      };
-
-      // fc2: y = A·W2ᵀ + b2; dA = dY·W2d; dW2 = dYᵀ·A; db2 = Σ dY.
+      const double dhErr = 1.13 * (double(h + 2) * unitRoundoff(DType::kFloat32) + 4 * unitRoundoff(c));
       const double relY = relativeBound(uAcc, f, stages + T, o.outputDtype);
       const double relW2 = relativeBound(uAcc, tokens, stages, c);
-      Mat y = linear(A, W2, &b2.values), boundY = upperLinear(operand(relY, A, aErr, aH), aW2);
-      addRows(boundY, evaluate(relY * viewOf(b2).cwiseAbs()).v);
-      Mat dA = matmul(dY, W2d);
-      const Mat adA = upperMatmul(adY, w2Dgrad);
-      Mat dW2 = transposeMatmul(dY, A), boundW2 = upperTransposeMatmul(adY, operand(relW2, A, aErr, aH));
-      out["fc2.bias.grad"] = checked(uAcc, b2.shape, c, Mat{1, h, columnSums(dY)}, Mat{1, h, absColumnSums(dY)}, tokens,
-                                     stages + T, c);
-
-      // GeLU's backward: dH = dA ⊙ GeLU'(H), in dA's place. dH carries fc2's dgrad error, up to
-      // dhErr·adA (adA = |dY|·|W2d|), into fc1's backward.
-      forChunks(std::int64_t(dA.v.size()), [&](std::int64_t begin, std::int64_t end) {
-        for (std::int64_t i = begin; i < end; ++i) dA.v[std::size_t(i)] *= dGelu.v[std::size_t(i)];
-      });
-      const Mat& dH = dA;
-      const double dhErr = 1.13 * (double(h + 2) * unitRoundoff(DType::kFloat32) + 4 * unitRoundoff(c));
-
-      // fc1: dX = dH·W1d; dW1 = dHᵀ·X; db1 = Σ dH.
       const double relX = relativeBound(uAcc, f, stages + T, c), relW1 = relativeBound(uAcc, tokens, stages, c);
       const double relB1 = relativeBound(uAcc, tokens, stages + T, c);
-      Mat dX = matmul(dH, W1d), boundX = upperMatmul(operand(relX, dH, dhErr, adA), w1Dgrad);
-      Mat dW1 = transposeMatmul(dH, X), boundW1 = upperTransposeMatmul(operand(relW1, dH, dhErr, adA), aX);
+
+      // Every element of the (tokens, F) intermediates depends on one row of W1 and one column of
+      // W2, so F goes through in blocks: the intermediates exist for one block at a time, in
+      // buffers that stay in use (fresh memory is dear: freshVector), each weight is read once, and
+      // the results that sum over F (y, dX) add the blocks' products, in block order. The blocks
+      // depend on the shapes alone.
+      const std::int64_t fBlock = std::clamp<std::int64_t>(
+          o.mlpBlockElements / std::max<std::int64_t>(tokens, 1) / 256 * 256, 256, std::max<std::int64_t>(f, 1));
+      auto zeros = [](std::int64_t rows, std::int64_t cols) {
+        return Mat{rows, cols, freshVector<double>(rows * cols)};
+      };
+      Mat y = zeros(tokens, h), boundY = zeros(tokens, h), dX = zeros(tokens, h), boundX = zeros(tokens, h);
+      Mat dW1 = zeros(f, h), boundW1 = zeros(f, h), dW2 = zeros(h, f), boundW2 = zeros(h, f);
+      std::vector<double> db1(std::size_t(f), 0.0), db1Bound(std::size_t(f), 0.0);
+      const std::int64_t bufferSize = tokens * std::min(f, fBlock);
+      std::vector<double> A = freshVector<double>(bufferSize), dGelu = freshVector<double>(bufferSize),
+                          dH = freshVector<double>(bufferSize), aH = freshVector<double>(bufferSize),
+                          adA = freshVector<double>(bufferSize);
+      Upper left;  // the bounds' (tokens, block) operands: |intermediate| · rel + its carried error
+      for (std::int64_t f0 = 0; f0 < f; f0 += fBlock) {
+        const std::int64_t fb = std::min(fBlock, f - f0), n = tokens * fb;
+        const bool later = f0 > 0;  // y and dX add to the earlier blocks'
+        auto operand = [&](double rel, const std::vector<double>& value, double carried,
+                           const std::vector<double>& magnitude) -> const Upper& {
+          upperInto(tokens, fb, [&, v = value.data(), m = magnitude.data()](std::int64_t i) {
+            return rel * std::fabs(v[i]) + carried * m[i];
+          }, left);
+          return left;
+        };
+        const Eigen::Map<const Matrix> Ab(A.data(), tokens, fb), dHb(dH.data(), tokens, fb);
+        const auto W1b = W1.middleRows(f0, fb), W1db = W1d.middleRows(f0, fb);
+        const auto W2b = W2.middleCols(f0, fb), W2db = W2d.middleCols(f0, fb);
+        const auto aW1b = aW1.map().middleRows(f0, fb), w1Dgradb = w1Dgrad.map().middleRows(f0, fb);
+        const auto aW2b = aW2.map().middleCols(f0, fb), w2Dgradb = w2Dgrad.map().middleCols(f0, fb);
+
+        // H = X·W1ᵀ + b1 (in A's place), its magnitude aH = |X|·|W1|ᵀ, then GeLU(H) and GeLU'(H).
+        productInto<double>(X, W1b.transpose(), A.data(), fb);
+        upperProductInto(aX.map(), aX.exponent, aW1b.transpose(), aW1.exponent, aH.data(), fb, false);
+        forChunks(n, [&](std::int64_t begin, std::int64_t end) {
+          for (std::int64_t i = begin, j = begin % fb; i < end; ++i, j = j + 1 == fb ? 0 : j + 1) {
+            const double z = A[std::size_t(i)] + b1.values[std::size_t(f0 + j)], cdf = normalCdf(z);
+            A[std::size_t(i)] = z * cdf;
+            dGelu[std::size_t(i)] = cdf + z * normalPdf(z);
+          }
+        });
+
+        // fc2: y = A·W2ᵀ + b2; dA = dY·W2d (in dH's place); dW2 = dYᵀ·A.
+        productInto<double>(Ab, W2b.transpose(), y.v.data(), h, later);
+        const Upper& yLeft = operand(relY, A, aErr, aH);
+        upperProductInto(yLeft.map(), yLeft.exponent, aW2b.transpose(), aW2.exponent, boundY.v.data(), h, later);
+        productInto<double>(dY, W2db, dH.data(), fb);
+        upperProductInto(adY.map(), adY.exponent, w2Dgradb, w2Dgrad.exponent, adA.data(), fb, false);
+        productInto<double>(dY.transpose(), Ab, dW2.v.data() + f0, f);
+        const Upper& w2Right = operand(relW2, A, aErr, aH);
+        upperProductInto(adY.map().transpose(), adY.exponent, w2Right.map(), w2Right.exponent, boundW2.v.data() + f0, f,
+                         false);
+
+        // GeLU's backward: dH = dA ⊙ GeLU'(H).
+        forChunks(n, [&](std::int64_t begin, std::int64_t end) {
+          for (std::int64_t i = begin; i < end; ++i) dH[std::size_t(i)] *= dGelu[std::size_t(i)];
+        });
+
+        // fc1: dX = dH·W1d; dW1 = dHᵀ·X; db1 = Σ dH.
+        productInto<double>(dHb, W1db, dX.v.data(), h, later);
+        const Upper& xLeft = operand(relX, dH, dhErr, adA);
+        upperProductInto(xLeft.map(), xLeft.exponent, w1Dgradb, w1Dgrad.exponent, boundX.v.data(), h, later);
+        productInto<double>(dHb.transpose(), X, dW1.v.data() + f0 * h, h);
+        const Upper& w1Left = operand(relW1, dH, dhErr, adA);
+        upperProductInto(w1Left.map().transpose(), w1Left.exponent, aX.map(), aX.exponent, boundW1.v.data() + f0 * h, h,
+                         false);
+        for (std::int64_t i = 0; i < tokens; ++i)
+          for (std::int64_t j = 0; j < fb; ++j) {
+            const std::size_t at = std::size_t(i * fb + j);
+            db1[std::size_t(f0 + j)] += dH[at];
+            db1Bound[std::size_t(f0 + j)] += relB1 * std::fabs(dH[at]) + dhErr * adA[at];
+          }
+      }
+      addRows(y, b2.values);
+      addRows(boundY, evaluate(relY * viewOf(b2).cwiseAbs()).v);
 
       out["output"] = {HostTensor{withLast(x.shape, W2.rows()), o.outputDtype, std::move(y.v)}, std::move(boundY.v)};
       out["input.grad"] = {HostTensor{x.shape, c, std::move(dX.v)}, std::move(boundX.v)};
       out["fc1.weight.grad"] = {HostTensor{w1f.shape, c, std::move(dW1.v)}, std::move(boundW1.v)};
-      Mat db1Bound = evaluate((relB1 * MatrixView(dH).cwiseAbs() + dhErr * MatrixView(adA)).colwise().sum());
-      out["fc1.bias.grad"] = {HostTensor{b1.shape, c, columnSums(dH)}, std::move(db1Bound.v)};
+      out["fc1.bias.grad"] = {HostTensor{b1.shape, c, std::move(db1)}, std::move(db1Bound)};
       out["fc2.weight.grad"] = {HostTensor{w2f.shape, c, std::move(dW2.v)}, std::move(boundW2.v)};
+      out["fc2.bias.grad"] = checked(uAcc, b2.shape, c, Mat{1, h, columnSums(dY)}, Mat{1, h, absColumnSums(dY)}, tokens,
+                                     stages + T, c);
       break;
     }
   }

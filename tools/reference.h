@@ -59,6 +59,9 @@ struct ReferenceOptions {
   // Column with disable_grad_reduce: input.grad is each TP rank's own partial dY_t·W_t (its output
   // rows, `stride` chunks), stacked (T, …, K), with no reduction among them.
   bool disableGradReduce = false;
+  // The MLP takes F in blocks of a multiple of 256 columns, about this many elements of each (tokens,
+  // F) intermediate; values change only by double rounding with it, bounds by their float rounding.
+  std::int64_t mlpBlockElements = std::int64_t(1) << 21;
 };
 
 std::map<std::string, Checked> denseReference(const ReferenceOptions& options, const TensorMap& inputs);
