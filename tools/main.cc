@@ -65,19 +65,27 @@ int fail(const std::string& command, const std::string& kind, std::string messag
   return code;
 }
 
+// Freed memory stays in the process for the next allocation. A command allocates tensors of tens of
+// MiB, frees them and allocates again, and a first touch of a fresh page costs 40-80x its reuse on
+// a virtual machine (1.2-3.7 s a GiB against 0.04): large blocks come from the heap, not from mmaps
+// of their own that free unmaps, and the heap is not trimmed. oneHeap: all threads share one heap,
+// for run and demo, whose reference (on the calling thread) then reuses what the ranks' threads
+// freed: its verification of docs/benchmarks.md's MLP takes 1.5 s instead of 2.4. The benchmarks
+// keep a heap per thread, as tiny steps of many ranks contend for one (0.23 ms per T = 8 step of
+// the 64 x 32 x 128 block becomes 0.39).
+void keepFreedMemory(bool oneHeap) {
+#if defined(__GLIBC__)
+  mallopt(M_MMAP_MAX, 0);
+  mallopt(M_TRIM_THRESHOLD, INT_MAX);
+  if (oneHeap) mallopt(M_ARENA_MAX, 1);
+#else
+  (void)oneHeap;
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-#if defined(__GLIBC__)
-  // Freed memory stays in the process for the next allocation. A command allocates tensors of tens
-  // of MiB, frees them and allocates again (the sharded run, then the reference), and a first touch
-  // of a fresh page costs 40-80x its reuse on a virtual machine (1.2-3.7 s a GiB against 0.04):
-  // large blocks come from the heap, not from mmaps of their own that free unmaps, the heap is not
-  // trimmed, and all threads share one heap (what the ranks' threads free, the reference reuses).
-  mallopt(M_MMAP_MAX, 0);
-  mallopt(M_TRIM_THRESHOLD, INT_MAX);
-  mallopt(M_ARENA_MAX, 1);
-#endif
   std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty() || args[0] == "-h" || args[0] == "--help" || args[0] == "help") {
     std::fputs(kUsage, args.empty() ? stderr : stdout);
@@ -91,6 +99,7 @@ int main(int argc, char** argv) {
   }
   const std::string command = args[0];
   args.erase(args.begin());
+  keepFreedMemory(command == "run" || command == "demo");
   try {
     if (command == "demo") return tpsim::tools::demoMain(args);
     if (command == "bench") return tpsim::tools::benchMain(args);
