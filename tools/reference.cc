@@ -526,8 +526,9 @@ static std::map<std::string, Checked> denseValues(const ReferenceOptions& o, con
       // buffers that stay in use (fresh memory is dear: freshVector), each weight is read once, and
       // the results that sum over F (y, dX) add the blocks' products, in block order. The blocks
       // depend on the shapes alone.
-      const std::int64_t fBlock = std::clamp<std::int64_t>(
-          o.mlpBlockElements / std::max<std::int64_t>(tokens, 1) / 256 * 256, 256, std::max<std::int64_t>(f, 1));
+      const std::int64_t fBlock = std::min<std::int64_t>(
+          std::max<std::int64_t>(f, 1),
+          std::max<std::int64_t>(256, o.mlpBlockElements / std::max<std::int64_t>(tokens, 1) / 256 * 256));
       auto zeros = [](std::int64_t rows, std::int64_t cols) {
         return Mat{rows, cols, freshVector<double>(rows * cols)};
       };
