@@ -1,4 +1,4 @@
-// The dense reference's magnitudes: computed in float, they must never fall below the same
+// The dense reference's magnitudes: computed in float or bf16, they must never fall below the same
 // products computed in double (the bound they replace), whatever the magnitudes, and stay close.
 // The MLP's reference, which takes F in blocks, against loops over the whole.
 #include "tools/reference.h"
@@ -30,39 +30,53 @@ struct Range {
   double lo, hi;
 };
 
+// The arithmetic this core runs for the magnitudes: float, and bf16 where the core has it.
+std::vector<MagnitudeGemm> magnitudeGemms() {
+  std::vector<MagnitudeGemm> gemms = {MagnitudeGemm::kFloat};
+  if (bestMagnitudeGemm() == MagnitudeGemm::kBf16) gemms.push_back(MagnitudeGemm::kBf16);
+  return gemms;
+}
+
 TEST(Reference, MagnitudeProductIsAnUpperBoundOfTheDoubleProduct) {
   std::mt19937_64 rng(7);
   // Normal, tiny (below float's range), huge (beyond it), and spread over 70 decades in one matrix.
   const std::vector<Range> ranges = {{-1, 1}, {-45, -38}, {-200, -150}, {30, 40}, {140, 150}, {-40, 30}};
-  for (const Range& ra : ranges)
-    for (const Range& rb : ranges)
-      for (std::int64_t k : {1, 7, 300, 5000}) {
-        const std::int64_t m = 9, n = 600;  // n spans two column tiles
-        const std::vector<double> a = magnitudes(m * k, ra.lo, ra.hi, rng), b = magnitudes(k * n, rb.lo, rb.hi, rng);
-        const Matrix exact = Eigen::Map<const Matrix>(a.data(), m, k) * Eigen::Map<const Matrix>(b.data(), k, n);
-        const std::vector<double> got = magnitudeProduct(a, b, m, k, n);
-        const double slack = 1 + (2.2 * double(k) + 10) * 0x1p-24;  // rounded-up operands, F, the float sums
-        // Above it by gradual underflow at most: float's subnormals, scaled by the largest a and b.
-        const double aMax = *std::max_element(a.begin(), a.end()), bMax = *std::max_element(b.begin(), b.end());
-        const double underflow = 16 * double(k + 2) * 0x1p-149 * aMax * bMax + 0x1p-1000;
-        for (std::int64_t i = 0; i < m * n; ++i) {
-          const double want = exact.data()[i], upper = got[std::size_t(i)];
-          ASSERT_GE(upper, want) << "a 10^[" << ra.lo << ", " << ra.hi << "] b 10^[" << rb.lo << ", " << rb.hi
-                                 << "] K=" << k << ": element " << i;
-          ASSERT_LE(upper, want * slack + underflow)
-              << "K=" << k << ": element " << i;
+  for (MagnitudeGemm gemm : magnitudeGemms()) {
+    const bool bf16 = gemm == MagnitudeGemm::kBf16;
+    for (const Range& ra : ranges)
+      for (const Range& rb : ranges)
+        for (std::int64_t k : {1, 7, 300, 5000}) {
+          const std::int64_t m = 9, n = 600;  // n spans two column tiles
+          const std::vector<double> a = magnitudes(m * k, ra.lo, ra.hi, rng), b = magnitudes(k * n, rb.lo, rb.hi, rng);
+          const Matrix exact = Eigen::Map<const Matrix>(a.data(), m, k) * Eigen::Map<const Matrix>(b.data(), k, n);
+          const std::vector<double> got = magnitudeProduct(a, b, m, k, n, gemm);
+          // Rounded-up operands (by up to 2^-7 each in bf16), F, the float sums.
+          const double slack = (bf16 ? (1 + 0x1p-7) * (1 + 0x1p-7) : 1.0) * (1 + (2.2 * double(k) + 10) * 0x1p-24);
+          // Above it by underflow at most: float's subnormals (bf16: values and sums below 2^-126),
+          // scaled by the largest a and b.
+          const double aMax = *std::max_element(a.begin(), a.end()), bMax = *std::max_element(b.begin(), b.end());
+          const double underflow = 16 * double(k + 2) * (bf16 ? 0x1p-125 : 0x1p-149) * aMax * bMax + 0x1p-1000;
+          for (std::int64_t i = 0; i < m * n; ++i) {
+            const double want = exact.data()[i], upper = got[std::size_t(i)];
+            ASSERT_GE(upper, want) << (bf16 ? "bf16" : "float") << " a 10^[" << ra.lo << ", " << ra.hi << "] b 10^["
+                                   << rb.lo << ", " << rb.hi << "] K=" << k << ": element " << i;
+            ASSERT_LE(upper, want * slack + underflow)
+                << (bf16 ? "bf16" : "float") << " K=" << k << ": element " << i;
+          }
         }
-      }
+  }
 }
 
 TEST(Reference, MagnitudeProductKeepsInfinityAndNan) {
   const double inf = std::numeric_limits<double>::infinity();
   const std::vector<double> a = {inf, 1, 0, 2}, b = {1, 0, 3, 4};  // (2, 2) · (2, 2)
-  const std::vector<double> got = magnitudeProduct(a, b, 2, 2, 2);
-  EXPECT_EQ(got[0], inf);
-  EXPECT_TRUE(std::isnan(got[1]));  // ∞·0, as in double
-  EXPECT_GE(got[2], 6.0);
-  EXPECT_GE(got[3], 8.0);
+  for (MagnitudeGemm gemm : magnitudeGemms()) {
+    const std::vector<double> got = magnitudeProduct(a, b, 2, 2, 2, gemm);
+    EXPECT_EQ(got[0], inf);
+    EXPECT_TRUE(std::isnan(got[1]));  // ∞·0, as in double
+    EXPECT_GE(got[2], 6.0);
+    EXPECT_GE(got[3], 8.0);
+  }
 }
 
 // An MLP small enough for loops: 6 tokens, h = 5, F = 700. In blocks of 256 columns of F (256, 256,

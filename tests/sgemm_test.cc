@@ -1,5 +1,6 @@
-// Tests of fp32 gemm's kernels (sim/sgemm.h) through SimCompute, each kernel this core runs, and of
-// their fp64 twins (dgemm) directly.
+// Tests of fp32 gemm's kernels (sim/sgemm.h) through SimCompute, each kernel this core runs, of
+// their fp64 twins (dgemm) directly, and of the bounds' bf16 product (upperGemmBf16) against a
+// scalar model of its arithmetic, bit for bit.
 //
 // Every result is checked against a double-precision product of the stored values, within
 // (K + 2)·2^-24 of the sum of the magnitudes it adds: shapes around the micro-kernels' and the
@@ -8,8 +9,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -217,6 +220,108 @@ TEST(Dgemm, PackedKernelsGiveTheSameBits) {
   std::mt19937 rng512(9), rng256(9);
   EXPECT_EQ(checkDgemmCase(g, GemmKernel::kAvx512, rng512), checkDgemmCase(g, GemmKernel::kAvx2, rng256))
       << describe(g, GemmKernel::kAvx512);
+}
+
+// x rounded up to 8 significant bits, a positive value below 2^-126 up to 2^-126: upperGemmBf16's
+// operands, by way of frexp rather than bit patterns.
+float bf16Up(float x) {
+  if (x == 0) return 0;
+  int e;
+  const double m = std::frexp(double(x), &e);  // x = m·2^e, m in [1/2, 1)
+  return std::max(float(std::ldexp(std::ceil(std::ldexp(m, 8)), e - 8)), 0x1p-126f);
+}
+
+// upperGemmBf16's sums as sim/sgemm.h states them: per K block of 256, pairs of K steps odd first,
+// each one fmaf with a result below 2^-126 flushed to 0; then the blocks added in order.
+float upperModel(const std::vector<float>& a, const std::vector<float>& b, std::int64_t k) {
+  float c = 0;
+  for (std::int64_t pc = 0; pc < k; pc += 256) {
+    const std::int64_t kc = std::min<std::int64_t>(256, k - pc);
+    float acc = 0;
+    auto step = [&](std::int64_t p) {
+      acc = std::fma(bf16Up(a[std::size_t(pc + p)]), bf16Up(b[std::size_t(pc + p)]), acc);
+      if (acc < 0x1p-126f) acc = 0;
+    };
+    for (std::int64_t p = 0; p < kc; p += 2) {
+      if (p + 1 < kc) step(p + 1);
+      step(p);
+    }
+    c = pc == 0 ? acc : c + acc;
+  }
+  return c;
+}
+
+// Nonnegative values that exercise the rounding: |normal|, values bf16 holds exactly, values that
+// round up across a power of two, values below 2^-126 (bumped) and far below (products flushed),
+// zeros.
+float upperOperand(std::mt19937& rng) {
+  std::normal_distribution<float> normal;
+  std::uniform_int_distribution<int> kind(0, 9);
+  switch (kind(rng)) {
+    case 0: return 0.f;
+    case 1: return bf16Up(std::fabs(normal(rng)));
+    case 2: return std::nextafter(2.f, 0.f);
+    case 3: return std::fabs(normal(rng)) * 0x1p-128f;
+    case 4: return std::fabs(normal(rng)) * 0x1p-70f;
+    default: return std::fabs(normal(rng));
+  }
+}
+
+TEST(UpperGemmBf16, MatchesItsArithmeticBitForBit) {
+  if (!upperGemmBf16Runs()) GTEST_SKIP() << "this core lacks AVX512-BF16";
+  struct Shape3 {
+    std::int64_t m, k, n;
+  };
+  std::mt19937 rng(10);
+  HostPool pool(1);
+  // Sizes below, at and past the kernel's 14 x 32 tile, the blocks (252 rows, 256 columns, 256 of
+  // K), odd K (a last step of one value), and empty products.
+  for (const Shape3& s : {Shape3{1, 1, 1}, Shape3{13, 1, 9}, Shape3{14, 2, 32}, Shape3{15, 3, 33},
+                          Shape3{29, 257, 65}, Shape3{253, 513, 37}, Shape3{37, 70, 257}, Shape3{0, 5, 3},
+                          Shape3{4, 0, 3}})
+    // a: row-major, column-major, or every other value of a wider matrix (neither stride 1); b:
+    // row-major or column-major.
+    for (int aLayout = 0; aLayout < 3; ++aLayout)
+      for (bool bTransposed : {false, true}) {
+        std::vector<float> a(std::size_t(2 * s.m * s.k)), b(std::size_t(s.k * s.n));
+        for (float& x : a) x = upperOperand(rng);
+        for (float& x : b) x = upperOperand(rng);
+        const FloatMatrix av = aLayout == 0   ? FloatMatrix{a.data(), s.k, 1}
+                               : aLayout == 1 ? FloatMatrix{a.data(), 1, s.m}
+                                              : FloatMatrix{a.data(), 2 * s.k, 2};
+        const FloatMatrix bv = bTransposed ? FloatMatrix{b.data(), 1, s.k} : FloatMatrix{b.data(), s.n, 1};
+        std::vector<float> c(std::size_t(s.m * s.n), std::numeric_limits<float>::quiet_NaN());
+        upperGemmBf16(s.m, s.n, s.k, av, bv, c.data(), s.n, s.m * s.n > 4096 ? &pool : nullptr);
+        int wrong = 0;
+        for (std::int64_t i = 0; i < s.m && wrong < 5; ++i)
+          for (std::int64_t j = 0; j < s.n && wrong < 5; ++j) {
+            std::vector<float> row(std::size_t(s.k)), column(std::size_t(s.k));
+            for (std::int64_t p = 0; p < s.k; ++p) {
+              row[std::size_t(p)] = av.data[i * av.rowStride + p * av.colStride];
+              column[std::size_t(p)] = bv.data[p * bv.rowStride + j * bv.colStride];
+            }
+            const float want = upperModel(row, column, s.k), got = c[std::size_t(i * s.n + j)];
+            if (std::memcmp(&want, &got, sizeof want) != 0) {
+              ++wrong;
+              ADD_FAILURE() << "m=" << s.m << " k=" << s.k << " n=" << s.n << " a layout " << aLayout
+                            << (bTransposed ? " b^T" : "") << ": c(" << i << ", " << j << ") = " << got << ", want "
+                            << want;
+            }
+          }
+      }
+}
+
+// Rounding up to bf16 keeps NaN and Inf, takes FLT_MAX to Inf, and a product with NaN stays NaN.
+TEST(UpperGemmBf16, KeepsInfinityAndNan) {
+  if (!upperGemmBf16Runs()) GTEST_SKIP() << "this core lacks AVX512-BF16";
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> a = {inf, std::numeric_limits<float>::max(), nan, 1.f}, b = {1.f, 1.f};  // (4, 1)·(1, 2)
+  std::vector<float> c(8);
+  upperGemmBf16(4, 2, 1, {a.data(), 1, 1}, {b.data(), 2, 1}, c.data(), 2, nullptr);
+  EXPECT_EQ(c[0], inf);
+  EXPECT_EQ(c[2], inf);
+  EXPECT_TRUE(std::isnan(c[4]));
+  EXPECT_EQ(c[6], 1.f);
 }
 
 }  // namespace

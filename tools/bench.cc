@@ -17,6 +17,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <mutex>
 #include <sstream>
@@ -30,6 +31,7 @@
 #include "backends/compute.h"
 #include "core/layers.h"
 #include "sim/fiber.h"
+#include "sim/sgemm.h"
 #include "sim/sim_compute.h"
 #include "sim/world.h"
 #include "tools/backend.h"
@@ -310,6 +312,43 @@ FmaPeak fmaPeak() {
   return peak;
 }
 
+// The verifier's two products (tools/reference.cc) on fc1's forward shape: its values in fp64
+// (dgemm; an fp64 FMA does half the fp32 lanes) and its bounds' magnitudes in bf16 pairs
+// (upperGemmBf16; one bf16 dot-product instruction does twice an FMA's work).
+void benchVerifierGemms(const BenchConfig& c, const FmaPeak& peak) {
+  const sim::GemmKernel kernel = sim::bestGemmKernel();
+  if (kernel == sim::GemmKernel::kEigen) return;
+  const std::int64_t m = 2048, k = 1024, n = 4096;
+  const std::vector<double> a(std::size_t(m * k), 0.5), b(std::size_t(n * k), 0.25);
+  const std::vector<float> af(a.begin(), a.end()), bf(b.begin(), b.end());
+  std::vector<double> cd(std::size_t(m * n));
+  std::vector<float> cf(std::size_t(m * n));
+  auto best = [&](const std::function<void()>& product) {
+    double seconds = 1e30;
+    for (int rep = 0; rep < c.gemmReps + 1; ++rep) {
+      const auto start = Clock::now();
+      product();
+      if (rep > 0) seconds = std::min(seconds, secondsSince(start));  // the first warms up
+    }
+    return 2.0 * double(m * k * n) / seconds / 1e9;
+  };
+  std::printf("# the verifier's products, one thread, %lld x %lld x %lld a*b^T, against the fp32 peak:\n",
+              (long long)m, (long long)k, (long long)n);
+  const double fp64 = best([&] {
+    sim::dgemm(kernel, m, n, k, 1.0, {a.data(), k, 1}, {b.data(), 1, k}, 0.0, cd.data(), n, 1, nullptr);
+  });
+  auto ofPeak = [&](double rate) { return peak.gflops > 0 ? 100 * rate / peak.gflops : 0.0; };
+  std::printf("#   values  dgemm (fp64)          %8.1f GF/s %7.1f%%\n", fp64, ofPeak(fp64));
+  if (!sim::upperGemmBf16Runs()) {
+    std::printf("#   bounds  upperGemmBf16: not run (this core lacks AVX512-BF16; the bounds use sgemm)\n");
+    return;
+  }
+  const double bf16 = best([&] {
+    sim::upperGemmBf16(m, n, k, {af.data(), k, 1}, {bf.data(), 1, k}, cf.data(), n, nullptr);
+  });
+  std::printf("#   bounds  upperGemmBf16 (bf16)  %8.1f GF/s %7.1f%%\n", bf16, ofPeak(bf16));
+}
+
 void benchGemm(const BenchConfig& c) {
   using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   const FmaPeak peak = fmaPeak();
@@ -365,6 +404,7 @@ void benchGemm(const BenchConfig& c) {
                 simRate, eigenRate, bestSim / bestEigen, ofPeak(simRate),
                 ofPeak(eigenRate));
   }
+  benchVerifierGemms(c, peak);
 }
 
 

@@ -224,30 +224,37 @@ Upper upperAbs(MatrixView m) {
 // computed in double. lhs: (M, K)  rhs: (K, N)  -> out (M, N) row-major, or added to it (a sum of
 // such bounds, rounded to nearest in double, stays one: its few roundings fit the spare below).
 //
-// Why: in float, with u = 2^-24 and operands rounded up, each term of Σ_k a_k·b_k reaches the
-// computed sum ŝ through at most K roundings (Eigen: its product or FMA, then at most K − 1
-// additions, in whatever tree it sums; sgemm: one FMA chain of at most 256 per K block, then one
-// addition per later block, kc + blocks − 1 <= K), each multiplying it by some 1 + δ >= 1 − u or
-// adding a gradual underflow error of at most 2^-150; the terms are nonnegative, so ŝ >= (1 − u)^K·s − 2K·2^-150·
-// (1 + u)^K. With F = (1 − u)^-(K+2) >= (1 + u)^K: s <= F·ŝ + F²·(2K + 2)·2^-150 after dividing
-// by (1 − u)^2 as well. That spare (1 − u)^-2 >= 1 + 2^-23 covers the double product's own error
-// (1 + 2^-53)^K for K < 2^29 and the few roundings of this scaling back; (2K + 2)·2^-1074 covers
-// the double product's underflow.
+// Why: in float, with u = 2^-24 and operands rounded up (to float, or further to bf16 by
+// upperGemmBf16), each term of Σ_k a_k·b_k reaches the computed sum ŝ through at most K roundings
+// (Eigen: its product or FMA, then at most K − 1 additions, in whatever tree it sums; the packed
+// kernels: one FMA chain of at most 256 per K block, then one addition per later block, kc +
+// blocks − 1 <= K), each multiplying it by some 1 + δ >= 1 − u or adding an underflow error of at
+// most 2^-e (gradual underflow: e = 150; bf16's flush to zero below 2^-126, and its smallest input
+// 2^-126: e = 126); the terms are nonnegative, so ŝ >= (1 − u)^K·s − 2K·2^-e·(1 + u)^K. With F =
+// (1 − u)^-(K+2) >= (1 + u)^K: s <= F·ŝ + F²·(2K + 2)·2^-e after dividing by (1 − u)^2 as well.
+// That spare (1 − u)^-2 >= 1 + 2^-23 covers the double product's own error (1 + 2^-53)^K for K <
+// 2^29 and the few roundings of this scaling back; (2K + 2)·2^-1074 covers the double product's
+// underflow.
 template <class Lhs, class Rhs>
 void upperProductInto(const Lhs& lhs, int lhsExponent, const Rhs& rhs, int rhsExponent, double* out, std::int64_t ld,
-                      bool add) {
+                      bool add, MagnitudeGemm gemm = bestMagnitudeGemm()) {
+  const bool bf16 = gemm == MagnitudeGemm::kBf16;
   const std::int64_t rows = lhs.rows(), cols = rhs.cols(), depth = lhs.cols();
   const double f = std::pow(1 - 0x1p-24, -double(depth + 2));
   const int exponent = lhsExponent + rhsExponent;
-  const double floor =
-      std::ldexp(f * f * double(2 * depth + 2), exponent - 150) + std::ldexp(double(2 * depth + 2), -1074);
+  const double floor = std::ldexp(f * f * double(2 * depth + 2), exponent - (bf16 ? 126 : 150)) +
+                       std::ldexp(double(2 * depth + 2), -1074);
   // F·2^exponent is one factor unless it over- or underflows (then 0·Inf would make a NaN).
   const bool oneFactor = std::abs(exponent) < 900;
   const double factor = oneFactor ? std::ldexp(f, exponent) : 0.0;
   // The float product in a buffer each thread keeps (its pages are touched once), then scaled.
   thread_local std::vector<float> product;
   if (product.size() < std::size_t(rows * cols)) product = freshVector<float>(rows * cols);
-  productInto<float>(lhs, rhs, product.data(), cols);
+  if (bf16)
+    sim::upperGemmBf16(rows, cols, depth, strided<float>(lhs, 0, 0), strided<float>(rhs, 0, 0), product.data(), cols,
+                       poolIf(2.0 * double(rows) * double(cols) * double(depth) >= 1e7));
+  else
+    productInto<float>(lhs, rhs, product.data(), cols);
   forChunks(rows * cols, [&, t = product.data()](std::int64_t begin, std::int64_t end) {
     for (std::int64_t i = begin, r = begin / cols, c = begin % cols; i < end; ++i) {
       const double bound = oneFactor ? double(t[i]) * factor + floor : std::ldexp(double(t[i]) * f, exponent) + floor;
@@ -259,9 +266,10 @@ void upperProductInto(const Lhs& lhs, int lhsExponent, const Rhs& rhs, int rhsEx
 }
 
 template <class Lhs, class Rhs>
-Mat upperProduct(const Lhs& lhs, int lhsExponent, const Rhs& rhs, int rhsExponent) {
+Mat upperProduct(const Lhs& lhs, int lhsExponent, const Rhs& rhs, int rhsExponent,
+                 MagnitudeGemm gemm = bestMagnitudeGemm()) {
   Mat out{lhs.rows(), rhs.cols(), freshVector<double>(lhs.rows() * rhs.cols())};
-  upperProductInto(lhs, lhsExponent, rhs, rhsExponent, out.v.data(), out.cols, false);
+  upperProductInto(lhs, lhsExponent, rhs, rhsExponent, out.v.data(), out.cols, false, gemm);
   return out;
 }
 
@@ -269,7 +277,9 @@ Mat upperProduct(const Lhs& lhs, int lhsExponent, const Rhs& rhs, int rhsExponen
 Mat upperLinear(const Upper& a, const Upper& b) {
   return upperProduct(a.map(), a.exponent, b.map().transpose(), b.exponent);
 }
-Mat upperMatmul(const Upper& a, const Upper& b) { return upperProduct(a.map(), a.exponent, b.map(), b.exponent); }
+Mat upperMatmul(const Upper& a, const Upper& b, MagnitudeGemm gemm = bestMagnitudeGemm()) {
+  return upperProduct(a.map(), a.exponent, b.map(), b.exponent, gemm);
+}
 Mat upperTransposeMatmul(const Upper& a, const Upper& b) {
   return upperProduct(a.map().transpose(), a.exponent, b.map(), b.exponent);
 }
@@ -614,11 +624,18 @@ static std::map<std::string, Checked> denseValues(const ReferenceOptions& o, con
   return out;
 }
 
+MagnitudeGemm bestMagnitudeGemm() {
+  static const MagnitudeGemm best = sim::upperGemmBf16Runs() ? MagnitudeGemm::kBf16 : MagnitudeGemm::kFloat;
+  return best;
+}
+
 std::vector<double> magnitudeProduct(const std::vector<double>& a, const std::vector<double>& b, std::int64_t m,
-                                     std::int64_t k, std::int64_t n) {
+                                     std::int64_t k, std::int64_t n, MagnitudeGemm gemm) {
+  TPSIM_CHECK(gemm == MagnitudeGemm::kFloat || sim::upperGemmBf16Runs(),
+              "magnitudeProduct: bf16 needs AVX512-BF16, which this core lacks");
   TPSIM_CHECK(std::int64_t(a.size()) == m * k && std::int64_t(b.size()) == k * n, "magnitudeProduct: a must hold ", m,
               "·", k, " values and b ", k, "·", n, ", got ", a.size(), " and ", b.size());
-  return upperMatmul(upperAbs(MatrixView(a.data(), m, k)), upperAbs(MatrixView(b.data(), k, n))).v;
+  return upperMatmul(upperAbs(MatrixView(a.data(), m, k)), upperAbs(MatrixView(b.data(), k, n)), gemm).v;
 }
 
 HostTensor mxfp8Weight(const HostTensor& w, int axis, int splitDim, int tp, int stride, DType dtype) {

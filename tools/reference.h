@@ -3,8 +3,8 @@
 // One dense forward and backward per layer kind, on the same (already dtype-rounded) inputs the
 // sharded run received, plus an error bound per element: |sharded - dense| <= bound. The bound
 // is first-order: (reduction length · u_acc + rounding stages · u_dtype) · magnitude, where the
-// magnitude is the same computation on absolute values (|X|·|W|ᵀ + |b|, ...; its products in float,
-// rounded so that they only err upwards: magnitudeProduct), plus an allowance for
+// magnitude is the same computation on absolute values (|X|·|W|ᵀ + |b|, ...; its products in float
+// or bf16, rounded so that they only err upwards: magnitudeProduct), plus an allowance for
 // gradual underflow ((T + 3)·δ·(1 + 1.13·S), δ half the smallest subnormal, S the largest ℓ1 norm
 // of an input; it matters for fp16 only). It is a tool's tolerance, derived from the data, not a
 // proof.
@@ -73,11 +73,17 @@ std::map<std::string, Checked> denseReference(const ReferenceOptions& options, c
 // same values (core/mxfp8.h). The scale rule is compute.h's quantizeMxfp8.
 HostTensor mxfp8Weight(const HostTensor& w, int axis, int splitDim, int tp, int stride, DType dtype);
 
+// The arithmetic of the bounds' magnitude products: float, or (where the core has AVX512-BF16,
+// about twice as fast) bf16 operands rounded up, summed in float (sim::upperGemmBf16).
+enum class MagnitudeGemm { kFloat, kBf16 };
+MagnitudeGemm bestMagnitudeGemm();
+
 // Σ_k a_ik·b_kj for nonnegative a: (M, K) and b: (K, N), row-major, as the bounds compute their
-// magnitudes (the same computation on |values|): in float on every core, never below the exact
-// product nor below the product computed in double, at most about (2K + 6)·2^-24 relative above.
+// magnitudes (the same computation on |values|): never below the exact product nor below the
+// product computed in double, at most about (2K + 6)·2^-24 relative above in float, and (1 +
+// 2^-7)^2 times that in bf16 (each operand rounded up to 8 significant bits).
 std::vector<double> magnitudeProduct(const std::vector<double>& a, const std::vector<double>& b, std::int64_t m,
-                                     std::int64_t k, std::int64_t n);
+                                     std::int64_t k, std::int64_t n, MagnitudeGemm gemm = bestMagnitudeGemm());
 
 // Exact (erf) GeLU and its derivative, in double.
 double gelu(double x);
