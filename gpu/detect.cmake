@@ -12,7 +12,13 @@ elseif(TPSIM_SANITIZE)
   # The sanitizer builds check the host code (fibers, world), which does not need the GPU.
   set(_gpu_reason "TPSIM_SANITIZE=${TPSIM_SANITIZE}: sanitizer builds leave out CUDA code")
 else()
+  # CMake 3.25's FindCUDAToolkit marks CUDA::nvToolsExt deprecated without checking that it exists
+  # when the project requires CMake 3.25 or later: a hard error with CUDA 13, which has no
+  # nvToolsExt. The variable decides nothing else there, so the search sees an older minimum.
+  set(_gpu_cmake_minimum "${CMAKE_MINIMUM_REQUIRED_VERSION}")
+  set(CMAKE_MINIMUM_REQUIRED_VERSION 3.24)
   find_package(CUDAToolkit QUIET)
+  set(CMAKE_MINIMUM_REQUIRED_VERSION "${_gpu_cmake_minimum}")
   if(NOT CUDAToolkit_FOUND)
     set(_gpu_reason "CUDA toolkit not found (set CUDAToolkit_ROOT)")
   else()
