@@ -63,8 +63,11 @@ check layout-partial 0 "fc2.output.partial (8, 2, 16) output: TP: partial sums, 
 if grep -qF $'\033[' <<<"$("$tpsim" layout --layer row --tp 2)"; then
   echo "FAIL layout-plain: ANSI colour written to a pipe"; failures=$((failures + 1))
 fi
-# On a terminal (script(1) gives it one) the grid is coloured, unless NO_COLOR is set.
-if command -v script >/dev/null; then
+# On a terminal (script(1) gives it one, where the system has pseudo-terminals) the grid is
+# coloured, unless NO_COLOR is set.
+if ! command -v script >/dev/null || ! script -qc true /dev/null >/dev/null 2>&1; then
+  echo "skip layout-colour, layout-no-colour: script(1) cannot open a pseudo-terminal here"
+else
   if ! grep -qF $'\033[30;48;5;' <<<"$(script -qc "'$tpsim' layout --layer row --tp 2" /dev/null)"; then
     echo "FAIL layout-colour: no ANSI colour on a terminal"; failures=$((failures + 1))
   fi

@@ -6,7 +6,7 @@
 //          with DeviceFabric: T ranks share one GPU, sequence parallel for T > 1. Baseline: the
 //          unsharded layer's cuBLASLt GEMMs alone (same shapes, dtypes and FLOPs) on one
 //          GpuCompute stream. Then, where PyTorch sees the GPU, the same unsharded layers in
-//          torch.nn.functional.linear with autograd, in a python3 child process.
+//          torch.nn.functional.linear with autograd, in a child process of python3 (or $PYTHON).
 //  fabric  DeviceFabric allGather and reduceScatter, bf16 and fp32, on 2, 4, 8 ranks sharing the
 //          GPU: nccl-tests' table, against a device-to-device cudaMemcpyAsync that reads and
 //          writes as many bytes as the collective's kernel does.
@@ -25,6 +25,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -340,8 +341,11 @@ struct TorchRun {
 
 TorchRun runTorch(const GpuBenchConfig& c, int device) {
   TPSIM_INTERNAL_ASSERT(std::strchr(kTorchScript, '\'') == nullptr, "the PyTorch script must not contain '");
-  // SIGTERM at the limit, SIGKILL 5 s later should it be ignored.
-  const std::string command = detail::concat("timeout -k 5 ", kTorchTimeoutSeconds, " python3 -c '", kTorchScript, "' ",
+  // SIGTERM at the limit, SIGKILL 5 s later should it be ignored. $PYTHON, when set, names the
+  // interpreter that has PyTorch (the shell expands it).
+  const char* python = std::getenv("PYTHON");
+  const std::string shown = python && *python ? python : "python3";
+  const std::string command = detail::concat("timeout -k 5 ", kTorchTimeoutSeconds, " \"${PYTHON:-python3}\" -c '", kTorchScript, "' ",
                                              c.tokens, " ", c.hidden, " ", c.ffn, " ", c.warmup, " ", c.steps, " ",
                                              device, " 2>&1");
   TorchRun run;
@@ -370,9 +374,9 @@ TorchRun runTorch(const GpuBenchConfig& c, int device) {
   if (!run.skipped.empty()) return run;
   const int code = status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   if (code == 124 || code == 137)
-    run.skipped = detail::concat("python3 did not finish within ", kTorchTimeoutSeconds, " s");
+    run.skipped = detail::concat(shown, " did not finish within ", kTorchTimeoutSeconds, " s");
   else if (code != 0 || run.results.size() != 2)
-    run.skipped = detail::concat("python3 exited with status ", code, ": ", last.empty() ? "(no output)" : last);
+    run.skipped = detail::concat(shown, " exited with status ", code, ": ", last.empty() ? "(no output)" : last);
   return run;
 }
 

@@ -18,6 +18,7 @@ Needs python3-torch (Debian 12: apt-get install python3-torch).
 """
 import argparse
 import os
+import queue
 import re
 import subprocess
 import sys
@@ -75,7 +76,19 @@ def peer_step(tp, tokens, hidden, ffn, reps):
     procs = [ctx.Process(target=peer_worker, args=(r, tp, tokens, hidden, ffn, reps, port, out)) for r in range(tp)]
     for p in procs:
         p.start()
-    best = out.get(timeout=600)
+    # Polled, so that a worker that dies (a failed import, rendezvous or check) ends the wait.
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            best = out.get(timeout=1)
+            break
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                sys.exit(f"peer_bench: a PyTorch worker exited with {dead[0]}" if dead
+                         else "peer_bench: no result from the PyTorch workers within 600 s")
     for p in procs:
         p.join()
         if p.exitcode != 0:
