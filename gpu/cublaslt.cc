@@ -59,8 +59,6 @@ extern "C" {
 
 cublasStatus_t CUBLASWINAPI cublasLtCreate(cublasLtHandle_t* handle) { return TPSIM_FORWARD(cublasLtCreate, handle); }
 
-cublasStatus_t CUBLASWINAPI cublasLtDestroy(cublasLtHandle_t handle) { return TPSIM_FORWARD(cublasLtDestroy, handle); }
-
 const char* CUBLASWINAPI cublasLtGetStatusName(cublasStatus_t status) {
   return TPSIM_FORWARD(cublasLtGetStatusName, status);
 }

@@ -24,10 +24,13 @@ namespace tpsim::gpu {
 namespace detail {
 // Where a rank's tensors are freed: `stream` becomes null when its GpuCompute is destroyed, and the
 // tensors still alive are then freed on the legacy default stream, which never blocks the host (a
-// cudaFree would wait for the whole device, forever if a kernel is stuck).
+// cudaFree would wait for the whole device, forever if a kernel is stuck). That stream does not
+// wait for the rank's own, so when that one did not drain (`stuck`) they are leaked instead: a
+// kernel still running there may use them.
 struct StreamOwner {
   int device;
   cudaStream_t stream;
+  bool stuck;
 };
 }  // namespace detail
 
@@ -55,6 +58,7 @@ class Allocations {
     if (it == owners_.end()) return;
     const detail::StreamOwner owner = *it->second;
     owners_.erase(it);
+    if (owner.stuck) return;
     int previous = 0;
     const bool restore = cudaGetDevice(&previous) == cudaSuccess;
     cudaError_t e = cudaSetDevice(owner.device);
@@ -65,9 +69,11 @@ class Allocations {
     if (e != cudaSuccess) cudaGetLastError();
   }
 
-  void orphan(detail::StreamOwner& owner) {
+  // Before the owner's stream is destroyed; `drained` says whether its work has finished.
+  void orphan(detail::StreamOwner& owner, bool drained) {
     std::lock_guard<std::mutex> lock(mu_);
     owner.stream = nullptr;
+    owner.stuck = !drained;
   }
 
  private:
@@ -76,6 +82,34 @@ class Allocations {
 };
 
 void freeDevice(void* p) { Allocations::instance().release(p); }
+
+// The GpuComputes alive on each device. When a device's last one goes, its default pool is trimmed
+// (cudaMemPoolTrimTo does not wait): while ranks run, the pool keeps freed blocks for reuse (see the
+// release threshold), but NCCL and cuBLASLt allocate outside it and would fail after a peak while
+// it still holds them.
+class DeviceUsers {
+ public:
+  static DeviceUsers& instance() {
+    static DeviceUsers* users = new DeviceUsers;  // never destroyed, as Allocations
+    return *users;
+  }
+
+  void add(int device) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++count_[device];
+  }
+
+  void remove(int device) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--count_[device] > 0) return;
+    cudaMemPool_t pool = nullptr;
+    if (cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess) cudaMemPoolTrimTo(pool, 0);
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<int, int> count_;
+};
 
 // ---- Environment --------------------------------------------------------------------------------
 
@@ -149,31 +183,33 @@ GpuCompute::GpuCompute(int device) : device_(device), timeoutMs_(timeoutFromEnv(
   TPSIM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
   maxBlocks_ = std::max(sms, 1) * 8;  // 8 blocks of 256 threads fill an SM's 2048 threads
   // Keep freed blocks in the device's pool: with the default threshold (0) every synchronization
-  // hands them back to the driver and the next cudaMallocAsync maps them again.
+  // hands them back to the driver and the next cudaMallocAsync maps them again. The pool is
+  // trimmed when the device's last GpuCompute goes (DeviceUsers).
   cudaMemPool_t pool = nullptr;
   TPSIM_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device_));
   std::uint64_t threshold = std::numeric_limits<std::uint64_t>::max();
   TPSIM_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
   TPSIM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  owner_ = std::make_shared<detail::StreamOwner>(detail::StreamOwner{device_, stream_});
+  owner_ = std::make_shared<detail::StreamOwner>(detail::StreamOwner{device_, stream_, false});
   try {
-    matmul_ = std::make_unique<Matmul>();
+    matmul_ = std::make_unique<Matmul>(device_, stream_);
   } catch (...) {
     cudaStreamDestroy(stream_);
     throw;
   }
+  DeviceUsers::instance().add(device_);
 }
 
+// Never throws, never hangs: nothing here waits for the device or for another stream, and the
+// stream gets the deadline to drain. The workspace's free is enqueued first, so that the drain
+// completes it too and the trim can release it.
 GpuCompute::~GpuCompute() {
-  // Never throws, never hangs: let the enqueued work finish (within the deadline), and hand the
-  // rank's remaining tensors to the legacy default stream, since this stream goes away.
-  const bool drained = cudaSetDevice(device_) == cudaSuccess && pollStream(stream_, timeoutMs_) == cudaSuccess;
-  Allocations::instance().orphan(*owner_);
-  if (drained)
-    matmul_.reset();
-  else
-    matmul_.release();  // its workspace's cudaFree would wait for the stuck stream: leak it instead
-  cudaStreamDestroy(stream_);
+  const bool current = cudaSetDevice(device_) == cudaSuccess;
+  matmul_.reset();
+  const bool drained = current && pollStream(stream_, timeoutMs_) == cudaSuccess;
+  Allocations::instance().orphan(*owner_, drained);
+  cudaStreamDestroy(stream_);  // returns at once; a stuck stream's resources go when its work ends
+  DeviceUsers::instance().remove(device_);
   cudaGetLastError();
 }
 
@@ -347,7 +383,7 @@ void GpuCompute::gemm(ConstView a, ConstView b, View c, float alpha, float beta)
     if (beta != 0.f) copy(c, cDense);
     out = cDense;
   }
-  matmul_->run(mapGemm(a, b, out), alpha, beta, stream_);
+  matmul_->run(mapGemm(a, b, out), alpha, beta);
   if (cDense.defined()) copy(cDense, c);
   finish("gemm");
 }

@@ -30,14 +30,15 @@ struct StreamOwner;  // the device and stream a tensor is freed on (gpu_compute.
 //  - TPSIM_GPU_SYNC=1 waits for and checks every op before it returns (for debugging).
 //  - empty() is stream-ordered (cudaMallocAsync on stream()); the Tensor frees it on the same
 //    stream, so work on other streams that uses it must be ordered before the free. A tensor may
-//    outlive its GpuCompute; it is then freed on the legacy default stream.
+//    outlive its GpuCompute; it is then freed on the legacy default stream, or leaked when that
+//    GpuCompute's stream did not drain within the deadline.
 //  - NaN results of arithmetic may carry other payloads than on the CPU; NaN stays NaN.
 //  - gemm runs on cuBLASLt: fp32 (no TF32), bf16 and fp16 with fp32 accumulation, fp64 in fp64;
 //    a 16-bit c is rounded once. Operands without a unit-stride mode go through a contiguous copy.
 class GpuCompute final : public Compute {
  public:
-  // Selects `device` (a CUDA device index) and creates the stream, the cuBLASLt handle and its
-  // workspace there. Throws BackendError when the device cannot be used.
+  // Selects `device` (a CUDA device index) and creates the stream and the cuBLASLt workspace there,
+  // with a handle from the device's pool. Throws BackendError when the device cannot be used.
   explicit GpuCompute(int device);
   ~GpuCompute() override;
   GpuCompute(const GpuCompute&) = delete;

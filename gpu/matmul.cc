@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
 
 #include "gpu/check.h"
 
@@ -74,6 +77,45 @@ void setPref(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttributes
   TPSIM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof value));
 }
 
+// cuBLASLt handles by device, reused and never destroyed: cublasLtDestroy synchronizes the whole
+// device, so one rank's teardown would wait for every other stream there (fabric, NCCL, other
+// ranks), forever if one is stuck. A handle holds neither a stream nor a workspace (both are
+// passed per call) and cuBLAS is thread safe even with a shared handle, so a handle may pass from
+// one rank or thread to the next; the pool lends each to one Matmul at a time.
+class HandlePool {
+ public:
+  static HandlePool& instance() {
+    static HandlePool* pool = new HandlePool;  // never destroyed: handles stay valid until exit
+    return *pool;
+  }
+
+  // A free handle of `device`, created when there is none; `device` must be current, as
+  // cublasLtCreate ties the handle to it.
+  cublasLtHandle_t take(int device) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      std::vector<cublasLtHandle_t>& free = free_[device];
+      if (!free.empty()) {
+        const cublasLtHandle_t handle = free.back();
+        free.pop_back();
+        return handle;
+      }
+    }
+    cublasLtHandle_t handle = nullptr;
+    TPSIM_CUBLAS_CHECK(cublasLtCreate(&handle));
+    return handle;
+  }
+
+  void give(int device, cublasLtHandle_t handle) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_[device].push_back(handle);
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<int, std::vector<cublasLtHandle_t>> free_;
+};
+
 }  // namespace
 
 bool hasLtLayout(ConstView v) { return v.rank() == 2 && columnMajor(v).ld > 0; }
@@ -119,21 +161,22 @@ struct Matmul::Plan {
   }
 };
 
-Matmul::Matmul() {
-  TPSIM_CUBLAS_CHECK(cublasLtCreate(&handle_));
+Matmul::Matmul(int device, cudaStream_t stream)
+    : device_(device), stream_(stream), handle_(HandlePool::instance().take(device)) {
   try {
-    // cudaMalloc aligns to at least 256 bytes, as cuBLASLt wants for its workspace.
-    TPSIM_CUDA_CHECK(cudaMalloc(&workspace_, kWorkspaceBytes));
+    // From the device's pool, in stream order. Like every CUDA allocation it is aligned to at least
+    // 256 bytes, as cuBLASLt wants for its workspace.
+    TPSIM_CUDA_CHECK(cudaMallocAsync(&workspace_, kWorkspaceBytes, stream_));
   } catch (...) {
-    cublasLtDestroy(handle_);
+    HandlePool::instance().give(device_, handle_);
     throw;
   }
 }
 
 Matmul::~Matmul() {
   plans_.clear();
-  cudaFree(workspace_);  // waits for the device: no matmul still reads it
-  cublasLtDestroy(handle_);
+  cudaFreeAsync(workspace_, stream_);
+  HandlePool::instance().give(device_, handle_);
 }
 
 const Matmul::Plan& Matmul::plan(const LtGemm& g) {
@@ -163,8 +206,9 @@ const Matmul::Plan& Matmul::plan(const LtGemm& g) {
       pref, &cublasLtMatmulPreferenceDestroy);
   setPref<std::uint64_t>(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, kWorkspaceBytes);
   // Split-K partial sums may only be reduced in the compute type (fp32/fp64), in the workspace:
-  // OUTPUT_TYPE would round a 16-bit D more than once, INPLACE accumulates with atomics in no
-  // fixed order. NONE (0) is listed for clarity: algorithms without split-K are always eligible.
+  // OUTPUT_TYPE and INPLACE both reduce in the output type (INPLACE in D itself, in a fixed order),
+  // which would round a 16-bit D more than once. NONE (0) is listed for clarity: algorithms
+  // without split-K are always eligible.
   setPref<std::uint32_t>(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
                          CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE | CUBLASLT_REDUCTION_SCHEME_NONE);
   setPref<std::uint32_t>(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignA);
@@ -174,9 +218,13 @@ const Matmul::Plan& Matmul::plan(const LtGemm& g) {
 
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  TPSIM_CUBLAS_CHECK(
-      cublasLtMatmulAlgoGetHeuristic(handle_, p->desc, p->a, p->b, p->c, p->c, pref, 1, &result, &found));
-  if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS)
+  // NOT_SUPPORTED is the heuristic's way of saying that no algorithm fits, as found == 0 is.
+  const cublasStatus_t searched =
+      cublasLtMatmulAlgoGetHeuristic(handle_, p->desc, p->a, p->b, p->c, p->c, pref, 1, &result, &found);
+  if (searched != CUBLAS_STATUS_SUCCESS && searched != CUBLAS_STATUS_NOT_SUPPORTED)
+    detail::throwFailure("cublasLtMatmulAlgoGetHeuristic", cublasLtGetStatusName(searched),
+                         cublasLtGetStatusString(searched), __FILE__, __LINE__);
+  if (searched == CUBLAS_STATUS_NOT_SUPPORTED || found == 0 || result.state != CUBLAS_STATUS_SUCCESS)
     throw BackendError(tpsim::detail::concat(
         "gemm: cuBLASLt has no algorithm for m=", g.m, " n=", g.n, " k=", g.k, ", a ", dtypeName(g.a.dtype),
         g.a.trans ? " transposed" : "", " (ld ", g.a.ld, ", ", alignA, "-byte aligned), b ",
@@ -187,14 +235,14 @@ const Matmul::Plan& Matmul::plan(const LtGemm& g) {
   return *plans_.emplace(key, std::move(p)).first->second;
 }
 
-void Matmul::run(const LtGemm& g, float alpha, float beta, cudaStream_t stream) {
+void Matmul::run(const LtGemm& g, float alpha, float beta) {
   const Plan& p = plan(g);
   // The scale type is fp64 for fp64 operands, else fp32; alpha and beta are exact in both.
   const double alpha64 = alpha, beta64 = beta;
   const void* alphaPtr = g.a.dtype == DType::kFloat64 ? static_cast<const void*>(&alpha64) : &alpha;
   const void* betaPtr = g.a.dtype == DType::kFloat64 ? static_cast<const void*>(&beta64) : &beta;
   TPSIM_CUBLAS_CHECK(cublasLtMatmul(handle_, p.desc, alphaPtr, g.a.data, p.a, g.b.data, p.b, betaPtr, g.c, p.c,
-                                    g.c, p.c, &p.algo, workspace_, kWorkspaceBytes, stream));
+                                    g.c, p.c, &p.algo, workspace_, kWorkspaceBytes, stream_));
 }
 
 }  // namespace tpsim::gpu

@@ -1,8 +1,8 @@
 // GpuCompute's gemm on cuBLASLt: mapGemm maps strided tpsim views onto cuBLASLt's column-major
 // operands (unit stride in mode 1 is row-major, read as the transpose; in mode 0 column-major;
-// GpuCompute copies any other operand first), and Matmul holds one rank's handle, workspace and
-// plan cache. Not a general BLAS wrapper: no batches, no epilogues, no FP8 (MXFP8 GEMM needs
-// compute capability 10.0; tpsim dequantizes first).
+// GpuCompute copies any other operand first), and Matmul holds one rank's workspace and plan cache
+// and a cuBLASLt handle borrowed from its device's pool. Not a general BLAS wrapper: no batches,
+// no epilogues, no FP8 (MXFP8 GEMM needs compute capability 10.0; tpsim dequantizes first).
 #pragma once
 
 #include <cublasLt.h>
@@ -50,16 +50,19 @@ class Matmul {
   // what other ranks' streams run (cuBLAS "Results reproducibility").
   static constexpr std::size_t kWorkspaceBytes = std::size_t(32) << 20;
 
-  // On the current device.
-  Matmul();
+  // On `device`, which must be current: borrows a handle and allocates the workspace on `stream`,
+  // where run() enqueues every matmul.
+  Matmul(int device, cudaStream_t stream);
+  // Waits for nothing: frees the workspace on the stream, behind every matmul that reads it, and
+  // returns the handle to the pool. The stream must still exist.
   ~Matmul();
   Matmul(const Matmul&) = delete;
   Matmul& operator=(const Matmul&) = delete;
 
-  // Enqueues g on `stream`. fp64 runs with CUBLAS_COMPUTE_64F, everything else with
+  // Enqueues g on the stream. fp64 runs with CUBLAS_COMPUTE_64F, everything else with
   // CUBLAS_COMPUTE_32F and fp32 scale (never TF32); split-K may only reduce in the compute type, so
   // a 16-bit D is rounded once.
-  void run(const LtGemm& g, float alpha, float beta, cudaStream_t stream);
+  void run(const LtGemm& g, float alpha, float beta);
 
  private:
   struct Plan;
@@ -70,6 +73,8 @@ class Matmul {
 
   const Plan& plan(const LtGemm& g);
 
+  int device_ = 0;
+  cudaStream_t stream_ = nullptr;
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   std::map<Key, std::unique_ptr<Plan>> plans_;

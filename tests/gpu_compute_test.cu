@@ -2,7 +2,7 @@
 // and transposed views (bitwise, but GeLU within a few ulp), gemm within its error bound for every
 // dtype, layout and zero size, the argument checks, memory lifetime, and the deadline on host
 // waits. Without a device these tests skip with the probe's reason; the probe and the environment
-// checks run everywhere. A .cu file: the deadline test launches a kernel that spins.
+// checks run everywhere. A .cu file: the deadline and lifetime tests launch a kernel that spins.
 #include "gpu/gpu_compute.h"
 
 #include <gtest/gtest.h>
@@ -249,57 +249,60 @@ Bytes gemmInput(DType d, std::int64_t n, gputest::Rng& rng) {
   return out;
 }
 
-double elementAt(const Bytes& b, DType d, const Layout& l, std::int64_t i, std::int64_t j) {
-  return loadAsDouble(d, &b[std::size_t(i * l.strides[0] + j * l.strides[1]) * dtypeSize(d)]);
+// Element (i, j) of a view with layout l that starts `offset` elements into the buffer b.
+double elementAt(const Bytes& b, DType d, const Layout& l, std::int64_t offset, std::int64_t i, std::int64_t j) {
+  return loadAsDouble(d, &b[std::size_t(offset + i * l.strides[0] + j * l.strides[1]) * dtypeSize(d)]);
 }
 
 // Per element, |c - exact| <= (K+2)·u·(|alpha|·Σ|a||b| + |beta·c_old|) + u_out·|exact| + half the
 // output's smallest subnormal, with u = 2^-23 for fp32 accumulation (tensor cores may truncate
 // while accumulating, GPU-NOTES §3), 2^-52 for fp64, and u_out the output's unit roundoff. The
 // exact value is computed in long double from the operands as stored. Both backends must hold it;
-// elements of c's buffer outside the view must not change.
+// elements of c's buffer outside the view must not change. a, b and c start `offset` elements
+// into their buffers.
 void checkGemmCase(sim::SimCompute& sim, GpuCompute& gpu, std::int64_t m, std::int64_t k, std::int64_t n,
                    GemmDTypes dt, const Layout& la, const Layout& lb, const Layout& lc, float alpha, float beta,
-                   gputest::Rng& rng) {
+                   gputest::Rng& rng, std::int64_t offset = 0) {
   const std::string what = "gemm M=" + std::to_string(m) + " K=" + std::to_string(k) + " N=" + std::to_string(n) +
                            " " + dtypeName(dt.ab) + "->" + dtypeName(dt.c) + " a " + la.name + ", b " + lb.name +
-                           ", c " + lc.name + " alpha " + std::to_string(alpha) + " beta " + std::to_string(beta);
-  Twin a(sim, gpu, dt.ab, la.span, gemmInput(dt.ab, la.span, rng));
-  Twin b(sim, gpu, dt.ab, lb.span, gemmInput(dt.ab, lb.span, rng));
-  Twin c(sim, gpu, dt.c, lc.span, gemmInput(dt.c, lc.span, rng));
+                           ", c " + lc.name + " alpha " + std::to_string(alpha) + " beta " + std::to_string(beta) +
+                           " offset " + std::to_string(offset);
+  Twin a(sim, gpu, dt.ab, offset + la.span, gemmInput(dt.ab, offset + la.span, rng));
+  Twin b(sim, gpu, dt.ab, offset + lb.span, gemmInput(dt.ab, offset + lb.span, rng));
+  Twin c(sim, gpu, dt.c, offset + lc.span, gemmInput(dt.c, offset + lc.span, rng));
   if (beta == 0.f) {  // beta == 0 must ignore the old c: NaN there must not leak
-    sim.fill(c.sim(lc), gputest::kNaN);
-    gpu.fill(c.other(lc), gputest::kNaN);
+    sim.fill(c.sim(lc, offset), gputest::kNaN);
+    gpu.fill(c.other(lc, offset), gputest::kNaN);
   }
   const Bytes ab = a.simBytes(), bb = b.simBytes(), cOld = c.simBytes();
-  sim.gemm(a.sim(la), b.sim(lb), c.sim(lc), alpha, beta);
-  gpu.gemm(a.other(la), b.other(lb), c.other(lc), alpha, beta);
+  sim.gemm(a.sim(la, offset), b.sim(lb, offset), c.sim(lc, offset), alpha, beta);
+  gpu.gemm(a.other(la, offset), b.other(lb, offset), c.other(lc, offset), alpha, beta);
   const Bytes cs = c.simBytes(), cg = c.otherBytes();
 
   const double u = dt.ab == DType::kFloat64 ? 0x1p-52 : 0x1p-23;
   const double uOut = dt.c == DType::kBFloat16 ? 0x1p-8 : dt.c == DType::kFloat16 ? 0x1p-11
                       : dt.c == DType::kFloat32 ? 0x1p-24 : 0x1p-53;
   const double tinyOut = gputest::ulpOf(dt.c, 0.0) / 2;
-  std::vector<bool> inView(std::size_t(lc.span), false);
+  std::vector<bool> inView(std::size_t(offset + lc.span), false);
   for (std::int64_t i = 0; i < m; ++i)
     for (std::int64_t j = 0; j < n; ++j) {
       long double dot = 0, mag = 0;
       for (std::int64_t p = 0; p < k; ++p) {
-        const long double x = elementAt(ab, dt.ab, la, i, p), y = elementAt(bb, dt.ab, lb, p, j);
+        const long double x = elementAt(ab, dt.ab, la, offset, i, p), y = elementAt(bb, dt.ab, lb, offset, p, j);
         dot += x * y;
         mag += std::fabs(x * y);
       }
-      const double old = beta == 0.f ? 0.0 : elementAt(cOld, dt.c, lc, i, j);
+      const double old = beta == 0.f ? 0.0 : elementAt(cOld, dt.c, lc, offset, i, j);
       const double exact = double(alpha * dot + beta * (long double)old);
       const double bound = double((k + 2) * u * (std::fabs(alpha) * mag + std::fabs(beta * old))) +
                            uOut * std::fabs(exact) + tinyOut;
-      const double simV = elementAt(cs, dt.c, lc, i, j), gpuV = elementAt(cg, dt.c, lc, i, j);
+      const double simV = elementAt(cs, dt.c, lc, offset, i, j), gpuV = elementAt(cg, dt.c, lc, offset, i, j);
       if (!(std::fabs(gpuV - exact) <= bound) || !(std::fabs(simV - exact) <= bound)) {
         ADD_FAILURE() << what << ": c(" << i << ", " << j << ") exact " << exact << ", gpu " << gpuV << ", sim "
                       << simV << ", bound " << bound;
         return;
       }
-      inView[std::size_t(i * lc.strides[0] + j * lc.strides[1])] = true;
+      inView[std::size_t(offset + i * lc.strides[0] + j * lc.strides[1])] = true;
     }
   const std::size_t size = dtypeSize(dt.c);
   for (std::size_t e = 0; e < inView.size(); ++e)
@@ -328,6 +331,23 @@ TEST_F(GpuComputeTest, GemmIsWithinTheBoundForEveryDtypeAndLayout) {
           for (const Layout& lc : gemmLayouts(Shape{s[0], s[2]}, false))
             for (const auto& ab : scales)
               checkGemmCase(sim_, *gpu_, s[0], s[1], s[2], dt, la, lb, lc, ab[0], ab[1], rng);
+}
+
+// Views one element into their buffers are only 2-byte (bf16) or 4-byte (fp32) aligned, below
+// the allocations' 256: the plan must ask the heuristic for algorithms that take such pointers
+// (the MIN_ALIGNMENT preferences), whatever the leading dimensions allow.
+TEST_F(GpuComputeTest, GemmOnViewsLessAlignedThanTheirBuffersIsWithinTheBound) {
+  gputest::Rng rng(23);
+  const GemmDTypes dtypes[] = {{DType::kBFloat16, DType::kBFloat16}, {DType::kFloat32, DType::kFloat32}};
+  const float scales[][2] = {{1.f, 0.f}, {0.75f, -0.5f}};  // (alpha, beta)
+  const std::int64_t shapes[][3] = {{7, 13, 5}, {64, 128, 96}, {33, 257, 65}};
+  for (const auto& s : shapes)
+    for (GemmDTypes dt : dtypes)
+      for (const Layout& la : gemmLayouts(Shape{s[0], s[1]}, false))
+        for (const Layout& lb : gemmLayouts(Shape{s[1], s[2]}, false))
+          for (const Layout& lc : gemmLayouts(Shape{s[0], s[2]}, false))
+            for (const auto& ab : scales)
+              checkGemmCase(sim_, *gpu_, s[0], s[1], s[2], dt, la, lb, lc, ab[0], ab[1], rng, /*offset=*/1);
 }
 
 // M = 0 or N = 0 do nothing; K = 0 leaves c = beta·c (0 for beta = 0, even over NaN).
@@ -378,28 +398,47 @@ __global__ void spinUntilReleased(const volatile int* flag, long long cycles) {
   }
 }
 
+// A kernel that spins on `stream` until release() (or for ~20 s at 2 GHz, so a failing test ends),
+// through a pinned and mapped flag.
+class StuckKernel {
+ public:
+  explicit StuckKernel(cudaStream_t stream) {
+    TPSIM_CUDA_CHECK(cudaHostAlloc(&flag_, sizeof(int), cudaHostAllocMapped));
+    *static_cast<volatile int*>(flag_) = 0;
+    int* deviceFlag = nullptr;
+    TPSIM_CUDA_CHECK(cudaHostGetDevicePointer(&deviceFlag, flag_, 0));
+    spinUntilReleased<<<1, 1, 0, stream>>>(deviceFlag, 40'000'000'000LL);
+    TPSIM_CUDA_CHECK_LAUNCH("spinUntilReleased");
+  }
+  ~StuckKernel() {
+    release();
+    cudaDeviceSynchronize();  // the kernel reads the flag until it ends
+    cudaFreeHost(flag_);
+  }
+  StuckKernel(const StuckKernel&) = delete;
+  StuckKernel& operator=(const StuckKernel&) = delete;
+
+  void release() { *static_cast<volatile int*>(flag_) = 1; }
+
+ private:
+  int* flag_ = nullptr;
+};
+
 TEST(GpuComputeDeadline, HostWaitsTimeOutInsteadOfHanging) {
   TPSIM_REQUIRE_DEVICE();
   EnvGuard env("TPSIM_GPU_TIMEOUT_MS", "300");
   GpuCompute gpu(0);
   Tensor t = gpu.zeros({4}, DType::kFloat32);  // (4)
-  int* flag = nullptr;  // pinned and mapped: the host releases the kernel through it
-  TPSIM_CUDA_CHECK(cudaHostAlloc(&flag, sizeof(int), cudaHostAllocMapped));
-  *static_cast<volatile int*>(flag) = 0;
-  int* deviceFlag = nullptr;
-  TPSIM_CUDA_CHECK(cudaHostGetDevicePointer(&deviceFlag, flag, 0));
-  spinUntilReleased<<<1, 1, 0, gpu.stream()>>>(deviceFlag, 40'000'000'000LL);  // ~20 s at 2 GHz
-  TPSIM_CUDA_CHECK_LAUNCH("spinUntilReleased");
+  StuckKernel stuck(gpu.stream());
   const auto start = std::chrono::steady_clock::now();
   std::vector<float> host(4);
   expectThrows([&] { gpu.download(t, host.data()); },
                "download: the stream of cuda:0 did not finish within 300 ms (TPSIM_GPU_TIMEOUT_MS)");
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
-  *static_cast<volatile int*>(flag) = 1;
+  stuck.release();
   gpu.synchronize("test");  // released: the stream drains
   gpu.download(t, host.data());
   EXPECT_EQ(host, std::vector<float>(4, 0.f));
-  TPSIM_CUDA_CHECK(cudaFreeHost(flag));
 }
 
 TEST(GpuComputeSync, SyncModeWaitsAfterEveryOp) {
@@ -427,6 +466,49 @@ TEST(GpuComputeLifetime, TensorsMayOutliveTheirGpuCompute) {
     gpu.synchronize("test");
   }
   t = Tensor();
+  GpuCompute again(0);
+  Tensor u = again.zeros({4}, DType::kFloat64);  // (4)
+  std::vector<double> host(4, 1.0);
+  again.download(u, host.data());
+  EXPECT_EQ(host, std::vector<double>(4, 0.0));
+}
+
+// A rank's teardown waits for its own stream only: another rank's stuck kernel neither delays nor
+// hangs it (nothing waits for the whole device), and the next rank reuses its cuBLASLt handle.
+TEST(GpuComputeLifetime, RanksComeAndGoWhileAnotherStreamIsStuck) {
+  TPSIM_REQUIRE_DEVICE();
+  const auto gemmOnce = [] {
+    GpuCompute rank(0);
+    Tensor a = rank.zeros({8, 16}, DType::kBFloat16), b = rank.zeros({16, 4}, DType::kBFloat16);
+    Tensor c = rank.empty({8, 4}, DType::kFloat32);  // (8, 4)
+    rank.gemm(a, b, c);
+    std::vector<float> host(32, 1.f);
+    rank.download(c, host.data());
+    EXPECT_EQ(host, std::vector<float>(32, 0.f));
+  };
+  gemmOnce();  // loads the kernels first: lazy module loading is not what this test is about
+  GpuCompute other(0);
+  StuckKernel stuck(other.stream());
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < 3; ++i) gemmOnce();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  stuck.release();
+  other.synchronize("test");
+}
+
+// A rank whose stream does not drain is destroyed within the deadline; its tensors that outlive it
+// are leaked rather than freed under the running kernel, and the device stays usable.
+TEST(GpuComputeLifetime, AStuckRankIsDestroyedWithinTheDeadline) {
+  TPSIM_REQUIRE_DEVICE();
+  EnvGuard env("TPSIM_GPU_TIMEOUT_MS", "300");
+  auto rank = std::make_unique<GpuCompute>(0);
+  Tensor t = rank->zeros({1024}, DType::kFloat32);  // (1024)
+  StuckKernel stuck(rank->stream());
+  const auto start = std::chrono::steady_clock::now();
+  rank.reset();
+  t = Tensor();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  stuck.release();
   GpuCompute again(0);
   Tensor u = again.zeros({4}, DType::kFloat64);  // (4)
   std::vector<double> host(4, 1.0);
