@@ -4,7 +4,12 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <cerrno>
+#include <cstdlib>
 #include <sstream>
+#include <thread>
+
+#include "backends/errors.h"
 
 namespace tpsim::gpu {
 namespace {
@@ -66,6 +71,31 @@ Probe probe() {
     p.devices.push_back(d);
   }
   return p;
+}
+
+long long deviceTimeoutMs() {
+  const char* s = std::getenv("TPSIM_GPU_TIMEOUT_MS");
+  if (s == nullptr || *s == '\0') return 60000;
+  char* end = nullptr;
+  errno = 0;
+  const long long ms = std::strtoll(s, &end, 10);
+  TPSIM_CHECK(errno == 0 && *end == '\0' && ms > 0,
+              "TPSIM_GPU_TIMEOUT_MS must be a positive number of milliseconds, got '", s, "'");
+  return ms;
+}
+
+// Spins briefly (most waits are short), then sleeps between polls.
+cudaError_t pollStream(cudaStream_t stream, std::chrono::steady_clock::time_point deadline) {
+  for (int polls = 0;; ++polls) {
+    const cudaError_t e = cudaStreamQuery(stream);
+    if (e != cudaErrorNotReady) return e;
+    if (cudaPeekAtLastError() == cudaErrorNotReady) cudaGetLastError();  // "not ready" is no error to keep
+    if (std::chrono::steady_clock::now() >= deadline) return cudaErrorNotReady;
+    if (polls < 1000)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
 }
 
 std::string Probe::str() const {

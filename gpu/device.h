@@ -1,4 +1,5 @@
-// The GPU probe: which CUDA devices this process can use, and the library versions it runs with.
+// The GPU probe: which CUDA devices this process can use, and the library versions it runs with;
+// and the bounded wait on a stream that every part of the gpu backend uses instead of blocking.
 //
 // probe() never throws for a missing GPU, driver or library: it returns the reason, which tests
 // print when they skip and the tools print when gpu is unusable ("no CUDA device:
@@ -6,6 +7,9 @@
 // It does not pick a device or create a context beyond what the CUDA runtime does on first use.
 #pragma once
 
+#include <cuda_runtime_api.h>
+
+#include <chrono>
 #include <cstddef>
 #include <string>
 #include <vector>
@@ -35,5 +39,19 @@ struct Probe {
 };
 
 Probe probe();
+
+// TPSIM_GPU_TIMEOUT_MS (default 60000): how long any wait for device work may take. Throws
+// InvalidArgument naming the variable for anything but a positive number of milliseconds.
+long long deviceTimeoutMs();
+
+// Polls until `stream` is idle: cudaSuccess, the stream's error, or cudaErrorNotReady once
+// `deadline` has passed. Never blocks in the driver, so a stuck kernel cannot hang the caller.
+// The caller selects the stream's device.
+cudaError_t pollStream(cudaStream_t stream, std::chrono::steady_clock::time_point deadline);
+
+// The deadline `timeoutMs` from now.
+inline std::chrono::steady_clock::time_point deadlineIn(long long timeoutMs) {
+  return std::chrono::steady_clock::now() + std::chrono::milliseconds(timeoutMs);
+}
 
 }  // namespace tpsim::gpu

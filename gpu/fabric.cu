@@ -5,6 +5,7 @@
 
 #include "backends/element_math.h"
 #include "gpu/check.h"
+#include "gpu/device.h"
 #include "gpu/events.h"
 
 namespace tpsim::gpu {
@@ -186,7 +187,8 @@ void launchMoveFor(const sim::Collective& c, const Members& m, int n, std::size_
 
 }  // namespace
 
-DeviceFabric::DeviceFabric(int device, std::vector<GpuCompute*> ranks) : device_(device), ranks_(std::move(ranks)) {
+DeviceFabric::DeviceFabric(int device, std::vector<GpuCompute*> ranks)
+    : device_(device), timeoutMs_(deviceTimeoutMs()), ranks_(std::move(ranks)) {
   TPSIM_CHECK(int(ranks_.size()) <= kMaxFabricRanks, "DeviceFabric: at most ", kMaxFabricRanks,
               " ranks share one GPU, got ", ranks_.size());
   for (GpuCompute* r : ranks_)
@@ -196,11 +198,16 @@ DeviceFabric::DeviceFabric(int device, std::vector<GpuCompute*> ranks) : device_
 }
 
 DeviceFabric::~DeviceFabric() {
-  if (stream_) {
-    cudaSetDevice(device_);
-    cudaStreamSynchronize(stream_);  // members' frees may still wait on its events
-    cudaStreamDestroy(stream_);
-  }
+  // Members' frees may still wait on its events. A stream that never drains is left alone: its
+  // work would outlive it anyway, and blocking here would hang the teardown with it.
+  if (drain(deadlineIn(timeoutMs_))) cudaStreamDestroy(stream_);
+  cudaGetLastError();
+}
+
+bool DeviceFabric::drain(std::chrono::steady_clock::time_point deadline) noexcept {
+  const bool drained = cudaSetDevice(device_) == cudaSuccess && pollStream(stream_, deadline) == cudaSuccess;
+  cudaGetLastError();
+  return drained;
 }
 
 sim::TransportToken DeviceFabric::issued(int globalRank) {

@@ -13,18 +13,19 @@
 #include <cstdint>
 #include <vector>
 
+#include "gpu/device_transport.h"
 #include "gpu/gpu_compute.h"
-#include "sim/rendezvous.h"
 
 namespace tpsim::gpu {
 
 // Kernel arguments carry every member's pointers, so a fabric group has at most this many ranks.
 constexpr int kMaxFabricRanks = 64;
 
-class DeviceFabric final : public sim::Transport {
+class DeviceFabric final : public DeviceTransport {
  public:
   // ranks[r] is global rank r's compute; all on `device`. Creates the fabric's stream there.
   DeviceFabric(int device, std::vector<GpuCompute*> ranks);
+  // Waits for the fabric's stream within TPSIM_GPU_TIMEOUT_MS; leaks it if it is stuck.
   ~DeviceFabric() override;
   DeviceFabric(const DeviceFabric&) = delete;
   DeviceFabric& operator=(const DeviceFabric&) = delete;
@@ -33,9 +34,11 @@ class DeviceFabric final : public sim::Transport {
   sim::TransportToken issued(int globalRank) override;
   sim::TransportToken execute(const sim::Collective& c) override;
   void completed(int globalRank, const sim::TransportToken& done) override;
+  bool drain(std::chrono::steady_clock::time_point deadline) noexcept override;
 
  private:
   int device_;
+  long long timeoutMs_;
   std::vector<GpuCompute*> ranks_;
   cudaStream_t stream_ = nullptr;
 };

@@ -1,14 +1,11 @@
 #include "gpu/gpu_compute.h"
 
 #include <algorithm>
-#include <cerrno>
-#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -16,6 +13,7 @@
 #include "backends/compute_checks.h"
 #include "backends/errors.h"
 #include "gpu/check.h"
+#include "gpu/device.h"
 #include "gpu/kernels.cuh"
 #include "gpu/matmul.h"
 
@@ -113,38 +111,11 @@ class DeviceUsers {
 
 // ---- Environment --------------------------------------------------------------------------------
 
-long long timeoutFromEnv() {
-  const char* s = std::getenv("TPSIM_GPU_TIMEOUT_MS");
-  if (s == nullptr || *s == '\0') return 60000;
-  char* end = nullptr;
-  errno = 0;
-  const long long ms = std::strtoll(s, &end, 10);
-  TPSIM_CHECK(errno == 0 && *end == '\0' && ms > 0,
-              "GpuCompute: TPSIM_GPU_TIMEOUT_MS must be a positive number of milliseconds, got '", s, "'");
-  return ms;
-}
-
 bool syncFromEnv() {
   const char* s = std::getenv("TPSIM_GPU_SYNC");
   if (s == nullptr || *s == '\0' || std::strcmp(s, "0") == 0) return false;
   TPSIM_CHECK(std::strcmp(s, "1") == 0, "GpuCompute: TPSIM_GPU_SYNC must be 0 or 1, got '", s, "'");
   return true;
-}
-
-// Polls until the stream is idle: cudaSuccess, the stream's error, or cudaErrorNotReady once the
-// deadline has passed. Spins briefly (most waits are short), then sleeps between polls.
-cudaError_t pollStream(cudaStream_t stream, long long timeoutMs) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeoutMs);
-  for (int polls = 0;; ++polls) {
-    const cudaError_t e = cudaStreamQuery(stream);
-    if (e != cudaErrorNotReady) return e;
-    if (cudaPeekAtLastError() == cudaErrorNotReady) cudaGetLastError();  // "not ready" is no error to keep
-    if (std::chrono::steady_clock::now() >= deadline) return cudaErrorNotReady;
-    if (polls < 1000)
-      std::this_thread::yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-  }
 }
 
 // ---- Checks (SimCompute's, with CUDA memory for host memory) --------------------------------------
@@ -176,7 +147,7 @@ std::string unstorableMessage(const char* op, DType to, double v) {
 
 // ---- Lifetime, streams and launches -------------------------------------------------------------
 
-GpuCompute::GpuCompute(int device) : device_(device), timeoutMs_(timeoutFromEnv()), sync_(syncFromEnv()) {
+GpuCompute::GpuCompute(int device) : device_(device), timeoutMs_(deviceTimeoutMs()), sync_(syncFromEnv()) {
   TPSIM_CHECK(device >= 0, "GpuCompute: device must be a CUDA device index >= 0, got ", device);
   enter();
   int sms = 0;
@@ -206,7 +177,7 @@ GpuCompute::GpuCompute(int device) : device_(device), timeoutMs_(timeoutFromEnv(
 GpuCompute::~GpuCompute() {
   const bool current = cudaSetDevice(device_) == cudaSuccess;
   matmul_.reset();
-  const bool drained = current && pollStream(stream_, timeoutMs_) == cudaSuccess;
+  const bool drained = current && pollStream(stream_, deadlineIn(timeoutMs_)) == cudaSuccess;
   Allocations::instance().orphan(*owner_, drained);
   cudaStreamDestroy(stream_);  // returns at once; a stuck stream's resources go when its work ends
   DeviceUsers::instance().remove(device_);
@@ -217,7 +188,7 @@ void GpuCompute::enter() { TPSIM_CUDA_CHECK(cudaSetDevice(device_)); }
 
 void GpuCompute::synchronize(const char* op) {
   enter();
-  const cudaError_t e = pollStream(stream_, timeoutMs_);
+  const cudaError_t e = pollStream(stream_, deadlineIn(timeoutMs_));
   if (e == cudaErrorNotReady)
     throw BackendError(tpsim::detail::concat(op, ": the stream of cuda:", device_, " did not finish within ",
                                              timeoutMs_, " ms (TPSIM_GPU_TIMEOUT_MS); a kernel or a wait on another",

@@ -1,8 +1,10 @@
 #include "gpu/nccl_transport.h"
 
+#include <memory>
 #include <thread>
 
 #include "gpu/check.h"
+#include "gpu/device.h"
 #include "gpu/events.h"
 #include "gpu/fabric.h"
 
@@ -36,10 +38,53 @@ struct DoneEvents {
   std::map<int, sim::TransportToken> byGlobalRank;
 };
 
+// One ncclGroupStart/End. The group depth is per thread: an exception that left the group open
+// would leave every later NCCL call of this thread queued in it, ncclCommAbort included, so
+// unwinding ends it (launching what was queued; the failure aborts the communicators next).
+class NcclGroup {
+ public:
+  NcclGroup() { checkIssued(ncclGroupStart(), "ncclGroupStart"); }
+  ~NcclGroup() {
+    if (open_) ncclGroupEnd();
+  }
+  NcclGroup(const NcclGroup&) = delete;
+  NcclGroup& operator=(const NcclGroup&) = delete;
+
+  void end(const char* what) {
+    open_ = false;
+    checkIssued(ncclGroupEnd(), what);
+  }
+
+ private:
+  bool open_ = true;
+};
+
+// A copy of an in-place member's input, freed on the stream that reads it once that has.
+class StagedInput {
+ public:
+  StagedInput(int device, cudaStream_t stream, const void* in, std::size_t bytes) : device_(device), stream_(stream) {
+    TPSIM_CUDA_CHECK(cudaSetDevice(device_));
+    TPSIM_CUDA_CHECK(cudaMallocAsync(&data_, bytes, stream_));
+    TPSIM_CUDA_CHECK(cudaMemcpyAsync(data_, in, bytes, cudaMemcpyDeviceToDevice, stream_));
+  }
+  ~StagedInput() {
+    if (cudaSetDevice(device_) != cudaSuccess || cudaFreeAsync(data_, stream_) != cudaSuccess) cudaGetLastError();
+  }
+  StagedInput(const StagedInput&) = delete;
+  StagedInput& operator=(const StagedInput&) = delete;
+
+  const void* data() const { return data_; }
+
+ private:
+  int device_;
+  cudaStream_t stream_;
+  void* data_ = nullptr;
+};
+
 }  // namespace
 
 NcclTransport::NcclTransport(std::vector<GpuCompute*> ranks, std::chrono::milliseconds timeout)
-    : ranks_(std::move(ranks)), timeout_(timeout) {
+    : ranks_(std::move(ranks)), timeout_(timeout), streamTimeoutMs_(deviceTimeoutMs()) {
   for (std::size_t r = 0; r < ranks_.size(); ++r) {
     for (std::size_t q = 0; q < r; ++q)
       TPSIM_CHECK(deviceOf(int(q)) != deviceOf(int(r)), "NcclTransport: ranks ", q, " and ", r,
@@ -49,6 +94,23 @@ NcclTransport::NcclTransport(std::vector<GpuCompute*> ranks, std::chrono::millis
     cudaStream_t s = nullptr;
     TPSIM_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     streams_.push_back(s);
+  }
+  // Within one process NCCL reads and writes peers' user buffers directly. Those come from each
+  // device's default pool, which cudaDeviceEnablePeerAccess does not open to other devices.
+  for (std::size_t owner = 0; owner < ranks_.size(); ++owner) {
+    cudaMemPool_t pool = nullptr;
+    TPSIM_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, deviceOf(int(owner))));
+    for (std::size_t user = 0; user < ranks_.size(); ++user) {
+      if (user == owner) continue;
+      int canAccess = 0;
+      TPSIM_CUDA_CHECK(cudaDeviceCanAccessPeer(&canAccess, deviceOf(int(user)), deviceOf(int(owner))));
+      if (!canAccess) continue;
+      cudaMemAccessDesc access{};
+      access.location.type = cudaMemLocationTypeDevice;
+      access.location.id = deviceOf(int(user));
+      access.flags = cudaMemAccessFlagsProtReadWrite;
+      TPSIM_CUDA_CHECK(cudaMemPoolSetAccess(pool, &access, 1));
+    }
   }
 }
 
@@ -71,14 +133,26 @@ NcclTransport::~NcclTransport() {
     }
     for (std::size_t i = 0; i < set.barrierFloats.size(); ++i) {
       cudaSetDevice(deviceOf(members[i]));
-      cudaFree(set.barrierFloats[i]);
+      cudaFreeAsync(set.barrierFloats[i], streams_[members[i]]);
     }
   }
-  for (std::size_t r = 0; r < streams_.size(); ++r) {
-    cudaSetDevice(deviceOf(int(r)));
-    cudaStreamSynchronize(streams_[r]);
-    cudaStreamDestroy(streams_[r]);
-  }
+  // Members' frees may still wait on the streams' events. Streams that never drain are left
+  // alone: their work would outlive them anyway, and blocking here would hang the teardown.
+  if (drain(deadlineIn(streamTimeoutMs_)))
+    for (std::size_t r = 0; r < streams_.size(); ++r) {
+      cudaSetDevice(deviceOf(int(r)));
+      cudaStreamDestroy(streams_[r]);
+    }
+  cudaGetLastError();
+}
+
+bool NcclTransport::drain(std::chrono::steady_clock::time_point deadline) noexcept {
+  bool drained = true;
+  for (std::size_t r = 0; r < streams_.size(); ++r)
+    drained = cudaSetDevice(deviceOf(int(r))) == cudaSuccess && pollStream(streams_[r], deadline) == cudaSuccess &&
+              drained;
+  cudaGetLastError();
+  return drained;
 }
 
 void NcclTransport::awaitComms(const std::vector<ncclComm_t>& comms, const char* what) {
@@ -114,23 +188,32 @@ NcclTransport::Communicators& NcclTransport::communicatorsFor(const std::vector<
   TPSIM_NCCL_CHECK(ncclGetUniqueId(&id));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
-  // One thread initializes every member: the calls must sit in one group, or the first would wait
-  // for peers that this same thread has not initialized yet.
-  checkIssued(ncclGroupStart(), "ncclGroupStart");
-  for (int i = 0; i < n; ++i) {
-    TPSIM_CUDA_CHECK(cudaSetDevice(deviceOf(members[i])));
-    checkIssued(ncclCommInitRankConfig(&set.comms[i], n, id, i, &config), "ncclCommInitRankConfig");
+  try {
+    // One thread initializes every member: the calls must sit in one group, or the first would
+    // wait for peers that this same thread has not initialized yet.
+    NcclGroup group;
+    for (int i = 0; i < n; ++i) {
+      TPSIM_CUDA_CHECK(cudaSetDevice(deviceOf(members[i])));
+      checkIssued(ncclCommInitRankConfig(&set.comms[i], n, id, i, &config), "ncclCommInitRankConfig");
+    }
+    group.end("ncclGroupEnd (communicator init)");
+    awaitComms(set.comms, "NCCL communicator init");
+  } catch (...) {
+    // abort() reaches only the sets in comms_; this one is not there yet.
+    for (ncclComm_t comm : set.comms)
+      if (comm) ncclCommAbort(comm);
+    throw;
   }
-  checkIssued(ncclGroupEnd(), "ncclGroupEnd (communicator init)");
-  awaitComms(set.comms, "NCCL communicator init");
+  auto& added = comms_.emplace(members, std::move(set)).first->second;
   for (int i = 0; i < n; ++i) {
-    TPSIM_CUDA_CHECK(cudaSetDevice(deviceOf(members[i])));
+    const int g = members[i];
+    TPSIM_CUDA_CHECK(cudaSetDevice(deviceOf(g)));
     void* p = nullptr;
-    TPSIM_CUDA_CHECK(cudaMalloc(&p, sizeof(float)));
-    TPSIM_CUDA_CHECK(cudaMemset(p, 0, sizeof(float)));
-    set.barrierFloats.push_back(p);
+    TPSIM_CUDA_CHECK(cudaMallocAsync(&p, sizeof(float), streams_[g]));
+    added.barrierFloats.push_back(p);
+    TPSIM_CUDA_CHECK(cudaMemsetAsync(p, 0, sizeof(float), streams_[g]));
   }
-  return comms_.emplace(members, std::move(set)).first->second;
+  return added;
 }
 
 sim::TransportToken NcclTransport::issued(int globalRank) {
@@ -147,11 +230,21 @@ sim::TransportToken NcclTransport::execute(const sim::Collective& c) {
   }
   const ncclDataType_t type = ncclTypeOf(c.dtype);
   const bool empty = c.inCount == 0 && c.outCount == 0 && c.kind != sim::OpKind::kBarrier;
+  // ncclAlltoAll is per-peer sends and receives, which may overwrite a block of an in-place
+  // member's input before it was sent: stage those inputs (the simulator stages every exchange).
+  std::vector<std::unique_ptr<StagedInput>> staged(static_cast<std::size_t>(n));  // by group rank
+  if (c.kind == sim::OpKind::kAllToAll && !empty)
+    for (int i = 0; i < n; ++i)
+      if (c.in[i].data() == c.out[i].data()) {
+        const int g = c.globalRanks[i];
+        staged[i] = std::make_unique<StagedInput>(deviceOf(g), streams_[g], c.in[i].data(),
+                                                  std::size_t(c.inCount) * dtypeSize(c.dtype));
+      }
   if (!empty) {
-    checkIssued(ncclGroupStart(), "ncclGroupStart");
+    NcclGroup group;
     for (int i = 0; i < n; ++i) {
       const cudaStream_t s = streams_[c.globalRanks[i]];
-      const void* in = c.in[i].data();
+      const void* in = staged[i] ? staged[i]->data() : c.in[i].data();
       void* out = c.out[i].data();
       switch (c.kind) {
         case sim::OpKind::kAllReduce:
@@ -177,7 +270,7 @@ sim::TransportToken NcclTransport::execute(const sim::Collective& c) {
         case sim::OpKind::kSplit: break;
       }
     }
-    checkIssued(ncclGroupEnd(), "ncclGroupEnd");
+    group.end("ncclGroupEnd");
     awaitComms(set.comms, sim::opName(c.kind));
   }
   auto done = std::make_shared<DoneEvents>();

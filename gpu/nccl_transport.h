@@ -8,6 +8,9 @@
 // wait polls ncclCommGetAsyncError against the world's timeout, and a failure aborts every
 // communicator. kMean is a sum, then one division (ncclAvg pre-scales by a rounded 1/n). Sums
 // follow NCCL's algorithm order, not rank order: bounded against the simulator, not bitwise.
+// Tensors come from each device's default memory pool (cudaMallocAsync), which peer access does
+// not cover: every device that can reach another is granted access to its pool, so that NCCL's
+// kernels may read and write peers' buffers directly.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -17,15 +20,18 @@
 #include <map>
 #include <vector>
 
+#include "gpu/device_transport.h"
 #include "gpu/gpu_compute.h"
-#include "sim/rendezvous.h"
 
 namespace tpsim::gpu {
 
-class NcclTransport final : public sim::Transport {
+class NcclTransport final : public DeviceTransport {
  public:
-  // ranks[r] is global rank r's compute, each on its own device. Creates one NCCL stream per rank.
+  // ranks[r] is global rank r's compute, each on its own device. Creates one NCCL stream per rank
+  // and grants every rank's device access to the other devices' default pools where it can.
   NcclTransport(std::vector<GpuCompute*> ranks, std::chrono::milliseconds timeout);
+  // Ends the communicators within the world's timeout and the streams within TPSIM_GPU_TIMEOUT_MS;
+  // leaks what does not finish in time rather than hang.
   ~NcclTransport() override;
   NcclTransport(const NcclTransport&) = delete;
   NcclTransport& operator=(const NcclTransport&) = delete;
@@ -35,11 +41,14 @@ class NcclTransport final : public sim::Transport {
   sim::TransportToken execute(const sim::Collective& c) override;
   void completed(int globalRank, const sim::TransportToken& done) override;
   void abort() override;
+  bool drain(std::chrono::steady_clock::time_point deadline) noexcept override;
 
  private:
   struct Communicators {
     std::vector<ncclComm_t> comms;     // by group rank
-    std::vector<void*> barrierFloats;  // one device float per member: a barrier is a 1-element sum
+    // One device float per member, a barrier being a 1-element sum. Allocated and freed on the
+    // member's NCCL stream: freeing never waits for the whole device, which may be stuck.
+    std::vector<void*> barrierFloats;
   };
   Communicators& communicatorsFor(const std::vector<int>& members);
   // Polls until no communicator reports ncclInProgress; aborts all and throws on an error or at
@@ -49,6 +58,7 @@ class NcclTransport final : public sim::Transport {
 
   std::vector<GpuCompute*> ranks_;
   std::chrono::milliseconds timeout_;
+  long long streamTimeoutMs_;
   std::vector<cudaStream_t> streams_;  // by global rank
   std::map<std::vector<int>, Communicators> comms_;
   bool aborted_ = false;

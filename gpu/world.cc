@@ -56,7 +56,7 @@ GpuWorldOptions worldOptionsFromEnvironment() {
 std::string unusableReason() { return cachedProbe().reason; }
 
 World::World(WorldOptions options, GpuWorldOptions gpuOptions)
-    : rendezvous_("gpu", withGpuDefaults(options)), transport_(gpuOptions.transport) {
+    : rendezvous_("gpu", withGpuDefaults(options)), transport_(gpuOptions.transport), timeoutMs_(deviceTimeoutMs()) {
   const Probe& p = cachedProbe();
   if (!p.hasDevice()) throw BackendError("gpu::World: " + p.reason);
   const int n = rendezvous_.options().size, devices = int(p.devices.size());
@@ -97,10 +97,37 @@ std::string World::description() const {
 GpuCompute& World::compute(int rank) { return static_cast<GpuCompute&>(*computes_.at(std::size_t(rank))); }
 
 void World::run(const std::function<void(RankContext&)>& fn) {
-  rendezvous_.run(fn, computes_, fabric_);
+  try {
+    rendezvous_.run(fn, computes_, fabric_);
+  } catch (...) {
+    drain();
+    throw;
+  }
   // A rank's last collective may still be in flight on the device when its function returns; the
-  // results it downloaded were already waited for, but the next run must not race with it.
-  for (auto& c : computes_) static_cast<GpuCompute&>(*c).synchronize("gpu::World::run");
+  // results it downloaded were already waited for, but the next run must not race with it. A
+  // fault in a collective's kernel first shows in the stream of whichever rank waits next.
+  for (int r = 0; r < size(); ++r) {
+    try {
+      compute(r).synchronize("gpu::World::run");
+    } catch (const BackendError& e) {
+      drain();
+      std::vector<std::string> rankErrors(computes_.size());
+      rankErrors[std::size_t(r)] = e.what();
+      throw WorldError(tpsim::detail::concat("gpu: the device work of rank ", r,
+                                             " failed after its function returned: ", e.what()),
+                       std::move(rankErrors), true, CollectiveFailure::kBackend);
+    }
+  }
+}
+
+void World::drain() noexcept {
+  const auto deadline = deadlineIn(timeoutMs_);
+  fabric_->drain(deadline);
+  for (int r = 0; r < size(); ++r) {
+    const GpuCompute& c = compute(r);
+    if (cudaSetDevice(c.deviceIndex()) == cudaSuccess) pollStream(c.stream(), deadline);
+  }
+  cudaGetLastError();
 }
 
 }  // namespace tpsim::gpu

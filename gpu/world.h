@@ -16,6 +16,7 @@
 
 namespace tpsim::gpu {
 
+class DeviceTransport;
 class GpuCompute;
 
 enum class TransportKind { kAuto, kDeviceFabric, kNccl };
@@ -44,6 +45,8 @@ class World final : public tpsim::World {
 
   int size() const override { return rendezvous_.options().size; }
   std::string description() const override;
+  // A fault that surfaces only after every rank returned (a kernel that failed on the device, a
+  // stream that never finishes) is a WorldError of kind kBackend as well.
   void run(const std::function<void(RankContext&)>& fn) override;
   const std::vector<std::vector<TraceEvent>>& trace() const override { return rendezvous_.trace(); }
 
@@ -52,11 +55,16 @@ class World final : public tpsim::World {
   GpuCompute& compute(int rank);
 
  private:
+  // Waits, within one TPSIM_GPU_TIMEOUT_MS and without throwing, for the transport's and every
+  // rank's device work: after a failure, so that the next run cannot race with the last one.
+  void drain() noexcept;
+
   sim::Rendezvous rendezvous_;
   TransportKind transport_;
+  long long timeoutMs_;
   std::string deviceName_;
   std::vector<std::shared_ptr<Compute>> computes_;
-  std::shared_ptr<sim::Transport> fabric_;
+  std::shared_ptr<DeviceTransport> fabric_;
 };
 
 }  // namespace tpsim::gpu

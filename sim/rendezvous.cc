@@ -373,7 +373,20 @@ class SimWork final : public Work {
 
   ~SimWork() override {
     if (waited_) return;
-    std::lock_guard<std::mutex> lock(run_->mu);
+    std::unique_lock<std::mutex> lock(run_->mu);
+    if (op_->doneToken) {
+      // The transport already enqueued the collective (only executed ones carry a done token):
+      // whatever the world's fate, the rank's later work, the frees of the buffers it is dropping
+      // above all, must be ordered after it, as wait() would have.
+      const TransportToken doneToken = op_->doneToken;
+      lock.unlock();
+      try {
+        run_->transport->completed(self_->rank, doneToken);
+      } catch (...) {
+        // A destructor cannot throw; a transport that fails here fails its next call as well.
+      }
+      lock.lock();
+    }
     if (run_->failed) return;
     if (std::uncaught_exceptions() > 0) {
       // The rank is unwinding and its buffers are going away: the collective must never touch

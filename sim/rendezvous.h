@@ -60,7 +60,8 @@ class Transport {
   // token. Runs once, under the rendezvous lock, on the last member's fiber. The token returned
   // reaches completed(). A throw fails the world with CollectiveFailure::kBackend.
   virtual TransportToken execute(const Collective& c) = 0;
-  // c is complete and globalRank's wait() returns next: order the rank's later work after it.
+  // c is complete and globalRank's wait() returns next, or the rank dropped its Work unwaited:
+  // order the rank's later work after it. Never blocks (a Work's destructor may call it).
   virtual void completed(int globalRank, const TransportToken& done) {
     (void)globalRank;
     (void)done;

@@ -10,7 +10,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,6 +23,7 @@ namespace tpsim::gpu {
 namespace {
 
 using gputest::Bytes;
+using gputest::EnvGuard;
 using gputest::Layout;
 using gputest::Twin;
 
@@ -34,26 +34,6 @@ const Probe& probed() {
 
 #define TPSIM_REQUIRE_DEVICE() \
   if (!probed().hasDevice()) GTEST_SKIP() << probed().reason
-
-// Sets an environment variable for one scope.
-class EnvGuard {
- public:
-  EnvGuard(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
-    setenv(name, value, 1);
-  }
-  ~EnvGuard() {
-    if (had_)
-      setenv(name_, old_.c_str(), 1);
-    else
-      unsetenv(name_);
-  }
-
- private:
-  const char* name_;
-  std::string old_;
-  bool had_ = false;
-};
 
 template <typename Fn>
 void expectThrows(Fn&& fn, const std::string& expected) {

@@ -3,6 +3,7 @@
 // same bytes and compares the whole buffer, so writes outside a view fail too. Used on the kernels
 // run on the host (gpu_element_math_test.cu) and on GpuCompute (gpu_compute_test.cu). Bitwise,
 // NaN matching any NaN (payloads may differ), but GeLU on the GPU, which is held to a bound.
+// Also the gpu tests' environment guard.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -10,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -30,6 +32,28 @@ const DType kAllDTypes[] = {DType::kFloat32, DType::kBFloat16,   DType::kFloat16
 const DType kFloating[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat64};
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Sets an environment variable for one scope.
+class EnvGuard {
+ public:
+  EnvGuard(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
+    setenv(name, value, 1);
+  }
+  ~EnvGuard() {
+    if (had_)
+      setenv(name_, old_.c_str(), 1);
+    else
+      unsetenv(name_);
+  }
+  EnvGuard(const EnvGuard&) = delete;
+  EnvGuard& operator=(const EnvGuard&) = delete;
+
+ private:
+  const char* name_;
+  std::string old_;
+  bool had_ = false;
+};
 
 // ---- Elements -----------------------------------------------------------------------------------
 

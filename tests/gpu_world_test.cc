@@ -2,18 +2,23 @@
 // the same failures. DeviceFabric results must be bitwise equal to the simulator's (rank-order
 // sums with the same roundings); NCCL's are checked where the order cannot matter. Every test
 // skips with the probe's reason where no CUDA device is usable.
+#include <cuda_runtime_api.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <random>
 #include <thread>
 
+#include "gpu/check.h"
 #include "gpu/device.h"
+#include "gpu/gpu_compute.h"
 #include "gpu/world.h"
 #include "sim/world.h"
+#include "tests/gpu_test_util.h"
 #include "tests/sim_test_util.h"
 
 namespace tpsim {
@@ -127,7 +132,8 @@ TEST(FabricVsSim, EveryCollectiveDtypeSizeAndRankCountIsBitwiseEqual) {
 
 // NCCL with one rank per GPU: a world of one rank runs on every GPU machine; larger worlds need as
 // many devices. With one or two ranks every sum is bitwise (a + b is the same in either order),
-// and a mean is one division after the sum, as on the simulator.
+// and a mean is one division after the sum, as on the simulator. In place as well: NCCL's
+// allToAll is per-peer sends and receives, which the transport must not let overwrite its input.
 TEST(NcclWorld, OneAndTwoRankWorldsMatchTheSimulatorBitwise) {
   SKIP_WITHOUT_GPU();
   const int devices = int(gpu::probe().devices.size());
@@ -146,10 +152,13 @@ TEST(NcclWorld, OneAndTwoRankWorldsMatchTheSimulatorBitwise) {
     for (Op op : {Op::kAllReduceSum, Op::kAllReduceMean, Op::kReduceScatterSum, Op::kReduceScatterMean,
                   Op::kAllGather, Op::kBroadcast, Op::kAllToAll})
       for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat64}) {
-        const auto want = runCollective(onSim, op, dtype, 1000, false, 11);
-        const auto got = runCollective(onGpu, op, dtype, 1000, false, 11);
-        for (int r = 0; r < n; ++r)
-          EXPECT_TRUE(got[r] == want[r]) << opName(op) << " " << dtypeName(dtype) << " n=" << n << " rank " << r;
+        for (bool inPlace : {false, true}) {
+          const auto want = runCollective(onSim, op, dtype, 1000, inPlace, 11);
+          const auto got = runCollective(onGpu, op, dtype, 1000, inPlace, 11);
+          for (int r = 0; r < n; ++r)
+            EXPECT_TRUE(got[r] == want[r]) << opName(op) << " " << dtypeName(dtype) << (inPlace ? " in place" : "")
+                                           << " n=" << n << " rank " << r;
+        }
       }
   }
 }
@@ -233,6 +242,71 @@ TEST(GpuWorldFailures, MismatchDeadlockPeerFailureTimeoutAndDroppedWork) {
     ctx.comm.barrier()->wait();
   });
   EXPECT_EQ(dropped.kind(), CollectiveFailure::kDroppedWork);
+}
+
+// A rank that throws past a collective every member issued (its Work dies unwaited, its buffer is
+// freed) still orders the free after the collective, and run() lets the device settle before it
+// throws: the same world then runs as if nothing had happened.
+TEST(GpuWorldFailures, ARankThrowingPastAnExecutedCollectiveLeavesTheWorldUsable) {
+  SKIP_WITHOUT_GPU();
+  WorldOptions o;
+  o.size = 4;
+  gpu::World world(o, {gpu::TransportKind::kDeviceFabric, 0});
+  try {
+    world.run([](RankContext& ctx) {
+      Tensor x = ctx.compute.empty({1 << 22}, DType::kFloat32);
+      ctx.compute.fill(x, 1.0);
+      auto sum = ctx.comm.allReduce(x);
+      ctx.comm.barrier()->wait();  // every member issued the allReduce: it is on the device
+      if (ctx.comm.rank() == 0) throw InvalidArgument("rank 0 gave up");
+      sum->wait();
+    });
+    ADD_FAILURE() << "run() returned normally";
+  } catch (const WorldError& e) {
+    EXPECT_FALSE(e.causeIsCollective());
+    EXPECT_THAT(e.rankErrors()[0], HasSubstr("rank 0 gave up"));
+  }
+  sim::World onSim(o);
+  const auto want = runCollective(onSim, Op::kAllReduceSum, DType::kFloat32, 1 << 20, false, 5);
+  const auto got = runCollective(world, Op::kAllReduceSum, DType::kFloat32, 1 << 20, false, 5);
+  for (int r = 0; r < o.size; ++r) EXPECT_TRUE(got[r] == want[r]) << "rank " << r;
+}
+
+// Holds a stream from the host: a host function on it returns only once `released` is set.
+std::atomic<bool> released{true};
+void CUDART_CB waitForRelease(void*) {
+  while (!released.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+
+// A stream that never finishes (a kernel that hangs, here a host function that waits) fails run()
+// with kBackend within TPSIM_GPU_TIMEOUT_MS, and the world's teardown returns instead of hanging.
+TEST(GpuWorldFailures, AStuckStreamFailsRunAndTeardownWithinTheDeadline) {
+  SKIP_WITHOUT_GPU();
+  gputest::EnvGuard env("TPSIM_GPU_TIMEOUT_MS", "300");
+  released = false;
+  const auto start = std::chrono::steady_clock::now();
+  {
+    WorldOptions o;
+    o.size = 2;
+    gpu::World world(o, {gpu::TransportKind::kDeviceFabric, 0});
+    try {
+      world.run([](RankContext& ctx) {
+        Tensor x = ctx.compute.zeros({4}, DType::kFloat32);
+        if (ctx.comm.rank() == 0)
+          TPSIM_CUDA_CHECK(cudaLaunchHostFunc(static_cast<gpu::GpuCompute&>(ctx.compute).stream(), waitForRelease,
+                                              nullptr));
+        ctx.comm.allReduce(x)->wait();  // the fabric's stream, and rank 1's after it, wait for rank 0's
+      });
+      ADD_FAILURE() << "run() returned normally";
+    } catch (const WorldError& e) {
+      EXPECT_TRUE(e.causeIsCollective());
+      EXPECT_EQ(e.kind(), CollectiveFailure::kBackend);
+      EXPECT_THAT(e.what(), HasSubstr("gpu: the device work of rank 0 failed after its function returned"));
+      EXPECT_THAT(e.rankErrors()[0], HasSubstr("did not finish within 300 ms (TPSIM_GPU_TIMEOUT_MS)"));
+    }
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  released = true;  // the streams the world left behind drain on their own
 }
 
 // Rank code that never reads a result on the host still ends with its collectives done: the next

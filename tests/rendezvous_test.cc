@@ -1,7 +1,8 @@
 // The rendezvous' contract with its transport, which every world (sim, gpu) relies on: each
 // member's issue token reaches execute(), execute() runs once per collective after every member
 // issued, its token reaches completed() on every member, and a transport that throws fails the
-// world with the same kBackend error on every rank (and aborts the transport once).
+// world with the same kBackend error on every rank (and aborts the transport once). A Work dropped
+// while its rank unwinds still reaches completed() when its collective was executed.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -125,6 +126,33 @@ TEST_P(RendezvousTest, ATransportErrorFailsEveryRankWithTheSameBackendError) {
   }
   EXPECT_EQ(transport->executed_.size(), 2u);
   EXPECT_EQ(transport->aborts_, 1);
+}
+
+TEST_P(RendezvousTest, ARankUnwindingPastAnExecutedCollectiveStillOrdersItsWorkAfterIt) {
+  constexpr int kRanks = 3;
+  sim::Rendezvous rendezvous("sim", options(kRanks, GetParam()));
+  auto transport = std::make_shared<RecordingTransport>();
+  try {
+    rendezvous.run(
+        [](RankContext& ctx) {
+          Tensor x = ctx.compute.zeros({2}, DType::kFloat32);  // (2)
+          auto sum = ctx.comm.allReduce(x);
+          // Once the barrier completes every member has issued the allReduce: it was executed.
+          ctx.comm.barrier()->wait();
+          if (ctx.comm.rank() == 0) throw InvalidArgument("rank 0 gave up");
+          sum->wait();
+        },
+        computes(kRanks), transport);
+    FAIL() << "run() returned normally";
+  } catch (const WorldError& e) {
+    EXPECT_FALSE(e.causeIsCollective());
+    EXPECT_THAT(e.rankErrors()[0], HasSubstr("rank 0 gave up"));
+  }
+  ASSERT_EQ(transport->executed_.size(), 2u);
+  // Rank 0 never waited on the allReduce (execute index 0), yet it reached completed() for it.
+  std::vector<std::pair<int, int>> done = transport->completed_;
+  std::sort(done.begin(), done.end());
+  EXPECT_EQ(done, (std::vector<std::pair<int, int>>{{0, 0}, {0, 1}, {1, 0}, {1, 1}, {2, 0}, {2, 1}}));
 }
 
 INSTANTIATE_TEST_SUITE_P(Threads, RendezvousTest, ::testing::Values(1, 2),
