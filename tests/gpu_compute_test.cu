@@ -7,9 +7,11 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -292,25 +294,26 @@ void checkGemmCase(sim::SimCompute& sim, GpuCompute& gpu, std::int64_t m, std::i
     }
 }
 
+// checkGemmCase for every shape (m, k, n), dtype pair, layout of a, b and c (every gemmLayout, or
+// the dense and transposed ones) and (alpha, beta), each view `offset` elements into its buffer.
+void checkGemmCases(sim::SimCompute& sim, GpuCompute& gpu, const std::vector<std::array<std::int64_t, 3>>& shapes,
+                    const std::vector<GemmDTypes>& dtypes, bool allLayouts,
+                    const std::vector<std::array<float, 2>>& scales, gputest::Rng& rng, std::int64_t offset = 0) {
+  for (const auto& s : shapes)
+    for (GemmDTypes dt : dtypes)
+      for (const Layout& la : gemmLayouts(Shape{s[0], s[1]}, allLayouts))
+        for (const Layout& lb : gemmLayouts(Shape{s[1], s[2]}, allLayouts))
+          for (const Layout& lc : gemmLayouts(Shape{s[0], s[2]}, allLayouts))
+            for (const auto& ab : scales)
+              checkGemmCase(sim, gpu, s[0], s[1], s[2], dt, la, lb, lc, ab[0], ab[1], rng, offset);
+}
+
 TEST_F(GpuComputeTest, GemmIsWithinTheBoundForEveryDtypeAndLayout) {
   gputest::Rng rng(20);
-  const float scales[][2] = {{1.f, 0.f}, {1.f, 1.f}, {0.75f, -0.5f}};  // (alpha, beta)
-  const std::int64_t small[][3] = {{7, 13, 5}, {3, 1, 4}, {1, 40, 1}, {6, 2, 1}};
-  for (const auto& s : small)
-    for (GemmDTypes dt : kGemmDTypes)
-      for (const Layout& la : gemmLayouts(Shape{s[0], s[1]}, true))
-        for (const Layout& lb : gemmLayouts(Shape{s[1], s[2]}, true))
-          for (const Layout& lc : gemmLayouts(Shape{s[0], s[2]}, true))
-            for (const auto& ab : scales)
-              checkGemmCase(sim_, *gpu_, s[0], s[1], s[2], dt, la, lb, lc, ab[0], ab[1], rng);
-  const std::int64_t large[][3] = {{64, 128, 96}, {33, 257, 65}, {5, 1000, 3}, {128, 1, 64}};
-  for (const auto& s : large)
-    for (GemmDTypes dt : kGemmDTypes)
-      for (const Layout& la : gemmLayouts(Shape{s[0], s[1]}, false))
-        for (const Layout& lb : gemmLayouts(Shape{s[1], s[2]}, false))
-          for (const Layout& lc : gemmLayouts(Shape{s[0], s[2]}, false))
-            for (const auto& ab : scales)
-              checkGemmCase(sim_, *gpu_, s[0], s[1], s[2], dt, la, lb, lc, ab[0], ab[1], rng);
+  const std::vector<GemmDTypes> dtypes(std::begin(kGemmDTypes), std::end(kGemmDTypes));
+  const std::vector<std::array<float, 2>> scales = {{1.f, 0.f}, {1.f, 1.f}, {0.75f, -0.5f}};  // (alpha, beta)
+  checkGemmCases(sim_, *gpu_, {{7, 13, 5}, {3, 1, 4}, {1, 40, 1}, {6, 2, 1}}, dtypes, true, scales, rng);
+  checkGemmCases(sim_, *gpu_, {{64, 128, 96}, {33, 257, 65}, {5, 1000, 3}, {128, 1, 64}}, dtypes, false, scales, rng);
 }
 
 // Views one element into their buffers are only 2-byte (bf16) or 4-byte (fp32) aligned, below
@@ -318,16 +321,9 @@ TEST_F(GpuComputeTest, GemmIsWithinTheBoundForEveryDtypeAndLayout) {
 // (the MIN_ALIGNMENT preferences), whatever the leading dimensions allow.
 TEST_F(GpuComputeTest, GemmOnViewsLessAlignedThanTheirBuffersIsWithinTheBound) {
   gputest::Rng rng(23);
-  const GemmDTypes dtypes[] = {{DType::kBFloat16, DType::kBFloat16}, {DType::kFloat32, DType::kFloat32}};
-  const float scales[][2] = {{1.f, 0.f}, {0.75f, -0.5f}};  // (alpha, beta)
-  const std::int64_t shapes[][3] = {{7, 13, 5}, {64, 128, 96}, {33, 257, 65}};
-  for (const auto& s : shapes)
-    for (GemmDTypes dt : dtypes)
-      for (const Layout& la : gemmLayouts(Shape{s[0], s[1]}, false))
-        for (const Layout& lb : gemmLayouts(Shape{s[1], s[2]}, false))
-          for (const Layout& lc : gemmLayouts(Shape{s[0], s[2]}, false))
-            for (const auto& ab : scales)
-              checkGemmCase(sim_, *gpu_, s[0], s[1], s[2], dt, la, lb, lc, ab[0], ab[1], rng, /*offset=*/1);
+  checkGemmCases(sim_, *gpu_, {{7, 13, 5}, {64, 128, 96}, {33, 257, 65}},
+                 {{DType::kBFloat16, DType::kBFloat16}, {DType::kFloat32, DType::kFloat32}}, false,
+                 {{1.f, 0.f}, {0.75f, -0.5f}}, rng, /*offset=*/1);
 }
 
 // M = 0 or N = 0 do nothing; K = 0 leaves c = beta·c (0 for beta = 0, even over NaN).
@@ -421,18 +417,32 @@ TEST(GpuComputeDeadline, HostWaitsTimeOutInsteadOfHanging) {
   EXPECT_EQ(host, std::vector<float>(4, 0.f));
 }
 
-TEST(GpuComputeSync, SyncModeWaitsAfterEveryOp) {
-  TPSIM_REQUIRE_DEVICE();
-  EnvGuard env("TPSIM_GPU_SYNC", "1");
-  GpuCompute gpu(0);
-  sim::SimCompute sim;
-  gputest::checkAxpy(sim, gpu);
+// A bf16 product of zeros, with fp32 output, downloaded: every element 0.
+void expectZeroProduct(GpuCompute& gpu) {
   Tensor a = gpu.zeros({8, 16}, DType::kBFloat16), b = gpu.zeros({16, 4}, DType::kBFloat16);
   Tensor c = gpu.empty({8, 4}, DType::kFloat32);  // (8, 4)
   gpu.gemm(a, b, c);
   std::vector<float> host(32, 1.f);
   gpu.download(c, host.data());
   EXPECT_EQ(host, std::vector<float>(32, 0.f));
+}
+
+// A new GpuCompute on device 0 allocates, fills and downloads.
+void expectDeviceUsable() {
+  GpuCompute again(0);
+  Tensor u = again.zeros({4}, DType::kFloat64);  // (4)
+  std::vector<double> host(4, 1.0);
+  again.download(u, host.data());
+  EXPECT_EQ(host, std::vector<double>(4, 0.0));
+}
+
+TEST(GpuComputeSync, SyncModeWaitsAfterEveryOp) {
+  TPSIM_REQUIRE_DEVICE();
+  EnvGuard env("TPSIM_GPU_SYNC", "1");
+  GpuCompute gpu(0);
+  sim::SimCompute sim;
+  gputest::checkAxpy(sim, gpu);
+  expectZeroProduct(gpu);
 }
 
 // A tensor may outlive the GpuCompute that made it; it is then freed on the legacy default stream.
@@ -446,11 +456,7 @@ TEST(GpuComputeLifetime, TensorsMayOutliveTheirGpuCompute) {
     gpu.synchronize("test");
   }
   t = Tensor();
-  GpuCompute again(0);
-  Tensor u = again.zeros({4}, DType::kFloat64);  // (4)
-  std::vector<double> host(4, 1.0);
-  again.download(u, host.data());
-  EXPECT_EQ(host, std::vector<double>(4, 0.0));
+  expectDeviceUsable();
 }
 
 // A rank's teardown waits for its own stream only: another rank's stuck kernel neither delays nor
@@ -459,12 +465,7 @@ TEST(GpuComputeLifetime, RanksComeAndGoWhileAnotherStreamIsStuck) {
   TPSIM_REQUIRE_DEVICE();
   const auto gemmOnce = [] {
     GpuCompute rank(0);
-    Tensor a = rank.zeros({8, 16}, DType::kBFloat16), b = rank.zeros({16, 4}, DType::kBFloat16);
-    Tensor c = rank.empty({8, 4}, DType::kFloat32);  // (8, 4)
-    rank.gemm(a, b, c);
-    std::vector<float> host(32, 1.f);
-    rank.download(c, host.data());
-    EXPECT_EQ(host, std::vector<float>(32, 0.f));
+    expectZeroProduct(rank);
   };
   gemmOnce();  // loads the kernels first: lazy module loading is not what this test is about
   GpuCompute other(0);
@@ -489,11 +490,7 @@ TEST(GpuComputeLifetime, AStuckRankIsDestroyedWithinTheDeadline) {
   t = Tensor();
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
   stuck.release();
-  GpuCompute again(0);
-  Tensor u = again.zeros({4}, DType::kFloat64);  // (4)
-  std::vector<double> host(4, 1.0);
-  again.download(u, host.data());
-  EXPECT_EQ(host, std::vector<double>(4, 0.0));
+  expectDeviceUsable();
 }
 
 // Two ranks on one device run on their own streams; their results do not mix.
