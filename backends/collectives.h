@@ -74,6 +74,8 @@ class Work {
   virtual bool isCompleted() = 0;
 };
 
+// Each op's in and out are disjoint or in its in-place form below; any other overlap is rejected,
+// as NCCL and the DeviceFabric give it no defined result.
 class Collectives {
  public:
   virtual ~Collectives() = default;

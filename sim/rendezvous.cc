@@ -454,6 +454,7 @@ class SimCollectives final : public Collectives {
 
   std::unique_ptr<Work> allReduce(ConstView in, View out, const AllReduceOptions& opts) override {
     checkBuffers("allReduce", in, out);
+    checkOverlap("allReduce", in, out, 0, "in == out");
     checkReducible("allReduce", in);
     TPSIM_CHECK(in.numel() == out.numel(), where("allReduce"), ": out must have in's ", in.numel(),
                 " elements, got ", out.str());
@@ -463,6 +464,7 @@ class SimCollectives final : public Collectives {
 
   std::unique_ptr<Work> allGather(ConstView in, View out, const CollectiveOptions& opts) override {
     checkBuffers("allGather", in, out);
+    checkOverlap("allGather", in, out, rank_ * in.numel(), "in == out + r·in.numel(), this rank's block of out");
     TPSIM_CHECK(out.numel() == size() * in.numel(), where("allGather"), ": out must have n·in = ", size(),
                 "·", in.numel(), " elements, got ", out.str());
     Fingerprint fp{OpKind::kAllGather, in.dtype(), in.numel(), out.numel(), ReduceOp::kSum, 0, {}};
@@ -471,6 +473,7 @@ class SimCollectives final : public Collectives {
 
   std::unique_ptr<Work> reduceScatter(ConstView in, View out, const ReduceScatterOptions& opts) override {
     checkBuffers("reduceScatter", in, out);
+    checkOverlap("reduceScatter", in, out, -rank_ * out.numel(), "out == in + r·out.numel(), this rank's block of in");
     checkReducible("reduceScatter", in);
     TPSIM_CHECK(in.numel() == size() * out.numel(), where("reduceScatter"), ": in must have n·out = ", size(),
                 "·", out.numel(), " elements, got ", in.str(), "; in's dim 0 must divide by the group size");
@@ -482,6 +485,7 @@ class SimCollectives final : public Collectives {
     TPSIM_CHECK(opts.root >= 0 && opts.root < size(), where("broadcast"), ": root must be in [0, ", size(),
                 "), got ", opts.root);
     checkBuffers("broadcast", rank_ == opts.root ? in : ConstView(out), out);
+    if (rank_ == opts.root) checkOverlap("broadcast", in, out, 0, "in == out");
     TPSIM_CHECK(rank_ != opts.root || in.numel() == out.numel(), where("broadcast"),
                 ": out must have in's ", in.numel(), " elements, got ", out.str());
     Fingerprint fp{OpKind::kBroadcast, out.dtype(), out.numel(), out.numel(), ReduceOp::kSum, opts.root, {}};
@@ -490,6 +494,7 @@ class SimCollectives final : public Collectives {
 
   std::unique_ptr<Work> allToAll(ConstView in, View out, const CollectiveOptions& opts) override {
     checkBuffers("allToAll", in, out);
+    checkOverlap("allToAll", in, out, 0, "in == out");
     TPSIM_CHECK(in.numel() == out.numel() && in.numel() % size() == 0, where("allToAll"),
                 ": in and out must have the same element count, divisible by the group size ", size(),
                 ", got in ", in.str(), ", out ", out.str());
@@ -528,6 +533,26 @@ class SimCollectives final : public Collectives {
     TPSIM_CHECK(in.device() == device && out.device() == device, where(op),
                 ": buffers must be ", deviceName(device), " memory on this world, got ",
                 deviceName(in.device()), " and ", deviceName(out.device()));
+  }
+
+  // NCCL and the DeviceFabric read and write the buffers from many threads at once, so buffers that
+  // overlap in any other way than the documented in-place form (in starting inPlaceOffset elements
+  // after out) have no defined result there; the simulator, which stages through scratch, would
+  // hide that. Disjoint buffers always pass.
+  void checkOverlap(const char* op, ConstView in, ConstView out, std::int64_t inPlaceOffset,
+                    const char* inPlaceForm) const {
+    const auto inBegin = reinterpret_cast<std::uintptr_t>(in.data());
+    const auto outBegin = reinterpret_cast<std::uintptr_t>(out.data());
+    const std::int64_t esize = std::int64_t(dtypeSize(in.dtype()));
+    const std::uintptr_t inEnd = inBegin + std::uintptr_t(in.numel() * esize);
+    const std::uintptr_t outEnd = outBegin + std::uintptr_t(out.numel() * esize);
+    if (inBegin == inEnd || outBegin == outEnd || inEnd <= outBegin || outEnd <= inBegin) return;
+    const std::int64_t offset = std::int64_t(inBegin - outBegin);  // negative when in starts first
+    const std::int64_t distance = offset < 0 ? -offset : offset;
+    TPSIM_CHECK(offset == inPlaceOffset * esize, where(op),
+                ": in and out overlap; expected disjoint buffers or the in-place form ", inPlaceForm, ", got in = out ",
+                offset < 0 ? "- " : "+ ", distance % esize == 0 ? distance / esize : distance,
+                distance % esize == 0 ? " elements" : " bytes", " (in ", in.str(), ", out ", out.str(), ")");
   }
 
   // fp8 data is only moved: E4M3 values carry separate block scales, so their sum is meaningless.

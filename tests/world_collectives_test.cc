@@ -170,6 +170,41 @@ TEST(Collectives, Fp8IsMovedButNeverReduced) {
   });
 }
 
+// Disjoint buffers and each op's documented in-place form pass; any other overlap is rejected on
+// the rank that passes it, before anything is issued (NCCL and the DeviceFabric give it no defined
+// result), and the world goes on.
+TEST(Collectives, BuffersOverlappingOtherThanInPlaceAreRejected) {
+  runRanks(2, [](RankContext& ctx) {
+    const int r = ctx.comm.rank(), other = 1 - r;
+    const std::string on = " on world[0,1] (rank " + std::to_string(r) + "): in and out overlap; expected disjoint "
+                           "buffers or the in-place form ";
+    Tensor buffer = tensorOf(ctx.compute, DType::kFloat32, {1, 2, 3, 4, 5, 6, 7, 8});
+    const View all = buffer.view();
+    auto part = [&](std::int64_t begin, std::int64_t end) { return all.slice(0, begin, end); };
+    EXPECT_EQ(testing::errorOf([&] { ctx.comm.allReduce(part(0, 4), part(1, 5))->wait(); }),
+              "allReduce" + on + "in == out, got in = out - 1 elements (in fp32 (4,), out fp32 (4,))");
+    EXPECT_EQ(testing::errorOf([&] { ctx.comm.allGather(part(2 * other, 2 * other + 2), part(0, 4))->wait(); }),
+              "allGather" + on + "in == out + r·in.numel(), this rank's block of out, got in = out + " +
+                  std::to_string(2 * other) + " elements (in fp32 (2,), out fp32 (4,))");
+    EXPECT_EQ(testing::errorOf([&] { ctx.comm.reduceScatter(part(0, 4), part(2 * other, 2 * other + 2))->wait(); }),
+              "reduceScatter" + on + "out == in + r·out.numel(), this rank's block of in, got in = out " +
+                  (other == 0 ? "+ 0" : "- 2") + " elements (in fp32 (4,), out fp32 (2,))");
+    EXPECT_EQ(testing::errorOf([&] { ctx.comm.broadcast(part(0, 4), part(2, 6), BroadcastOptions{r})->wait(); }),
+              "broadcast" + on + "in == out, got in = out - 2 elements (in fp32 (4,), out fp32 (4,))");
+    const View bytes(static_cast<char*>(all.data()) + 2, Shape{4}, DType::kFloat32, all.device());
+    EXPECT_EQ(testing::errorOf([&] { ctx.comm.allToAll(part(0, 4), bytes)->wait(); }),
+              "allToAll" + on + "in == out, got in = out - 2 bytes (in fp32 (4,), out fp32 (4,))");
+
+    // The in-place forms and disjoint buffers: rank r's block of (1..4) + (1..4) is (2r+1, 2r+2)·2.
+    ctx.comm.reduceScatter(part(0, 4), part(2 * r, 2 * r + 2))->wait();
+    EXPECT_EQ(valuesOf(ctx.compute, part(2 * r, 2 * r + 2)), (std::vector<double>{4.0 * r + 2, 4.0 * r + 4}));
+    ctx.comm.allGather(part(2 * r, 2 * r + 2), part(0, 4))->wait();
+    EXPECT_EQ(valuesOf(ctx.compute, part(0, 4)), (std::vector<double>{2, 4, 6, 8}));
+    ctx.comm.allReduce(part(0, 4), part(4, 8))->wait();
+    EXPECT_EQ(valuesOf(ctx.compute, part(4, 8)), (std::vector<double>{4, 8, 12, 16}));
+  });
+}
+
 TEST(Collectives, IntegerMeanTruncates) {
   runRanks(3, [](RankContext& ctx) {
     Tensor x = tensorOf(ctx.compute, DType::kInt64, {double(ctx.comm.rank()), -double(ctx.comm.rank())});
