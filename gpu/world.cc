@@ -62,16 +62,14 @@ World::World(WorldOptions options, GpuWorldOptions gpuOptions)
   const int n = rendezvous_.options().size, devices = int(p.devices.size());
   if (transport_ == TransportKind::kAuto)
     transport_ = devices >= n ? TransportKind::kNccl : TransportKind::kDeviceFabric;
-  std::vector<GpuCompute*> ranks;
   if (transport_ == TransportKind::kNccl) {
     TPSIM_CHECK(devices >= n, "gpu::World: the NCCL transport needs one GPU per rank: ", n, " ranks, ", devices,
                 " CUDA device(s); NCCL refuses two ranks of a communicator on one GPU (use TPSIM_GPU_TRANSPORT=fabric)");
     for (int r = 0; r < n; ++r) {
       auto c = std::make_shared<GpuCompute>(r);
-      ranks.push_back(c.get());
+      ranks_.push_back(c.get());
       computes_.push_back(std::move(c));
     }
-    fabric_ = std::make_shared<NcclTransport>(ranks, rendezvous_.options().timeout);
     deviceName_ = tpsim::detail::concat(n, " x ", p.devices[0].name);
   } else {
     TPSIM_CHECK(gpuOptions.device >= 0 && gpuOptions.device < devices, "gpu::World: device must be in [0, ", devices,
@@ -80,12 +78,17 @@ World::World(WorldOptions options, GpuWorldOptions gpuOptions)
                 " ranks on one GPU, got ", n);
     for (int r = 0; r < n; ++r) {
       auto c = std::make_shared<GpuCompute>(gpuOptions.device);
-      ranks.push_back(c.get());
+      ranks_.push_back(c.get());
       computes_.push_back(std::move(c));
     }
-    fabric_ = std::make_shared<DeviceFabric>(gpuOptions.device, ranks);
     deviceName_ = p.devices[gpuOptions.device].name;
   }
+  fabric_ = makeTransport();
+}
+
+std::shared_ptr<DeviceTransport> World::makeTransport() {
+  if (transport_ == TransportKind::kNccl) return std::make_shared<NcclTransport>(ranks_, rendezvous_.options().timeout);
+  return std::make_shared<DeviceFabric>(ranks_.front()->deviceIndex(), ranks_);
 }
 
 World::~World() = default;
@@ -97,10 +100,16 @@ std::string World::description() const {
 GpuCompute& World::compute(int rank) { return static_cast<GpuCompute&>(*computes_.at(std::size_t(rank))); }
 
 void World::run(const std::function<void(RankContext&)>& fn) {
+  if (transportAborted_) {
+    // Ranks abandoned by the failed run may still hold the old transport; it goes with the last.
+    fabric_ = makeTransport();
+    transportAborted_ = false;
+  }
   try {
     rendezvous_.run(fn, computes_, fabric_);
   } catch (...) {
     drain();
+    transportAborted_ = transport_ == TransportKind::kNccl;  // the DeviceFabric has nothing to abort
     throw;
   }
   // A rank's last collective may still be in flight on the device when its function returns; the

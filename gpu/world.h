@@ -47,6 +47,8 @@ class World final : public tpsim::World {
   std::string description() const override;
   // A fault that surfaces only after every rank returned (a kernel that failed on the device, a
   // stream that never finishes) is a WorldError of kind kBackend as well.
+  // A failed run aborts NCCL's communicators; the next run gets new ones, so a world stays usable
+  // after a failure on either transport, as on the simulator.
   void run(const std::function<void(RankContext&)>& fn) override;
   const std::vector<std::vector<TraceEvent>>& trace() const override { return rendezvous_.trace(); }
 
@@ -59,12 +61,16 @@ class World final : public tpsim::World {
   // rank's device work: after a failure, so that the next run cannot race with the last one.
   void drain() noexcept;
 
+  std::shared_ptr<DeviceTransport> makeTransport();
+
   sim::Rendezvous rendezvous_;
   TransportKind transport_;
   long long timeoutMs_;
   std::string deviceName_;
   std::vector<std::shared_ptr<Compute>> computes_;
+  std::vector<GpuCompute*> ranks_;  // computes_, by rank
   std::shared_ptr<DeviceTransport> fabric_;
+  bool transportAborted_ = false;  // by the last run's failure
 };
 
 }  // namespace tpsim::gpu

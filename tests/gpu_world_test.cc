@@ -163,6 +163,29 @@ TEST(NcclWorld, OneAndTwoRankWorldsMatchTheSimulatorBitwise) {
   }
 }
 
+// A failed run aborts the NCCL communicators (nothing may wait on them); the same world then runs
+// on new ones, as a simulator world does after a failure.
+TEST(NcclWorld, AFailedRunLeavesTheWorldUsable) {
+  SKIP_WITHOUT_GPU();
+  WorldOptions o;
+  o.size = 1;
+  gpu::World world(o, {gpu::TransportKind::kNccl, 0});
+  EXPECT_THAT(
+      [&] {
+        world.run([](RankContext& ctx) {
+          Tensor x = ctx.compute.zeros({4}, DType::kFloat32);
+          ctx.comm.allReduce(x)->wait();  // the communicators exist, and the failure aborts them
+          throw InvalidArgument("rank 0 gave up");
+        });
+      },
+      ::testing::ThrowsMessage<WorldError>(HasSubstr("rank 0 gave up")));
+  sim::World onSim(o);
+  for (Op op : {Op::kAllReduceSum, Op::kAllGather})
+    EXPECT_TRUE(runCollective(world, op, DType::kFloat32, 1000, false, 3) ==
+                runCollective(onSim, op, DType::kFloat32, 1000, false, 3))
+        << opName(op);
+}
+
 TEST(NcclWorld, MoreRanksThanDevicesIsRefusedWithTheReason) {
   SKIP_WITHOUT_GPU();
   WorldOptions o;
