@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <new>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -245,7 +246,13 @@ Tensor GpuCompute::empty(Shape shape, DType dtype) {
   // Never 0 bytes, so that the Tensor stays defined (as SimCompute's).
   const std::size_t bytes = std::max<std::size_t>(std::size_t(shape.numel()) * dtypeSize(dtype), 1);
   void* p = nullptr;
-  TPSIM_CUDA_CHECK(cudaMallocAsync(&p, bytes, stream_));
+  const cudaError_t allocated = cudaMallocAsync(&p, bytes, stream_);
+  if (allocated == cudaErrorMemoryAllocation) {
+    // An allocation failure, as SimCompute's: the caller's size is too large (the CLI exits 2).
+    cudaGetLastError();
+    throw std::bad_alloc();
+  }
+  TPSIM_CUDA_CHECK(allocated);
   Allocations::instance().add(p, owner_);
   finish("empty");
   return Tensor(p, shape, dtype, Device::kCuda, &freeDevice);

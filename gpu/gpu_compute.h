@@ -28,7 +28,8 @@ struct StreamOwner;  // the device and stream a tensor is freed on (gpu_compute.
 //    checks the values before writing any). Those waits poll against TPSIM_GPU_TIMEOUT_MS
 //    (default 60000) and throw BackendError naming the op instead of hanging.
 //  - TPSIM_GPU_SYNC=1 waits for and checks every op before it returns (for debugging).
-//  - empty() is stream-ordered (cudaMallocAsync on stream()); the Tensor frees it on the same
+//  - empty() is stream-ordered (cudaMallocAsync on stream()) and throws std::bad_alloc when the
+//    device is out of memory, as SimCompute does on the host; the Tensor frees it on the same
 //    stream, so work on other streams that uses it must be ordered before the free. A tensor may
 //    outlive its GpuCompute; it is then freed on the legacy default stream, or leaked when that
 //    GpuCompute's stream did not drain within the deadline.

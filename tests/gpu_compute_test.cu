@@ -120,6 +120,8 @@ TEST_F(GpuComputeTest, EmptyIsCudaMemoryOnTheRanksDevice) {
     EXPECT_EQ(attr.type, cudaMemoryTypeDevice);
     EXPECT_EQ(attr.device, 0);
   }
+  // More than any device holds: an allocation failure, as on the simulator, not a backend fault.
+  EXPECT_THROW(gpu_->empty({std::int64_t(1) << 38}, DType::kFloat32), std::bad_alloc);  // 1 TiB
   Tensor none = gpu_->empty({0, 7}, DType::kFloat32);
   EXPECT_TRUE(none.defined());
   Tensor z = gpu_->zeros({4, 4}, DType::kBFloat16);  // (4, 4)
