@@ -1,19 +1,24 @@
 // The backend registry and the cross-backend laws. Every other property runs on each usable
 // backend in turn; these run the same case on two backends and compare:
-//   an exact layer case gives bitwise the same results on sim and gpu (forward, dgrad, wgrad);
-//   a real layer case agrees within the data-derived bound on both, and they differ by at most the
-//     sum of the two bounds;
-//   the duplicate filters pass the same parameters on the same ranks on both;
+//   an exact layer case gives bitwise the same results on sim and gpu (forward, dgrad, wgrad, with
+//     and without GTP_remat);
+//   a real layer case agrees within the data-derived bound on both, and they differ by at most
+//     twice the gpu's;
+//   every collective gives the simulator's bits (the DeviceFabric sums in rank order);
 //   on the simulator, results do not depend on the number of worker threads (bitwise).
-// Without a usable gpu backend the sim-vs-gpu properties SKIP with the reason, never pass.
+// The duplicate filters (invariant_props.cc) and the grad norm and zero counts (gtp_props.cc) have
+// their cross-backend laws next to their own. Without a usable gpu backend the sim-vs-gpu
+// properties SKIP with the reason, never pass.
+#include <cmath>
+#include <cstdio>
 #include <mutex>
+#include <random>
 
-#include "core/attributes.h"
-#include "core/layers.h"
-#include "core/process_groups.h"
 #include "props/backends.h"
 #include "props/generators.h"
 #include "props/harness.h"
+#include "props/rank_checks.h"
+#include "tests/sim_test_util.h"
 #include "tools/reference.h"
 #include "tpsim_config.h"
 
@@ -28,11 +33,6 @@ constexpr int kThreadCases = 1500;
 const std::vector<LayerKind> kAllKinds = {LayerKind::kColumn, LayerKind::kRow, LayerKind::kEmbedding,
                                           LayerKind::kMlp};
 
-// The gpu backend, or a skip naming why there is none.
-#define TPSIM_REQUIRE_BACKEND(name)                                          \
-  const Backend& other = backendNamed(name);                                 \
-  if (!other.usable) GTEST_SKIP() << name << " backend unusable: " << other.whyNot
-
 // The first element where two result maps differ beyond `slack(name, i)`, or "".
 std::string compareResults(const TensorMap& a, const std::string& aName, const TensorMap& b, const std::string& bName,
                            const std::function<double(const std::string&, std::size_t)>& slack) {
@@ -44,13 +44,21 @@ std::string compareResults(const TensorMap& a, const std::string& aName, const T
       return name + ": " + aName + " gives " + dtypeName(t.dtype) + " " + t.shapeStr() + ", " + bName + " " +
              dtypeName(it->second.dtype) + " " + it->second.shapeStr();
     for (std::size_t i = 0; i < t.values.size(); ++i)
-      if (!(std::fabs(t.values[i] - it->second.values[i]) <= slack(name, i)))
-        return name + " element " + std::to_string(i) + ": " + aName + " " + std::to_string(t.values[i]) + ", " +
-               bName + " " + std::to_string(it->second.values[i]);
+      if (!(std::fabs(t.values[i] - it->second.values[i]) <= slack(name, i))) {
+        char values[96];  // 9 significant digits: a one-ulp difference of an fp32 value shows
+        std::snprintf(values, sizeof values, "%s %.9g, %s %.9g", aName.c_str(), t.values[i], bName.c_str(),
+                      it->second.values[i]);
+        return name + " element " + std::to_string(i) + ": " + values;
+      }
   }
   return "";
 }
 
+// c as run on backend b: what a failing case's replay line names.
+RunConfig on(RunConfig c, const Backend& b) {
+  c.backend = b.name;
+  return c;
+}
 
 }  // namespace
 
@@ -87,65 +95,113 @@ TEST(Backends, EveryBackendIsUsableOrSaysWhyNot) {
   std::printf("\n");
 }
 
-// An exact case gives bitwise the same results on the simulator and on the gpu backend.
+// An exact case gives bitwise the same results on the simulator and on the gpu backend, GTP_remat
+// cases (padding, MEAN or SUM, the fp32-accumulation reduce-scatter) included.
 TEST(CrossBackend, ExactLayerCaseIsBitwiseEqualOnSimAndGpu) {
   TPSIM_REQUIRE_BACKEND("gpu");
   const Backend& sim = backendNamed("sim");
   checkProperty(kCrossBackendCases, [&] {
-    const RunConfig c = *genRunConfig({LayerKind::kColumn, LayerKind::kRow, LayerKind::kEmbedding});
+    const RunConfig c = *genRunConfig({LayerKind::kColumn, LayerKind::kRow, LayerKind::kEmbedding}, genTp(),
+                                      GtpMode::kSometimes, Numerics::kExact);
+    RC_TAG(c.gtpRemat > 1 ? "GTP_remat" : "no GTP_remat");
     const TensorMap inputs = *genExactInputs(c);
     const TensorMap a = sim.runLayer(c, inputs).results, b = other.runLayer(c, inputs).results;
     const std::string d = compareResults(a, "sim", b, other.name, [](const std::string&, std::size_t) { return 0.0; });
-    if (!d.empty()) failLayerCase(c, Numerics::kExact, "sim vs " + other.name, inputs, d);
+    if (!d.empty()) failLayerCase(on(c, other), Numerics::kExact, "sim vs " + other.name, inputs, d);
   });
 }
 
-// A real case agrees within the bound on both backends; they differ by at most both bounds.
+// A real case agrees within the bound on both backends (each its own: the gpu's GEMMs may
+// accumulate less exactly); they differ by at most twice the gpu's, which covers the simulator's.
 TEST(CrossBackend, RealLayerCaseAgreesWithinTheBoundOnSimAndGpu) {
   TPSIM_REQUIRE_BACKEND("gpu");
   const Backend& sim = backendNamed("sim");
   checkProperty(kCrossBackendCases, [&] {
-    const RunConfig c = *genRunConfig(kAllKinds);
+    const RunConfig c = *genRunConfig(kAllKinds, genTp(), GtpMode::kSometimes);
+    RC_TAG(layerName(c.layer), c.gtpRemat > 1 ? "GTP_remat" : "no GTP_remat");
     const TensorMap inputs = realInputs(c);
     const TensorMap a = sim.runLayer(c, inputs).results, b = other.runLayer(c, inputs).results;
-    // The other backend's bound (its GEMMs may accumulate less exactly), which covers the simulator's.
-    RunConfig onOther = c;
-    onOther.backend = other.name;
-    const auto ref = tools::referenceFor(onOther, inputs);
-    for (const tools::Verdict& v : tools::verify(onOther, inputs, b))
-      if (v.outside != 0) failLayerCase(c, Numerics::kReal, other.name, inputs, v.name + " outside its bound");
+    for (const auto& [backend, results] : {std::pair<const Backend*, const TensorMap*>{&sim, &a}, {&other, &b}})
+      for (const tools::Verdict& v : tools::verify(on(c, *backend), inputs, *results))
+        if (v.outside != 0)
+          failLayerCase(on(c, *backend), Numerics::kReal, backend->name, inputs,
+                        v.name + ": " + std::to_string(v.outside) + " elements outside their bound");
+    const auto ref = tools::referenceFor(on(c, other), inputs);
     const std::string d = compareResults(a, "sim", b, other.name, [&](const std::string& name, std::size_t i) {
       return 2 * ref.at(name).bound[i];
     });
-    if (!d.empty()) failLayerCase(c, Numerics::kReal, "sim vs " + other.name, inputs, d);
+    if (!d.empty()) failLayerCase(on(c, other), Numerics::kReal, "sim vs " + other.name, inputs, d);
   });
 }
 
-// The duplicate filters pass the same parameters on the same ranks on both backends.
-TEST(CrossBackend, DuplicateFiltersAgreeOnSimAndGpu) {
+// Every collective, in sub-groups of worlds of 1 to 64 ranks (more than one on a GPU: the
+// DeviceFabric), gives the simulator's bits: rank-order sums with the same roundings, a mean as one
+// division after the sum, and data moved byte for byte.
+TEST(CrossBackend, CollectivesAreBitwiseEqualOnSimAndGpu) {
   TPSIM_REQUIRE_BACKEND("gpu");
   const Backend& sim = backendNamed("sim");
   checkProperty(kCrossBackendCases, [&] {
-    const Topology t = *genTopology(64);
-    const ParallelLayout layout(sizesOf(t));
-    auto passes = [&](const Backend& b) {
+    const int ranks = *pick<int>({2, 4, 8, 1, 3, 5, 16, 32, 64});
+    const int groups = *uniform<int>(1, 4), block = *uniform<int>(0, 6);
+    const DType dtype = *pick<DType>({DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat64});
+    const ReduceOp op = *flag() ? ReduceOp::kMean : ReduceOp::kSum;
+    const bool inPlace = *flag();
+    const std::uint64_t seed = *genSeed();
+    RC_LOG() << ranks << " ranks in " << groups << " interleaved groups, blocks of " << block << " "
+             << dtypeName(dtype) << (op == ReduceOp::kMean ? ", mean" : ", sum") << (inPlace ? ", in place" : "")
+             << ", seed " << seed << "\n";
+    auto run = [&](const Backend& b) {
       std::mutex mu;
-      std::map<std::pair<int, std::string>, bool> out;
-      b.runRanks(layout.world(), [&](RankContext& ctx) {
-        ProcessGroups groups(ctx.comm, layout);
-        ModelParallelConfig config;
-        config.tensorModelParallelSize = t.tp;
-        config.performInitialization = false;
-        ColumnParallelLinear col({ctx.compute, groups.tp()}, config, 3, 2 * t.tp, initMethodNormal(1.0));
-        RowParallelLinear row({ctx.compute, groups.tp()}, config, 2 * t.tp, 3, initMethodNormal(1.0));
+      std::vector<std::vector<Values>> out(static_cast<std::size_t>(ranks));  // by rank: each collective's output
+      b.runRanks(ranks, [&](RankContext& ctx) {
+        const int r = ctx.comm.rank();
+        auto g = ctx.comm.split(r % groups, r, "sub");
+        const int n = g->size(), q = g->rank();
+        // Normal draws of every magnitude: each rounding of a partial sum shows.
+        std::mt19937_64 rng(seed * 1000003 + std::uint64_t(r));
+        std::normal_distribution<double> normal(0.0, 1.0);
+        std::uniform_int_distribution<int> exponent(-8, 8);
+        Values v(std::size_t(n * block));
+        for (double& x : v) x = std::ldexp(normal(rng), exponent(rng));
+        Compute& c = ctx.compute;
+        const std::int64_t whole = std::int64_t(n) * block;
+        Tensor sum = testing::tensorOf(c, dtype, v), x = testing::tensorOf(c, dtype, v);
+        Tensor part = c.empty({block}, dtype), gathered = c.zeros({whole}, dtype), exchanged = c.empty({whole}, dtype),
+               root = c.empty({whole}, dtype);
+        const View mine = x.view().slice(0, q * block, (q + 1) * block);             // block q of x
+        const View ownBlock = gathered.view().slice(0, q * block, (q + 1) * block);  // block q of gathered
+        g->allReduce(sum, AllReduceOptions{op})->wait();
+        if (inPlace) {  // each op's in-place form (collectives.h)
+          g->reduceScatter(x, mine, ReduceScatterOptions{op})->wait();
+          c.copy(mine, part);
+          c.copy(part, ownBlock);
+          g->allGather(ownBlock, gathered)->wait();
+          c.copy(testing::tensorOf(c, dtype, v), exchanged);
+          g->allToAll(exchanged, exchanged)->wait();
+          c.copy(testing::tensorOf(c, dtype, v), root);
+          g->broadcast(root, root, BroadcastOptions{n - 1})->wait();
+        } else {
+          g->reduceScatter(x, part, ReduceScatterOptions{op})->wait();
+          g->allGather(part, gathered)->wait();
+          g->allToAll(testing::tensorOf(c, dtype, v), exchanged)->wait();
+          g->broadcast(testing::tensorOf(c, dtype, v), root, BroadcastOptions{n - 1})->wait();
+        }
+        std::vector<Values> results;
+        for (const Tensor* t : {&sum, &part, &gathered, &exchanged, &root}) results.push_back(testing::valuesOf(c, *t));
         std::lock_guard<std::mutex> lock(mu);
-        for (const Parameter* p : {col.weight(), col.bias(), &row.weight(), row.bias()})
-          out[{ctx.comm.rank(), p->name}] = paramIsNotTensorParallelDuplicate(*p, &groups.tp()) &&
-                                            paramIsNotGtpDuplicate(*p, &groups.gtpRemat(), nullptr);
+        out[std::size_t(r)] = std::move(results);
       });
       return out;
     };
-    RC_ASSERT(passes(sim) == passes(other));
+    const auto a = run(sim), b = run(other);
+    const char* names[] = {"allReduce", "reduceScatter", "allGather", "allToAll", "broadcast"};
+    for (int r = 0; r < ranks; ++r)
+      for (std::size_t k = 0; k < a[std::size_t(r)].size(); ++k) {
+        const std::string d = firstDifference(b[std::size_t(r)][k], a[std::size_t(r)][k],
+                                              std::string(names[k]) + " on rank " + std::to_string(r) + ", " +
+                                                  other.name + " vs sim");
+        if (!d.empty()) RC_FAIL(d);
+      }
   });
 }
 

@@ -32,4 +32,10 @@ std::vector<const Backend*> usableBackends();
 // The entry named `name`; throws std::out_of_range for an unknown name.
 const Backend& backendNamed(const std::string& name);
 
+// In a cross-backend law (a gtest body): `other`, the backend named `name`, or a skip naming why
+// it is unusable, so that the law never passes without having run there.
+#define TPSIM_REQUIRE_BACKEND(name)                                                  \
+  const ::tpsim::props::Backend& other = ::tpsim::props::backendNamed(name);         \
+  if (!other.usable) GTEST_SKIP() << name << " backend unusable: " << other.whyNot
+
 }  // namespace tpsim::props

@@ -3,7 +3,7 @@
 //   allGather(block_r(x)) == x;   allToAll(allToAll(x)) == x;
 //   reduceScatter then allGather == allReduce.
 // Worlds of 1 to 16 ranks, and 32 and 64, on 1 to 4 worker threads. These are laws of the simulator
-// itself; the gpu backend's collectives are NCCL's.
+// itself; the gpu backend's collectives are compared with its bit for bit in backend_props.cc.
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
 

@@ -14,7 +14,8 @@
 //   10 the pad rows of weights and main_grads stay exactly zero through SGD and Adam steps, with
 //      synchronous and deferred reduce-scatters;
 //   11 grad norm and zero count are the same for every (T, G, D) factorization of one model and one
-//      batch, and each distinct gradient element is counted exactly once;
+//      batch, and each distinct gradient element is counted exactly once; the simulator and the gpu
+//      backend count the same zeros and pad zeros and agree on the norm within the bound;
 //   18 the fp32-accumulation reduce-scatter is bypassed at G <= 2: bitwise the plain reduce-scatter,
 //      no fp32 dispatch, the same collectives (no accuracy ordering is asserted at G > 2).
 // The GTP rows of items 12 and 13 extend DuplicateLaws and CheckpointLaws in invariant_props.cc.
@@ -40,6 +41,7 @@
 #include "props/harness.h"
 #include "props/rank_checks.h"
 #include "tests/sim_test_util.h"
+#include "tools/backend.h"
 #include "tools/host_tensor.h"
 
 namespace tpsim::props {
@@ -56,6 +58,7 @@ constexpr int kTransparencyCases = 1000;
 constexpr int kPadCountCases = 2000;
 constexpr int kTrainingCases = 500;
 constexpr int kStatisticsCases = 400;
+constexpr int kCrossBackendStatisticsCases = 200;
 constexpr int kBypassCases = 1500;
 constexpr int kRunnerBypassCases = 600;
 
@@ -700,54 +703,104 @@ double normOfMagnitudes(const StatisticsCase& c, const GradStatistics& weights) 
   return std::sqrt(sq);
 }
 
-TPSIM_PROP(GtpLaws, GradNormAndZeroCountAreTheSameForEveryFactorization, kStatisticsCases) {
-  const int T = *pick<int>({2, 1, 3, 4});
-  std::vector<int> gs, ds;
-  for (int g : {2, 1, 4, 3, 8})
-    if (T * g <= 16) gs.push_back(g);
-  const int G = *pick(gs);
-  for (int d : {2, 1, 3, 4})
-    if (T * G * d <= 16) ds.push_back(d);
-  const int D = *pick(ds);
+// A statistics case and the factorization T x G x D it runs on.
+struct Factorization {
   StatisticsCase c;
-  c.sequenceParallel = T > 1 && *flag();
-  c.s = *pick<std::int64_t>({2, 1, 3}) * (c.sequenceParallel ? T : 1);
-  c.samples = G * D * *pick<std::int64_t>({1, 2});
-  c.k = *pick<std::int64_t>({3, 1, 2, 5, 8});
-  std::int64_t f0 = *pick<std::int64_t>({2, 1, 3, 5});
-  if (*flag()) f0 *= G;
-  c.f = T * f0;
-  c.deadFeature = *rc::gen::container<std::vector<bool>>(std::size_t(c.k), pick<bool>({false, false, true}));
-  c.mean = !*flag();
-  c.async = *flag();
-  c.fp32Accum = *flag();
-  c.a = *genPadForAlignment({f0, c.k}, G);  // fc1's Dlog F/T, fc2's Dlog K
-  c.seed = *genSeed();
-  RC_TAG(G > 1 ? "GTP_remat" : "no GTP_remat");
-  RC_LOG() << "T=" << T << " G=" << G << " D=" << D << " s=" << c.s << " B=" << c.samples << " K=" << c.k
+  int T = 1, G = 1, D = 1;
+  std::int64_t distinct = 0;     // the distinct gradient elements: both weights and both biases, unpadded
+  std::int64_t padElements = 0;  // the pad rows' elements over all TP slices
+  std::int64_t longest = 0;      // the longest reduction any gradient element goes through
+};
+
+rc::Gen<Factorization> genFactorization() {
+  return rc::gen::exec([] {
+    Factorization x;
+    StatisticsCase& c = x.c;
+    x.T = *pick<int>({2, 1, 3, 4});
+    std::vector<int> gs, ds;
+    for (int g : {2, 1, 4, 3, 8})
+      if (x.T * g <= 16) gs.push_back(g);
+    x.G = *pick(gs);
+    for (int d : {2, 1, 3, 4})
+      if (x.T * x.G * d <= 16) ds.push_back(d);
+    x.D = *pick(ds);
+    const int T = x.T, G = x.G, D = x.D;
+    c.sequenceParallel = T > 1 && *flag();
+    c.s = *pick<std::int64_t>({2, 1, 3}) * (c.sequenceParallel ? T : 1);
+    c.samples = G * D * *pick<std::int64_t>({1, 2});
+    c.k = *pick<std::int64_t>({3, 1, 2, 5, 8});
+    std::int64_t f0 = *pick<std::int64_t>({2, 1, 3, 5});
+    if (*flag()) f0 *= G;
+    c.f = T * f0;
+    c.deadFeature = *rc::gen::container<std::vector<bool>>(std::size_t(c.k), pick<bool>({false, false, true}));
+    c.mean = !*flag();
+    c.async = *flag();
+    c.fp32Accum = *flag();
+    c.a = *genPadForAlignment({f0, c.k}, G);  // fc1's Dlog F/T, fc2's Dlog K
+    c.seed = *genSeed();
+    x.distinct = 2 * c.k * c.f + c.f + c.k;
+    // Per TP slice: fc1 pads (F/T + pad)·K, fc2 pads (K + pad)·F/T.
+    if (G > 1)
+      x.padElements =
+          T * gtpRematShardDim0(f0, G, c.a).padLength * c.k + gtpRematShardDim0(c.k, G, c.a).padLength * c.f;
+    // Sequence parallelism adds the T partial sums of the row bias gradient.
+    x.longest = std::max({c.s * c.samples, c.k, c.f}) + G * D + (c.sequenceParallel ? T : 0);
+    return x;
+  });
+}
+
+void logFactorization(const Factorization& x) {
+  const StatisticsCase& c = x.c;
+  RC_TAG(x.G > 1 ? "GTP_remat" : "no GTP_remat");
+  RC_LOG() << "T=" << x.T << " G=" << x.G << " D=" << x.D << " s=" << c.s << " B=" << c.samples << " K=" << c.k
            << " F=" << c.f << " a=" << c.a << (c.mean ? " MEAN" : " SUM") << (c.async ? " async" : " sync")
            << (c.fp32Accum ? " fp32-accum" : "") << (c.sequenceParallel ? " sequence-parallel" : "") << "\n";
-  // The distinct gradient elements of the model: both weights and both biases, unpadded.
-  const std::int64_t distinct = 2 * c.k * c.f + c.f + c.k;
-  std::int64_t padElements = 0;  // per TP slice: fc1 pads (F/T + pad)·K, fc2 pads (K + pad)·F/T
-  if (G > 1)
-    padElements = T * gtpRematShardDim0(f0, G, c.a).padLength * c.k + gtpRematShardDim0(c.k, G, c.a).padLength * c.f;
-  // Sequence parallelism adds the T partial sums of the row bias gradient.
-  const std::int64_t longest = std::max({c.s * c.samples, c.k, c.f}) + G * D + (c.sequenceParallel ? T : 0);
+}
+
+// How far a norm computed on `backend` may be from the exact one's: see normOfMagnitudes.
+double normBound(const Backend& backend, const Factorization& x, const GradStatistics& weights) {
+  return 4.0 * double(x.longest + 8) * tools::gemmAccumulationUnit(backend.name) * normOfMagnitudes(x.c, weights);
+}
+
+TPSIM_PROP(GtpLaws, GradNormAndZeroCountAreTheSameForEveryFactorization, kStatisticsCases) {
+  const Factorization x = *genFactorization();
+  logFactorization(x);
   for (const Backend* b : usableBackends()) {
-    const GradStatistics reference = gradStatistics(*b, c, 1, 1, 1);
-    const GradStatistics got = gradStatistics(*b, c, T, G, D);
-    const double bound = 4.0 * double(longest + 8) * std::ldexp(1.0, -24) * normOfMagnitudes(c, reference);
-    RC_LOG() << "T=G=D=1: norm " << reference.norm << ", zeros " << reference.zeros << "; this factorization: norm "
-             << got.norm << " (|difference| " << std::fabs(got.norm - reference.norm) << ", bound " << bound
-             << "), zeros " << got.zeros << " (" << got.uncorrectedZeros << " before the pad correction), "
-             << got.countedElements << " elements counted of " << distinct << "\n";
-    RC_ASSERT(reference.countedElements == distinct);
-    RC_ASSERT(got.countedElements == distinct);
+    const GradStatistics reference = gradStatistics(*b, x.c, 1, 1, 1);
+    const GradStatistics got = gradStatistics(*b, x.c, x.T, x.G, x.D);
+    const double bound = normBound(*b, x, reference);
+    RC_LOG() << b->name << ": T=G=D=1: norm " << reference.norm << ", zeros " << reference.zeros
+             << "; this factorization: norm " << got.norm << " (|difference| " << std::fabs(got.norm - reference.norm)
+             << ", bound " << bound << "), zeros " << got.zeros << " (" << got.uncorrectedZeros
+             << " before the pad correction), " << got.countedElements << " elements counted of " << x.distinct << "\n";
+    RC_ASSERT(reference.countedElements == x.distinct);
+    RC_ASSERT(got.countedElements == x.distinct);
     RC_ASSERT(std::fabs(got.norm - reference.norm) <= bound);
     RC_ASSERT(got.zeros == reference.zeros);
-    RC_ASSERT(got.uncorrectedZeros - got.zeros == padElements);
+    RC_ASSERT(got.uncorrectedZeros - got.zeros == x.padElements);
   }
+}
+
+// The same factorization on the simulator and on the gpu backend: the same zero counts before and
+// after the pad correction (so the same pad counts), the same number of elements counted, and
+// norms within the gpu's bound of each other.
+TEST(CrossBackend, GradNormAndZeroCountsAgreeOnSimAndGpu) {
+  TPSIM_REQUIRE_BACKEND("gpu");
+  const Backend& sim = backendNamed("sim");
+  checkProperty(kCrossBackendStatisticsCases, [&] {
+    const Factorization x = *genFactorization();
+    logFactorization(x);
+    const GradStatistics want = gradStatistics(sim, x.c, x.T, x.G, x.D);
+    const GradStatistics got = gradStatistics(other, x.c, x.T, x.G, x.D);
+    const double bound = normBound(other, x, gradStatistics(sim, x.c, 1, 1, 1));
+    RC_LOG() << "sim: norm " << want.norm << ", zeros " << want.zeros << " (" << want.uncorrectedZeros << "); "
+             << other.name << ": norm " << got.norm << ", zeros " << got.zeros << " (" << got.uncorrectedZeros
+             << "); bound " << bound << "\n";
+    RC_ASSERT(got.countedElements == want.countedElements);
+    RC_ASSERT(got.zeros == want.zeros);
+    RC_ASSERT(got.uncorrectedZeros == want.uncorrectedZeros);
+    RC_ASSERT(std::fabs(got.norm - want.norm) <= bound);
+  });
 }
 
 // ---- Item 18 ----------------------------------------------------------------------------------

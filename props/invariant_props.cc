@@ -7,7 +7,8 @@
 //   6  GPU-initialized shards are bitwise equal exactly when (seed, tp_rank) — (ep, etp) for expert
 //      layers — are equal;
 //   12 per TP × GTP_remat block a replicated param passes both duplicate filters on exactly one
-//      rank, a TP-sharded one on the T ranks with g = 0, a GTP_remat shard on all T·G;
+//      rank, a TP-sharded one on the T ranks with g = 0, a GTP_remat shard on all T·G; and the
+//      filters decide the same on the simulator and on the gpu backend;
 //   13 the main replicas of every sharded_state_dict key tile its global shape exactly once, with
 //      and without GTP_remat layers (padded or not);
 //   14 deferred wgrads plus the drain == immediate fused accumulation, for any limit L >= 0 and
@@ -48,6 +49,8 @@ using testing::tensorOf;
 using testing::valuesOf;
 using tools::HostTensor;
 using Values = std::vector<double>;
+
+constexpr int kCrossBackendFilterCases = 300;
 
 // A parameter's values on one rank, collected from rank code.
 struct PerRank {
@@ -242,64 +245,76 @@ TPSIM_PROP(InitLaws, GpuInitSharesExactlyAlongEqualSeedAndTpRank, 1000) {
 // topologies: a GTP shard passes on all T·G ranks of its block, a TP-sharded non-GTP param on the
 // T ranks with g = 0, a replicated param on exactly one. With G = EG = 1 (GTP off) that is the
 // per-TP-block law, and passing the size-1 GTP groups or none makes no difference.
+// What the duplicate filters decide for each rank's parameters, and the facts that decide it.
+struct FilterSeen {
+  std::map<std::string, bool> pass, sharded, expert, gtpShard;
+  int tpBlock = 0, expertBlock = 0;
+};
+
+// Dense and expert column, row (and an embedding) on every rank of topo on backend b; the size-1
+// GTP groups are passed when gtpGroupsPassed, else none.
+std::vector<FilterSeen> duplicateFilterDecisions(const Backend& b, const Topology& topo, bool gtpGroupsPassed) {
+  const ParallelLayout layout(sizesOf(topo));
+  std::vector<FilterSeen> seen(std::size_t(layout.world()));
+  b.runRanks(layout.world(), [&](RankContext& ctx) {
+    ProcessGroups groups(ctx.comm, layout);
+    const int r = ctx.comm.rank();
+    ModelParallelConfig config;
+    config.tensorModelParallelSize = topo.tp;
+    config.expertTensorParallelSize = topo.expertTp;
+    config.expertModelParallelSize = topo.ep;
+    config.gtpRematSize = topo.gtp;
+    config.expertGtpRematSize = topo.expertGtp;
+    config.performInitialization = false;
+    const InitMethod init = initMethodNormal(1.0);
+    Collectives* gtp = gtpGroupsPassed ? &groups.gtpRemat() : nullptr;
+    Collectives* egtp = gtpGroupsPassed ? &groups.expertGtpRemat() : nullptr;
+    GtpGradReducer reducer(ctx.compute, {});
+    // Dense layers resolve the GTP_remat group, expert layers EGTP_remat (SPEC 4.8).
+    const LayerContext dense{ctx.compute, groups.tp(), nullptr, nullptr, gtp, &groups.dpCp(), &reducer};
+    const LayerContext expert{ctx.compute, groups.expertTp(), nullptr, nullptr, egtp, &groups.expertDp(), &reducer};
+    ColumnParallelLinear col(dense, config, 3, 2 * topo.tp, init);
+    RowParallelLinear row(dense, config, 2 * topo.tp, 3, init);
+    VocabParallelEmbedding emb(dense, config, 4 * topo.tp, 2, init);
+    ColumnParallelOptions eco;
+    eco.isExpert = true;
+    eco.name = "expert_column";
+    RowParallelOptions ero;
+    ero.isExpert = true;
+    ero.skipBiasAdd = true;
+    ero.name = "expert_row";
+    ColumnParallelLinear ecol(expert, config, 3, 2 * topo.expertTp, init, eco);
+    RowParallelLinear erow(expert, config, 2 * topo.expertTp, 3, init, ero);
+    FilterSeen& s = seen[std::size_t(r)];
+    s.tpBlock = layout.dense().groupIndex("tp-gtp_remat", r);
+    s.expertBlock = layout.expert().groupIndex("tp-gtp_remat", r);
+    for (const Parameter* p : {col.weight(), col.bias(), &row.weight(), row.bias(), &emb.weight(), ecol.weight(),
+                               ecol.bias(), &erow.weight(), erow.bias()}) {
+      s.pass[p->name] =
+          paramIsNotTensorParallelDuplicate(*p, &groups.tp(), &groups.expertTp()) && paramIsNotGtpDuplicate(*p, gtp, egtp);
+      s.sharded[p->name] = p->attrs.tensorModelParallel.value_or(false);
+      s.expert[p->name] = p->attrs.allreduce == false;
+      s.gtpShard[p->name] = isGtpShard(*p);
+    }
+  });
+  return seen;
+}
+
+// Per TP × GTP_remat block (expert-TP × EGTP block for expert params), on (T, G, C, P, D, ET, E, EG)
+// topologies: a GTP shard passes on all T·G ranks of its block, a TP-sharded non-GTP param on the
+// T ranks with g = 0, a replicated param on exactly one. With G = EG = 1 (GTP off) that is the
+// per-TP-block law, and passing the size-1 GTP groups or none makes no difference.
 TPSIM_PROP(DuplicateLaws, PerTpBlockReplicatedParamsPassOnceAndShardsOnEveryRank, 1000) {
   const Topology topo = *genTopology(64, /*withGtp=*/true);
   // The size-1 GTP groups, or nullptr (GTP off): the same. G > 1 needs the real groups.
   const bool gtpGroupsPassed = topo.gtp > 1 || topo.expertGtp > 1 || *flag();
-  const ParallelLayout layout(sizesOf(topo));
   RC_TAG(topo.gtp > 1 || topo.expertGtp > 1 ? "GTP_remat" : "no GTP_remat");
-  struct Seen {
-    std::map<std::string, bool> pass, sharded, expert, gtpShard;
-    int tpBlock = 0, expertBlock = 0;
-  };
   for (const Backend* b : usableBackends()) {
-    std::vector<Seen> seen(std::size_t(layout.world()));
-    b->runRanks(layout.world(), [&](RankContext& ctx) {
-      ProcessGroups groups(ctx.comm, layout);
-      const int r = ctx.comm.rank();
-      ModelParallelConfig config;
-      config.tensorModelParallelSize = topo.tp;
-      config.expertTensorParallelSize = topo.expertTp;
-      config.expertModelParallelSize = topo.ep;
-      config.gtpRematSize = topo.gtp;
-      config.expertGtpRematSize = topo.expertGtp;
-      config.performInitialization = false;
-      const InitMethod init = initMethodNormal(1.0);
-      Collectives* gtp = gtpGroupsPassed ? &groups.gtpRemat() : nullptr;
-      Collectives* egtp = gtpGroupsPassed ? &groups.expertGtpRemat() : nullptr;
-      GtpGradReducer reducer(ctx.compute, {});
-      // Dense layers resolve the GTP_remat group, expert layers EGTP_remat (SPEC 4.8).
-      const LayerContext dense{ctx.compute, groups.tp(), nullptr, nullptr, gtp, &groups.dpCp(), &reducer};
-      const LayerContext expert{ctx.compute, groups.expertTp(), nullptr, nullptr, egtp, &groups.expertDp(), &reducer};
-      ColumnParallelLinear col(dense, config, 3, 2 * topo.tp, init);
-      RowParallelLinear row(dense, config, 2 * topo.tp, 3, init);
-      VocabParallelEmbedding emb(dense, config, 4 * topo.tp, 2, init);
-      ColumnParallelOptions eco;
-      eco.isExpert = true;
-      eco.name = "expert_column";
-      RowParallelOptions ero;
-      ero.isExpert = true;
-      ero.skipBiasAdd = true;
-      ero.name = "expert_row";
-      ColumnParallelLinear ecol(expert, config, 3, 2 * topo.expertTp, init, eco);
-      RowParallelLinear erow(expert, config, 2 * topo.expertTp, 3, init, ero);
-      Seen& s = seen[std::size_t(r)];
-      s.tpBlock = layout.dense().groupIndex("tp-gtp_remat", r);
-      s.expertBlock = layout.expert().groupIndex("tp-gtp_remat", r);
-      for (const Parameter* p : {col.weight(), col.bias(), &row.weight(), row.bias(), &emb.weight(), ecol.weight(),
-                                 ecol.bias(), &erow.weight(), erow.bias()}) {
-        s.pass[p->name] =
-            paramIsNotTensorParallelDuplicate(*p, &groups.tp(), &groups.expertTp()) &&
-            paramIsNotGtpDuplicate(*p, gtp, egtp);
-        s.sharded[p->name] = p->attrs.tensorModelParallel.value_or(false);
-        s.expert[p->name] = p->attrs.allreduce == false;
-        s.gtpShard[p->name] = isGtpShard(*p);
-      }
-    });
+    const std::vector<FilterSeen> seen = duplicateFilterDecisions(*b, topo, gtpGroupsPassed);
     // Count passes per block: TP × GTP_remat blocks for dense params, expert-TP × EGTP blocks for
     // expert params (allreduce = false).
     std::map<std::pair<std::string, int>, int> passes, members;
-    for (const Seen& s : seen)
+    for (const FilterSeen& s : seen)
       for (const auto& [name, pass] : s.pass) {
         const int block = s.expert.at(name) ? s.expertBlock : s.tpBlock;
         passes[{name, block}] += pass;
@@ -314,6 +329,24 @@ TPSIM_PROP(DuplicateLaws, PerTpBlockReplicatedParamsPassOnceAndShardsOnEveryRank
       RC_ASSERT(count == expected);
     }
   }
+}
+
+// The duplicate filters pass the same parameters on the same ranks on the simulator and on the gpu
+// backend: the same topologies, GTP_remat and expert groups included.
+TEST(CrossBackend, DuplicateFiltersAgreeOnSimAndGpu) {
+  TPSIM_REQUIRE_BACKEND("gpu");
+  const Backend& sim = backendNamed("sim");
+  checkProperty(kCrossBackendFilterCases, [&] {
+    const Topology topo = *genTopology(64, /*withGtp=*/true);
+    const bool gtpGroupsPassed = topo.gtp > 1 || topo.expertGtp > 1 || *flag();
+    const std::vector<FilterSeen> want = duplicateFilterDecisions(sim, topo, gtpGroupsPassed);
+    const std::vector<FilterSeen> got = duplicateFilterDecisions(other, topo, gtpGroupsPassed);
+    for (std::size_t r = 0; r < want.size(); ++r)
+      for (const auto& [name, pass] : want[r].pass) {
+        RC_LOG() << "rank " << r << " " << name << ": sim " << (pass ? "passes" : "filters") << "\n";
+        RC_ASSERT(got[r].pass.at(name) == pass);
+      }
+  });
 }
 
 // ---- Item 13 ----------------------------------------------------------------------------------

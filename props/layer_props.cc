@@ -113,18 +113,21 @@ std::string outsideTheBound(const RunConfig& c, const TensorMap& inputs, const T
   return os.str();
 }
 
-// Every usable backend runs the case; `check` returns what is wrong with its results, or "".
+// Every usable backend runs the case; `check` returns what is wrong with its results, or "". It gets
+// the case as run there (its backend sets the bound's accumulation unit and the replay line).
 void onEveryBackend(const RunConfig& c, Numerics numerics, const TensorMap& inputs,
-                    const std::function<std::string(const TensorMap& results)>& check) {
+                    const std::function<std::string(const RunConfig& onBackend, const TensorMap& results)>& check) {
   for (const Backend* b : usableBackends()) {
+    RunConfig onBackend = c;
+    onBackend.backend = b->name;
     tools::RunResult r;
     try {
       r = b->runLayer(c, inputs);
     } catch (const std::exception& e) {
-      failLayerCase(c, numerics, b->name, inputs, std::string("the sharded run threw: ") + e.what());
+      failLayerCase(onBackend, numerics, b->name, inputs, std::string("the sharded run threw: ") + e.what());
     }
-    const std::string wrong = check(r.results);
-    if (!wrong.empty()) failLayerCase(c, numerics, b->name, inputs, wrong);
+    const std::string wrong = check(onBackend, r.results);
+    if (!wrong.empty()) failLayerCase(onBackend, numerics, b->name, inputs, wrong);
   }
 }
 
@@ -137,7 +140,9 @@ TPSIM_PROP(LayerLaws, ShardedEqualsUnshardedBitwiseOnExactData, kExactCases) {
   const TensorMap inputs = *genExactInputs(c);
   RC_TAG(layerName(c.layer), dtypeName(c.dtype), c.gtpRemat > 1 ? "GTP_remat" : "no GTP_remat");
   onEveryBackend(c, Numerics::kExact, inputs,
-                 [&](const TensorMap& results) { return differenceFromReference(c, inputs, results); });
+                 [&](const RunConfig& on, const TensorMap& results) {
+                   return differenceFromReference(on, inputs, results);
+                 });
 }
 
 // Real data: |sharded − unsharded| <= the bound tools/reference.h derives from |X|·|W|, the
@@ -147,7 +152,9 @@ TPSIM_PROP(LayerLaws, ShardedEqualsUnshardedWithinTheDataDerivedBound, kRealCase
   RC_TAG(layerName(c.layer), c.tp > 4 ? "T > 4" : "T <= 4", c.gtpRemat > 1 ? "GTP_remat" : "no GTP_remat");
   const TensorMap inputs = realInputs(c);
   onEveryBackend(c, Numerics::kReal, inputs,
-                 [&](const TensorMap& results) { return outsideTheBound(c, inputs, results); });
+                 [&](const RunConfig& on, const TensorMap& results) {
+                   return outsideTheBound(on, inputs, results);
+                 });
 }
 
 // Column(gather_output=false) -> GeLU -> Row(input_is_parallel) == the dense MLP block, forward and
@@ -157,7 +164,9 @@ TPSIM_PROP(LayerLaws, MlpBlockEqualsTheDenseMlpWithinTheBound, kMlpCases) {
   RC_TAG(c.gtpRemat > 1 ? "GTP_remat" : "no GTP_remat");
   const TensorMap inputs = realInputs(c);
   onEveryBackend(c, Numerics::kReal, inputs,
-                 [&](const TensorMap& results) { return outsideTheBound(c, inputs, results); });
+                 [&](const RunConfig& on, const TensorMap& results) {
+                   return outsideTheBound(on, inputs, results);
+                 });
 }
 
 // The same exact case gives bitwise the same results at T = k (and G GTP_remat peers) as unsharded
