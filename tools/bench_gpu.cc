@@ -29,6 +29,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <random>
 #include <sstream>
@@ -51,6 +52,18 @@ using Clock = std::chrono::steady_clock;
 constexpr DType kBf16 = DType::kBFloat16;
 constexpr const char* kSync = "tpsim bench";  // names the wait in a timeout message
 
+// The machine's limits every figure is also stated against (NVIDIA's H200 datasheet, SXM and NVL:
+// dense bf16 tensor-core rate, HBM3e bandwidth). 0 = unknown: another GPU, printed as nan.
+struct Peak {
+  double flops = 0, bytesPerSecond = 0;
+};
+Peak peakOf(const std::string& deviceName) {
+  if (deviceName.find("H200 NVL") != std::string::npos) return {835e12, 4.8e12};
+  if (deviceName.find("H200") != std::string::npos) return {989e12, 4.8e12};
+  return {};
+}
+double percentOf(double value, double peak) { return peak > 0 ? 100 * value / peak : std::nan(""); }
+
 double secondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 std::string joined(const std::vector<int>& v) {
@@ -62,6 +75,21 @@ std::string joined(const std::vector<int>& v) {
 struct Samples {
   double best, median;  // seconds
 };
+
+// A timing event on `device`, destroyed with its owner.
+std::shared_ptr<CUevent_st> timingEvent(int device) {
+  TPSIM_CUDA_CHECK(cudaSetDevice(device));
+  cudaEvent_t e = nullptr;
+  TPSIM_CUDA_CHECK(cudaEventCreate(&e));  // with timing
+  return std::shared_ptr<CUevent_st>(e, [](cudaEvent_t x) { cudaEventDestroy(x); });
+}
+
+// Seconds from `start` to `end`, both recorded and completed on one device.
+double eventSeconds(cudaEvent_t start, cudaEvent_t end) {
+  float ms = 0;
+  TPSIM_CUDA_CHECK(cudaEventElapsedTime(&ms, start, end));
+  return ms / 1e3;
+}
 
 Samples summarize(std::vector<double> s) {
   std::sort(s.begin(), s.end());
@@ -129,9 +157,13 @@ std::vector<double> layerSteps(const GpuBenchConfig& c, const gpu::GpuWorldOptio
   o.threads = c.threads;
   gpu::World world(o, go);
   std::vector<double> seconds;
+  std::vector<std::shared_ptr<CUevent_st>> starts(static_cast<std::size_t>(T)), ends(static_cast<std::size_t>(T));
   world.run([&](RankContext& ctx) {
     Compute& compute = ctx.compute;
-    gpu::GpuCompute& device = world.compute(ctx.comm.rank());
+    const int rank = ctx.comm.rank();
+    gpu::GpuCompute& device = world.compute(rank);
+    starts[std::size_t(rank)] = timingEvent(device.deviceIndex());
+    ends[std::size_t(rank)] = timingEvent(device.deviceIndex());
     const std::int64_t m = c.tokens, h = c.hidden, f = c.ffn, local = T > 1 ? m / T : m;
     ModelParallelConfig mp;
     mp.tensorModelParallelSize = T;
@@ -191,14 +223,25 @@ std::vector<double> layerSteps(const GpuBenchConfig& c, const gpu::GpuWorldOptio
       if (fc2) fc2->weight().grad = Tensor();
     };
     for (int i = 0; i < c.warmup; ++i) step();
+    // Device time: from the first rank's start event to the last rank's end event (elapsed times
+    // from rank 0's start; negative for a rank that started before it). The barrier before the next
+    // step keeps the events from being recorded again before rank 0 read them.
     for (int i = 0; i < c.steps; ++i) {
       device.synchronize(kSync);
       ctx.comm.barrier()->wait();
-      const auto start = Clock::now();
+      TPSIM_CUDA_CHECK(cudaEventRecord(starts[std::size_t(rank)].get(), device.stream()));
       step();
+      TPSIM_CUDA_CHECK(cudaEventRecord(ends[std::size_t(rank)].get(), device.stream()));
       device.synchronize(kSync);
       ctx.comm.barrier()->wait();
-      if (ctx.comm.rank() == 0) seconds.push_back(secondsSince(start));
+      if (rank == 0) {
+        double first = 0, last = 0;
+        for (int q = 0; q < T; ++q) {
+          first = std::min(first, eventSeconds(starts[0].get(), starts[std::size_t(q)].get()));
+          last = std::max(last, eventSeconds(starts[0].get(), ends[std::size_t(q)].get()));
+        }
+        seconds.push_back(last - first);
+      }
     }
   });
   return seconds;
@@ -238,13 +281,15 @@ std::vector<double> gemmSteps(const GpuBenchConfig& c, gpu::GpuCompute& g, Layer
     if (fc1) fc1->backward(g);
   };
   for (int i = 0; i < c.warmup; ++i) step();
+  const auto start = timingEvent(g.deviceIndex()), end = timingEvent(g.deviceIndex());
   std::vector<double> seconds;
   for (int i = 0; i < c.steps; ++i) {
     g.synchronize(kSync);
-    const auto start = Clock::now();
+    TPSIM_CUDA_CHECK(cudaEventRecord(start.get(), g.stream()));
     step();
+    TPSIM_CUDA_CHECK(cudaEventRecord(end.get(), g.stream()));
     g.synchronize(kSync);
-    seconds.push_back(secondsSince(start));
+    seconds.push_back(eventSeconds(start.get(), end.get()));
   }
   return seconds;
 }
@@ -252,14 +297,19 @@ std::vector<double> gemmSteps(const GpuBenchConfig& c, gpu::GpuCompute& g, Layer
 // Best tpsim step per (layer, T), for the PyTorch comparison.
 using LayerBest = std::map<std::pair<Layer, int>, double>;
 
-LayerBest benchLayers(const GpuBenchConfig& c, const gpu::GpuWorldOptions& go, const std::vector<float>& hostTile) {
+LayerBest benchLayers(const GpuBenchConfig& c, const gpu::GpuWorldOptions& go, const Peak& peak,
+                      const std::vector<float>& hostTile) {
   std::printf("\n# Layers: forward + backward, bf16 (fp32 accumulation), no bias, on gpu::World: T ranks share\n");
   std::printf("# cuda:%d (DeviceFabric), sequence parallel for T > 1; best and median of %d steps after %d warm-up;\n",
               go.device, c.steps, c.warmup);
   std::printf("# TFLOP/s of the best step, 2·M·N·K per GEMM, 3 GEMMs per linear (forward, dgrad, wgrad)\n");
   std::printf("# baseline: the unsharded layer's cuBLASLt GEMMs alone, one GpuCompute stream, same run\n");
-  std::printf("#%6s %7s %6s %6s %3s %10s %11s %8s %10s %9s %12s\n", "layer", "tokens", "h", "F", "T", "best(ms)",
-              "median(ms)", "TFLOP/s", "gemms(ms)", "gemm TF/s", "layer/gemms");
+  if (peak.flops > 0)
+    std::printf("# %%peak: TFLOP/s over the GPU's dense bf16 rate, %.0f TFLOP/s\n", peak.flops / 1e12);
+  else
+    std::printf("# %%peak: nan, the dense bf16 rate of this GPU is not in tpsim's table\n");
+  std::printf("#%6s %7s %6s %6s %3s %10s %11s %8s %6s %10s %9s %6s %12s\n", "layer", "tokens", "h", "F", "T",
+              "best(ms)", "median(ms)", "TFLOP/s", "%peak", "gemms(ms)", "gemm TF/s", "%peak", "layer/gemms");
   std::fflush(stdout);
   gpu::GpuCompute baseline(go.device);
   const Tensor tile = deviceTile(baseline, hostTile);
@@ -271,9 +321,10 @@ LayerBest benchLayers(const GpuBenchConfig& c, const gpu::GpuWorldOptions& go, c
       const Samples gemms = summarize(gemmSteps(c, baseline, layer, tile));
       const Samples s = summarize(layerSteps(c, go, layer, T, hostTile));
       best[{layer, T}] = s.best;
-      std::printf(" %6s %7lld %6lld %6lld %3d %10.3f %11.3f %8.1f %10.3f %9.1f %11.3fx\n", layerName(layer),
-                  (long long)c.tokens, (long long)c.hidden, (long long)c.ffn, T, s.best * 1e3, s.median * 1e3,
-                  flops / s.best / 1e12, gemms.best * 1e3, flops / gemms.best / 1e12, s.best / gemms.best);
+      std::printf(" %6s %7lld %6lld %6lld %3d %10.3f %11.3f %8.1f %6.1f %10.3f %9.1f %6.1f %11.3fx\n",
+                  layerName(layer), (long long)c.tokens, (long long)c.hidden, (long long)c.ffn, T, s.best * 1e3,
+                  s.median * 1e3, flops / s.best / 1e12, percentOf(flops / s.best, peak.flops), gemms.best * 1e3,
+                  flops / gemms.best / 1e12, percentOf(flops / gemms.best, peak.flops), s.best / gemms.best);
       std::fflush(stdout);
     }
   }
@@ -303,18 +354,21 @@ torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 def leaf(rows, cols, sigma):
     return (torch.randn(rows, cols, device="cuda") * sigma).bfloat16().requires_grad_()
 x = leaf(m, h, 1.0)
+xr = leaf(m, f, 1.0)
 w1 = leaf(f, h, h ** -0.5)
 w2 = leaf(h, f, f ** -0.5)
 dy_f = torch.randn(m, f, device="cuda").bfloat16()
 dy_h = torch.randn(m, h, device="cuda").bfloat16()
 def column():
     F.linear(x, w1).backward(dy_f)
+def row():
+    F.linear(xr, w2).backward(dy_h)
 def mlp():
     F.linear(F.gelu(F.linear(x, w1)), w2).backward(dy_h)
 def timed(step):
     ms = []
     for i in range(warmup + steps):
-        x.grad = w1.grad = w2.grad = None
+        x.grad = xr.grad = w1.grad = w2.grad = None
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
@@ -326,7 +380,7 @@ def timed(step):
     ms.sort()
     return ms[0], ms[len(ms) // 2]
 print("torch", torch.__version__, torch.cuda.get_device_name(device))
-for name, step in (("column", column), ("mlp", mlp)):
+for name, step in (("column", column), ("row", row), ("mlp", mlp)):
     best, median = timed(step)
     print("result", name, best, median)
 )";
@@ -345,9 +399,11 @@ TorchRun runTorch(const GpuBenchConfig& c, int device) {
   // interpreter that has PyTorch (the shell expands it).
   const char* python = std::getenv("PYTHON");
   const std::string shown = python && *python ? python : "python3";
-  const std::string command = detail::concat("timeout -k 5 ", kTorchTimeoutSeconds, " \"${PYTHON:-python3}\" -c '", kTorchScript, "' ",
-                                             c.tokens, " ", c.hidden, " ", c.ffn, " ", c.warmup, " ", c.steps, " ",
-                                             device, " 2>&1");
+  // --foreground: timeout stays in tpsim's process group, so that a signal to the group (Ctrl-C, an
+  // outer `timeout`, as tools/gpu_check.sh runs this command) reaches python as well.
+  const std::string command =
+      detail::concat("timeout --foreground -k 5 ", kTorchTimeoutSeconds, " \"${PYTHON:-python3}\" -c '", kTorchScript,
+                     "' ", c.tokens, " ", c.hidden, " ", c.ffn, " ", c.warmup, " ", c.steps, " ", device, " 2>&1");
   TorchRun run;
   FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) {
@@ -375,7 +431,7 @@ TorchRun runTorch(const GpuBenchConfig& c, int device) {
   const int code = status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   if (code == 124 || code == 137)
     run.skipped = detail::concat(shown, " did not finish within ", kTorchTimeoutSeconds, " s");
-  else if (code != 0 || run.results.size() != 2)
+  else if (code != 0 || run.results.size() != 3)
     run.skipped = detail::concat(shown, " exited with status ", code, ": ", last.empty() ? "(no output)" : last);
   return run;
 }
@@ -394,7 +450,7 @@ void benchTorch(const GpuBenchConfig& c, int device, const LayerBest& tpsim) {
   std::printf("# %s\n", run.version.c_str());
   std::printf("#%6s %3s %10s %10s %11s %10s %12s\n", "layer", "T", "tpsim(ms)", "torch(ms)", "torch med", "torch TF/s",
               "tpsim/torch");
-  for (Layer layer : {Layer::kColumn, Layer::kMlp}) {
+  for (Layer layer : {Layer::kColumn, Layer::kRow, Layer::kMlp}) {
     const Samples& torch = run.results.at(layerName(layer));
     for (int T : c.tp) {
       const double ours = tpsim.at({layer, T});
@@ -463,7 +519,7 @@ double memcpySeconds(gpu::GpuCompute& g, std::int64_t bytes, int warmup, int ite
 }
 
 // Returns the number of wrong samples over every rank count, collective, dtype and size.
-long benchFabric(const GpuBenchConfig& c, const gpu::GpuWorldOptions& go) {
+long benchFabric(const GpuBenchConfig& c, const gpu::GpuWorldOptions& go, const Peak& peak) {
   std::printf("\n# DeviceFabric collectives, n ranks sharing cuda:%d; size = bytes of the larger buffer per rank;\n",
               go.device);
   std::printf("# algbw = size / time, busbw = algbw · (n-1)/n (nccl-tests); time: mean of %d after %d warm-up\n",
@@ -471,7 +527,11 @@ long benchFabric(const GpuBenchConfig& c, const gpu::GpuWorldOptions& go) {
   std::printf("# moved: the kernel's bytes read + written over all ranks / time (allGather 2·n·size, reduceScatter\n");
   std::printf("# (n+1)·size); memcpy: one cudaMemcpyAsync device to device of moved/2 bytes, read + written / time,\n");
   std::printf("# same run; #wrong: wrong values among the first, middle and last element of every output block\n");
-  std::printf("# of every rank (input of rank r: r + 1)\n");
+  std::printf("# of every rank (input of rank r: r + 1); %%HBM: moved over the GPU's memory bandwidth, ");
+  if (peak.bytesPerSecond > 0)
+    std::printf("%.1f TB/s\n", peak.bytesPerSecond / 1e12);
+  else
+    std::printf("not in tpsim's table for this GPU (nan)\n");
   std::fflush(stdout);
   gpu::GpuCompute baseline(go.device);
   std::map<std::int64_t, double> memcpyCache;  // by bytes
@@ -480,8 +540,10 @@ long benchFabric(const GpuBenchConfig& c, const gpu::GpuWorldOptions& go) {
     std::vector<FabricCase> cases;
     for (bool gather : {true, false})
       for (DType dtype : {kBf16, DType::kFloat32})
-        for (long long bytes = c.minBytes; bytes <= c.maxBytes; bytes *= 4)
+        for (long long bytes = c.minBytes;; bytes *= 4) {  // stops before bytes·4 could overflow
           cases.push_back({gather, dtype, std::int64_t(bytes) / std::int64_t(dtypeSize(dtype)) / n * n});
+          if (bytes > c.maxBytes / 4) break;
+        }
     std::vector<double> seconds(cases.size());
     std::vector<std::vector<long>> wrong(cases.size(), std::vector<long>(std::size_t(n)));  // [case][rank]
     WorldOptions o;
@@ -514,10 +576,10 @@ long benchFabric(const GpuBenchConfig& c, const gpu::GpuWorldOptions& go) {
     });
     for (bool gather : {true, false}) {
       std::printf("# %s on %d ranks\n", gather ? "allGather" : "reduceScatter", n);
-      std::printf("#%12s %12s %8s %6s %10s %8s %8s %7s %9s %9s %8s\n", "size", "count", "type", "redop", "time",
-                  "algbw", "busbw", "#wrong", "moved", "memcpy", "fabric/");
-      std::printf("#%12s %12s %8s %6s %10s %8s %8s %7s %9s %9s %8s\n", "(B)", "(elements)", "", "", "(us)",
-                  "(GB/s)", "(GB/s)", "", "(GB/s)", "(GB/s)", "memcpy");
+      std::printf("#%12s %12s %8s %6s %10s %8s %8s %7s %9s %9s %8s %6s\n", "size", "count", "type", "redop", "time",
+                  "algbw", "busbw", "#wrong", "moved", "memcpy", "fabric/", "%HBM");
+      std::printf("#%12s %12s %8s %6s %10s %8s %8s %7s %9s %9s %8s %6s\n", "(B)", "(elements)", "", "", "(us)",
+                  "(GB/s)", "(GB/s)", "", "(GB/s)", "(GB/s)", "memcpy", "");
       for (std::size_t i = 0; i < cases.size(); ++i) {
         const FabricCase& fc = cases[i];
         if (fc.gather != gather) continue;
@@ -530,9 +592,10 @@ long benchFabric(const GpuBenchConfig& c, const gpu::GpuWorldOptions& go) {
         allWrong += rowWrong;
         const double t = seconds[i], algbw = double(size) / t / 1e9;
         const double movedBw = double(moved) / t / 1e9, memcpyBw = double(moved) / cached->second / 1e9;
-        std::printf(" %12lld %12lld %8s %6s %10.1f %8.2f %8.2f %7ld %9.1f %9.1f %7.3fx\n", (long long)size,
+        std::printf(" %12lld %12lld %8s %6s %10.1f %8.2f %8.2f %7ld %9.1f %9.1f %7.3fx %6.1f\n", (long long)size,
                     (long long)fc.count, fc.dtype == kBf16 ? "bfloat16" : "float", gather ? "none" : "sum", t * 1e6,
-                    algbw, algbw * (n - 1) / n, rowWrong, movedBw, memcpyBw, movedBw / memcpyBw);
+                    algbw, algbw * (n - 1) / n, rowWrong, movedBw, memcpyBw, movedBw / memcpyBw,
+                    percentOf(movedBw * 1e9, peak.bytesPerSecond));
       }
       std::fflush(stdout);
     }
@@ -556,12 +619,22 @@ int benchGpu(const GpuBenchConfig& c) {
   std::istringstream facts(probe.str());
   for (std::string line; std::getline(facts, line);) std::printf("# %s\n", line.c_str());
   std::fflush(stdout);
+  // The probe only enumerates: a device that is listed but cannot be used (exclusive-process mode
+  // held by another process, no memory left, a broken context) fails at its first context, stream
+  // or allocation. That is an unusable device, exit 2, not a failed run.
+  try {
+    gpu::GpuCompute check(go.device);
+    check.synchronize(kSync);
+  } catch (const BackendError& e) {
+    throw InvalidArgument(detail::concat("--backend gpu: cuda:", go.device, " cannot be used: ", e.what()));
+  }
+  const Peak peak = peakOf(probe.devices[std::size_t(go.device)].name);
   if (c.what == "all" || c.what == "layers") {
-    const LayerBest best = benchLayers(c, go, normalTile());
+    const LayerBest best = benchLayers(c, go, peak, normalTile());
     benchTorch(c, go.device, best);
   }
   long wrong = 0;
-  if (c.what == "all" || c.what == "fabric") wrong = benchFabric(c, go);
+  if (c.what == "all" || c.what == "fabric") wrong = benchFabric(c, go, peak);
   return wrong == 0 ? 0 : 1;
 }
 
