@@ -26,7 +26,16 @@ std::unique_ptr<World> makeWorld(const std::string& backend, const WorldOptions&
   const std::string whyNot = backendUnusableReason(backend);
   if (!whyNot.empty()) throw UsageError{"--backend " + backend + ": cannot run here: " + whyNot};
 #if TPSIM_HAVE_GPU
-  if (backend == "gpu") return std::make_unique<gpu::World>(options, gpu::worldOptionsFromEnvironment());
+  if (backend == "gpu") {
+    const gpu::GpuWorldOptions gpuOptions = gpu::worldOptionsFromEnvironment();
+    try {
+      return std::make_unique<gpu::World>(options, gpuOptions);
+    } catch (const BackendError& e) {
+      // The probe only lists devices; one that is listed but refuses a context, a stream or memory
+      // (exclusive-process mode held elsewhere, no memory left) cannot run here either.
+      throw UsageError{"--backend gpu: cannot run here: " + std::string(e.what())};
+    }
+  }
 #endif
   return std::make_unique<sim::World>(options);
 }
