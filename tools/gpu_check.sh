@@ -163,7 +163,7 @@ if [ -x "$tpsim" ]; then
     --gtest_filter='CrossBackend.*:Backends.*'
   # Here a cross-backend law that skipped checked nothing.
   if grep -qE '^\[  SKIPPED \] CrossBackend\..* \([0-9]+ ms\)$' "$logs/props-cross-backend.log" 2>/dev/null; then
-    row "$(printf '%-28s %-18s %7s  %s' props-cross-backend FAIL - "a cross-backend law skipped on a GPU machine")"
+    row "$(printf '%-28s %-18s %7s  %s' cross-backend-skips FAIL - "a cross-backend law skipped on a GPU machine")"
     failures=$((failures + 1))
   fi
   if command -v compute-sanitizer >/dev/null; then
