@@ -523,12 +523,13 @@ static std::map<std::string, Checked> denseValues(const ReferenceOptions& o, con
       const Upper &w1Dgrad = &w1d == &w1f ? aW1 : aW1d, &w2Dgrad = &w2d == &w2f ? aW2 : aW2d;
 
       // fc2 reads GeLU(H) rounded: an error of up to aErr·aH (|GeLU'| < 1.13) in each element. dH
-      // carries fc2's dgrad error, up to dhErr·adA (adA = |dY|·|W2d|), into fc1's backward. Both
-      // add GeLU's and GeLU''s own fp32 evaluation: a few roundings and erf's and exp's last-bit
-      // errors (libm's or the device's), under 8 units of the magnitude.
-      const double geluEval = 8 * unitRoundoff(DType::kFloat32);
-      const double aErr = 1.13 * (double(h + 2) * uAcc + 2 * unitRoundoff(c)) + geluEval;
-      const double dhErr = 1.13 * (double(h + 2) * uAcc + 4 * unitRoundoff(c)) + geluEval;
+      // carries fc2's dgrad error, up to dhErr·adA (adA = |dY|·|W2d|), into fc1's backward. Each
+      // adds its own fp32 evaluation, relative to |H| <= aH and |dA| <= adA: GeLU's erf (2 ulp on
+      // the device, 1 in glibc) and three roundings, under 4 units; GeLU''s erf, exp and seven
+      // roundings, under 8.
+      const double uEval = unitRoundoff(DType::kFloat32);
+      const double aErr = 1.13 * (double(h + 2) * uAcc + 2 * unitRoundoff(c)) + 4 * uEval;
+      const double dhErr = 1.13 * (double(h + 2) * uAcc + 4 * unitRoundoff(c)) + 8 * uEval;
       const double relY = relativeBound(uAcc, f, stages + T, o.outputDtype);
       const double relW2 = relativeBound(uAcc, tokens, stages, c);
       const double relX = relativeBound(uAcc, f, stages + T, c), relW1 = relativeBound(uAcc, tokens, stages, c);
