@@ -54,11 +54,6 @@ std::string compareResults(const TensorMap& a, const std::string& aName, const T
   return "";
 }
 
-// c as run on backend b: what a failing case's replay line names.
-RunConfig on(RunConfig c, const Backend& b) {
-  c.backend = b.name;
-  return c;
-}
 
 }  // namespace
 
@@ -107,7 +102,7 @@ TEST(CrossBackend, ExactLayerCaseIsBitwiseEqualOnSimAndGpu) {
     const TensorMap inputs = *genExactInputs(c);
     const TensorMap a = sim.runLayer(c, inputs).results, b = other.runLayer(c, inputs).results;
     const std::string d = compareResults(a, "sim", b, other.name, [](const std::string&, std::size_t) { return 0.0; });
-    if (!d.empty()) failLayerCase(on(c, other), Numerics::kExact, "sim vs " + other.name, inputs, d);
+    if (!d.empty()) failLayerCase(runConfigOn(c, other), Numerics::kExact, "sim vs " + other.name, inputs, d);
   });
 }
 
@@ -122,15 +117,15 @@ TEST(CrossBackend, RealLayerCaseAgreesWithinTheBoundOnSimAndGpu) {
     const TensorMap inputs = realInputs(c);
     const TensorMap a = sim.runLayer(c, inputs).results, b = other.runLayer(c, inputs).results;
     for (const auto& [backend, results] : {std::pair<const Backend*, const TensorMap*>{&sim, &a}, {&other, &b}})
-      for (const tools::Verdict& v : tools::verify(on(c, *backend), inputs, *results))
+      for (const tools::Verdict& v : tools::verify(runConfigOn(c, *backend), inputs, *results))
         if (v.outside != 0)
-          failLayerCase(on(c, *backend), Numerics::kReal, backend->name, inputs,
+          failLayerCase(runConfigOn(c, *backend), Numerics::kReal, backend->name, inputs,
                         v.name + ": " + std::to_string(v.outside) + " elements outside their bound");
-    const auto ref = tools::referenceFor(on(c, other), inputs);
+    const auto ref = tools::referenceFor(runConfigOn(c, other), inputs);
     const std::string d = compareResults(a, "sim", b, other.name, [&](const std::string& name, std::size_t i) {
       return 2 * ref.at(name).bound[i];
     });
-    if (!d.empty()) failLayerCase(on(c, other), Numerics::kReal, "sim vs " + other.name, inputs, d);
+    if (!d.empty()) failLayerCase(runConfigOn(c, other), Numerics::kReal, "sim vs " + other.name, inputs, d);
   });
 }
 
@@ -165,26 +160,29 @@ TEST(CrossBackend, CollectivesAreBitwiseEqualOnSimAndGpu) {
         for (double& x : v) x = std::ldexp(normal(rng), exponent(rng));
         Compute& c = ctx.compute;
         const std::int64_t whole = std::int64_t(n) * block;
-        Tensor sum = testing::tensorOf(c, dtype, v), x = testing::tensorOf(c, dtype, v);
+        const Tensor input = testing::tensorOf(c, dtype, v);  // read only; every op starts from it
+        Tensor sum = c.empty({whole}, dtype), x = c.empty({whole}, dtype);
+        c.copy(input, sum);
         Tensor part = c.empty({block}, dtype), gathered = c.zeros({whole}, dtype), exchanged = c.empty({whole}, dtype),
                root = c.empty({whole}, dtype);
-        const View mine = x.view().slice(0, q * block, (q + 1) * block);             // block q of x
+        const View mine = x.view().slice(0, q * block, (q + 1) * block);             // block q of x (in place)
         const View ownBlock = gathered.view().slice(0, q * block, (q + 1) * block);  // block q of gathered
         g->allReduce(sum, AllReduceOptions{op})->wait();
         if (inPlace) {  // each op's in-place form (collectives.h)
+          c.copy(input, x);
           g->reduceScatter(x, mine, ReduceScatterOptions{op})->wait();
           c.copy(mine, part);
           c.copy(part, ownBlock);
           g->allGather(ownBlock, gathered)->wait();
-          c.copy(testing::tensorOf(c, dtype, v), exchanged);
+          c.copy(input, exchanged);
           g->allToAll(exchanged, exchanged)->wait();
-          c.copy(testing::tensorOf(c, dtype, v), root);
+          c.copy(input, root);
           g->broadcast(root, root, BroadcastOptions{n - 1})->wait();
         } else {
-          g->reduceScatter(x, part, ReduceScatterOptions{op})->wait();
+          g->reduceScatter(input, part, ReduceScatterOptions{op})->wait();
           g->allGather(part, gathered)->wait();
-          g->allToAll(testing::tensorOf(c, dtype, v), exchanged)->wait();
-          g->broadcast(testing::tensorOf(c, dtype, v), root, BroadcastOptions{n - 1})->wait();
+          g->allToAll(input, exchanged)->wait();
+          g->broadcast(input, root, BroadcastOptions{n - 1})->wait();
         }
         std::vector<Values> results;
         for (const Tensor* t : {&sum, &part, &gathered, &exchanged, &root}) results.push_back(testing::valuesOf(c, *t));

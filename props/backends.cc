@@ -42,6 +42,11 @@ std::vector<const Backend*> usableBackends() {
   return out;
 }
 
+tools::RunConfig runConfigOn(tools::RunConfig c, const Backend& b) {
+  c.backend = b.name;
+  return c;
+}
+
 const Backend& backendNamed(const std::string& name) {
   for (const Backend& b : backends())
     if (b.name == name) return b;

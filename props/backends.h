@@ -31,6 +31,8 @@ const std::vector<Backend>& backends();
 std::vector<const Backend*> usableBackends();
 // The entry named `name`; throws std::out_of_range for an unknown name.
 const Backend& backendNamed(const std::string& name);
+// c as run on backend b: its backend sets the bound's accumulation unit and a failing case's replay line.
+tools::RunConfig runConfigOn(tools::RunConfig c, const Backend& b);
 
 // In a cross-backend law (a gtest body): `other`, the backend named `name`, or a skip naming why
 // it is unusable, so that the law never passes without having run there.

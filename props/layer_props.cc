@@ -118,8 +118,7 @@ std::string outsideTheBound(const RunConfig& c, const TensorMap& inputs, const T
 void onEveryBackend(const RunConfig& c, Numerics numerics, const TensorMap& inputs,
                     const std::function<std::string(const RunConfig& onBackend, const TensorMap& results)>& check) {
   for (const Backend* b : usableBackends()) {
-    RunConfig onBackend = c;
-    onBackend.backend = b->name;
+    const RunConfig onBackend = runConfigOn(c, *b);
     tools::RunResult r;
     try {
       r = b->runLayer(c, inputs);
