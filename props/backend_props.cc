@@ -19,7 +19,7 @@
 #include "props/harness.h"
 #include "props/rank_checks.h"
 #include "tests/sim_test_util.h"
-#include "tools/reference.h"
+#include "tools/lib/reference.h"
 #include "tpsim_config.h"
 
 namespace tpsim::props {

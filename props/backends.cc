@@ -2,7 +2,7 @@
 
 #include <stdexcept>
 
-#include "tools/backend.h"
+#include "tools/lib/backend.h"
 
 namespace tpsim::props {
 namespace {

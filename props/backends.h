@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "backends/rank_context.h"
-#include "tools/runner.h"
+#include "tools/lib/runner.h"
 
 namespace tpsim::props {
 

@@ -1,4 +1,4 @@
-// Checkpoint laws (core/checkpoint_io.h), for random layers (column, row, embedding, the MLP block)
+// Checkpoint laws (tools/lib/checkpoint_files.h), for random layers (column, row, embedding, the MLP block)
 // and two random topologies (T, GTP_remat, pad_for_alignment, dtype):
 //   - a save at the first and a load at the second gives bitwise the same global tensors: the
 //     consolidated checkpoint is the saved parameters, every rank of the second world holds exactly
@@ -17,7 +17,7 @@
 #include <numeric>
 #include <set>
 
-#include "core/checkpoint_io.h"
+#include "tools/lib/checkpoint_files.h"
 #include "core/embedding.h"
 #include "core/gtp.h"
 #include "core/layers.h"
@@ -26,8 +26,8 @@
 #include "props/harness.h"
 #include "props/rank_checks.h"
 #include "tests/sim_test_util.h"
-#include "tools/host_tensor.h"
-#include "tools/runner.h"
+#include "tools/lib/host_tensor.h"
+#include "tools/lib/runner.h"
 
 namespace tpsim::props {
 namespace {

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "core/rank_grid.h"
-#include "tools/runner.h"
+#include "tools/lib/runner.h"
 
 namespace tpsim::props {
 

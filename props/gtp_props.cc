@@ -41,8 +41,8 @@
 #include "props/harness.h"
 #include "props/rank_checks.h"
 #include "tests/sim_test_util.h"
-#include "tools/backend.h"
-#include "tools/host_tensor.h"
+#include "tools/lib/backend.h"
+#include "tools/lib/host_tensor.h"
 
 namespace tpsim::props {
 namespace {

@@ -10,7 +10,7 @@
 #include <mutex>
 #include <sstream>
 
-#include "tools/npy.h"
+#include "tools/lib/npy.h"
 
 namespace tpsim::props {
 namespace {

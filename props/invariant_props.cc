@@ -40,7 +40,7 @@
 #include "props/generators.h"
 #include "props/harness.h"
 #include "tests/sim_test_util.h"
-#include "tools/host_tensor.h"
+#include "tools/lib/host_tensor.h"
 
 namespace tpsim::props {
 namespace {

@@ -2,7 +2,7 @@
 // backend (SPEC 6 items 1, 2, 4, 17 for the layers as a whole, and 8 for GTP_remat through
 // tools::runSharded):
 //   Column / Row / VocabParallelEmbedding sharded == unsharded, bitwise, on exact data;
-//   the same within the data-derived bound of tools/reference.h, on real data;
+//   the same within the data-derived bound of tools/lib/reference.h, on real data;
 //   Column(gather_output=false) -> GeLU -> Row(input_is_parallel) == the dense MLP, within the bound;
 //   an exact case gives bitwise the same results at T = 1 and at T = k.
 // About one case in three also shards the weights over G GTP_remat peers that split the batch
@@ -19,7 +19,7 @@
 #include "props/backends.h"
 #include "props/generators.h"
 #include "props/harness.h"
-#include "tools/reference.h"
+#include "tools/lib/reference.h"
 
 namespace tpsim::props {
 namespace {
@@ -144,7 +144,7 @@ TPSIM_PROP(LayerLaws, ShardedEqualsUnshardedBitwiseOnExactData, kExactCases) {
                  });
 }
 
-// Real data: |sharded − unsharded| <= the bound tools/reference.h derives from |X|·|W|, the
+// Real data: |sharded − unsharded| <= the bound tools/lib/reference.h derives from |X|·|W|, the
 // reduction length and the dtypes, for every element of every result.
 TPSIM_PROP(LayerLaws, ShardedEqualsUnshardedWithinTheDataDerivedBound, kRealCases) {
   const RunConfig c = *genRunConfig(kLinearAndEmbedding, genTp(), GtpMode::kSometimes);

@@ -1,5 +1,5 @@
 // sgemm and dgemm: packed, cache-blocked GEMMs the GotoBLAS/BLIS way, in fp32 for the simulator
-// and in fp64 for the reference that checks it (tools/reference.h); upperGemmBf16, the same driver
+// and in fp64 for the reference that checks it (tools/lib/reference.h); upperGemmBf16, the same driver
 // over bf16 pairs, for the reference's error bounds.
 //
 // B is packed into panels of NR columns by KC rows, A into slivers of MR rows, and an MR x NR
@@ -43,7 +43,7 @@ void sgemm(GemmKernel kernel, std::int64_t m, std::int64_t n, std::int64_t k, fl
 void dgemm(GemmKernel kernel, std::int64_t m, std::int64_t n, std::int64_t k, double alpha, DoubleMatrix a,
            DoubleMatrix b, double beta, double* c, std::int64_t cRowStride, std::int64_t cColStride, HostPool* pool);
 
-// For the reference's error bounds (tools/reference.cc): c ≈ a·b for nonnegative a and b, faster
+// For the reference's error bounds (tools/lib/reference.cc): c ≈ a·b for nonnegative a and b, faster
 // than sgemm through AVX512-BF16 (an instruction does two FMAs' work; 1.7x on Zen 5). Each value of a and b is rounded toward +Inf to bf16 (a
 // positive one below 2^-126 up to 2^-126); their products, exact, are summed in fp32 in sgemm's
 // order (an FMA chain per K block of 256, pairs of K steps odd first, then one addition per later

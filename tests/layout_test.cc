@@ -1,14 +1,14 @@
 // The placements `tpsim layout` draws and `tpsim run` shards by: cutting any tensor by its
 // placement and putting it back gives it unchanged, pad rows zero; and the drawings hold a panel
 // per tensor.
-#include "tools/layout.h"
+#include "tools/lib/layout.h"
 
 #include <gtest/gtest.h>
 
 #include <map>
 #include <regex>
 
-#include "tools/host_tensor.h"
+#include "tools/lib/host_tensor.h"
 
 namespace tpsim::tools {
 namespace {

@@ -1,9 +1,9 @@
-// Unit tests of tools/npy.h: round trips, numpy.save's exact header bytes, hand-written 2.0 and
+// Unit tests of tools/lib/npy.h: round trips, numpy.save's exact header bytes, hand-written 2.0 and
 // 3.0 files, and the message of every error readNpy and writeNpy report.
 //
 // numpy is not needed: the expected headers are derived from the format spec (numpy/lib/format.py
 // _write_array_header and _wrap_header) and hard-coded here.
-#include "tools/npy.h"
+#include "tools/lib/npy.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

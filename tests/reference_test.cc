@@ -1,7 +1,7 @@
 // The dense reference's magnitudes: computed in float or bf16, they must never fall below the same
 // products computed in double (the bound they replace), whatever the magnitudes, and stay close.
 // The MLP's reference, which takes F in blocks, against loops over the whole.
-#include "tools/reference.h"
+#include "tools/lib/reference.h"
 
 #include <gtest/gtest.h>
 

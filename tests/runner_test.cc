@@ -1,7 +1,7 @@
 // The engine of `tpsim run` and `tpsim demo`: every layer kind and option, sharded on the
 // simulator and reassembled, agrees with the dense double-precision computation within the
 // data-derived bound; bad inputs are named.
-#include "tools/runner.h"
+#include "tools/lib/runner.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -1,7 +1,7 @@
-// Timelines (tools/trace.h): the logging decorators, the device models, the model clock's costs
+// Timelines (tools/lib/trace.h): the logging decorators, the device models, the model clock's costs
 // and ordering (a collective starts when its last member arrives; async collectives overlap
 // compute), and the summary's arithmetic on a real run.
-#include "tools/trace.h"
+#include "tools/lib/trace.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -11,7 +11,7 @@
 
 #include "sim/sim_compute.h"
 #include "sim/world.h"
-#include "tools/runner.h"
+#include "tools/lib/runner.h"
 
 namespace tpsim::tools {
 namespace {

@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "backends/errors.h"
-#include "tools/cli.h"
-#include "tools/memory.h"
+#include "tools/cli/cli.h"
+#include "tools/lib/memory.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace tpsim::tools;

@@ -1,4 +1,4 @@
-// libFuzzer target: tools/npy.cc on arbitrary file contents. Each input must read as an array
+// libFuzzer target: tools/lib/npy.cc on arbitrary file contents. Each input must read as an array
 // whose data matches its shape, or fail with InvalidArgument; an array read back after writeNpy
 // must be the same array. Anything else (a crash, a sanitizer report, another exception) is a bug.
 #include <sys/mman.h>
@@ -9,7 +9,7 @@
 #include <string>
 
 #include "backends/errors.h"
-#include "tools/npy.h"
+#include "tools/lib/npy.h"
 
 namespace {
 

@@ -1,10 +1,10 @@
-// libFuzzer target: the CLI's value parsers (tools/cli.h) on arbitrary text. Each must return a
+// libFuzzer target: the CLI's value parsers (tools/cli/cli.h) on arbitrary text. Each must return a
 // value in its documented range or throw UsageError; sizeText must round-trip through parseSize.
 #include <cstdint>
 #include <cstdlib>
 #include <string>
 
-#include "tools/cli.h"
+#include "tools/cli/cli.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace tpsim::tools;

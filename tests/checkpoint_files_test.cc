@@ -1,9 +1,9 @@
-// Tests for core/checkpoint_io.h on the simulator: a column (with bias), a row (with bias) and an
+// Tests for tools/lib/checkpoint_files.h on the simulator: a column (with bias), a row (with bias) and an
 // embedding saved at one (T, GTP_remat, pad_for_alignment, dtype) and loaded at another, checked
 // against values filled by an independent formula; the safetensors bytes; the index; and every
 // rejected checkpoint (missing key, shape, dtype, truncated or corrupt file, missing file, a chunk
 // written twice or missing), with a failed save leaving the previous checkpoint loadable.
-#include "core/checkpoint_io.h"
+#include "tools/lib/checkpoint_files.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

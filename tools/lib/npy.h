@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,9 @@ NpyArray readNpyHeader(const std::string& path);
 // byte as numpy.save does: version 1.0, or 2.0 if the header would exceed 65535 bytes. bf16 has
 // no NumPy dtype and is rejected. Throws InvalidArgument naming the path if it cannot be written.
 void writeNpy(const std::string& path, DType dtype, const std::vector<std::int64_t>& shape,
+              const void* data);
+// The same to an open file (an OutputFiles temporary); messages start with `where`.
+void writeNpy(std::FILE* file, const std::string& where, DType dtype, const std::vector<std::int64_t>& shape,
               const void* data);
 
 // The repr of a NumPy shape tuple: "(2, 3)", "(5,)", "()".

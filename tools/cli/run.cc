@@ -9,11 +9,12 @@
 #include <sstream>
 
 #include "backends/errors.h"
-#include "tools/backend.h"
-#include "tools/cli.h"
-#include "tools/memory.h"
-#include "tools/npy.h"
-#include "tools/runner.h"
+#include "tools/lib/backend.h"
+#include "tools/cli/cli.h"
+#include "tools/lib/memory.h"
+#include "tools/lib/npy.h"
+#include "tools/lib/output_files.h"
+#include "tools/lib/runner.h"
 
 namespace po = boost::program_options;
 
@@ -125,37 +126,29 @@ TensorMap checkpointParams(RunConfig& c, const CheckpointReader& reader, const s
   return m;
 }
 
-// All the outputs or none: each is written under a temporary name in DIR, and only when all are
-// complete renamed into place. rename() replaces a symlink at an output name rather than
-// following it, so nothing outside DIR is written.
+// All the outputs or none, as unsharded .npy files in DIR (tools/lib/output_files.h).
 void save(const std::string& dir, const TensorMap& tensors) {
-  namespace fs = std::filesystem;
-  std::vector<std::pair<fs::path, fs::path>> files;  // (temporary, final)
+  OutputFiles output("--save");
+  std::vector<std::string> files;
   for (const auto& [name, t] : tensors) {
-    const fs::path file = fs::path(dir) / (name + ".npy");
-    const fs::file_type type = fs::symlink_status(file).type();
-    TPSIM_CHECK(type == fs::file_type::not_found || type == fs::file_type::regular || type == fs::file_type::symlink,
-                "--save: expected ", file.string(), " to be absent or a regular file, got another kind of file");
-    files.push_back({fs::path(dir) / ("." + name + ".npy.partial"), file});
+    files.push_back((std::filesystem::path(dir) / (name + ".npy")).string());
+    output.checkTarget(files.back());
   }
-  try {
-    for (const auto& [tmp, file] : files) {
-      fs::remove(tmp);  // a symlink left at the temporary name must not be written through
-      const HostTensor& t = tensors.at(file.stem().string());
+  auto file = files.begin();
+  for (const auto& [name, t] : tensors) {
+    const std::string& path = *file++;
+    output.write(path, [&](std::FILE* f) {
+      const std::string where = "--save: " + path;
       if (t.dtype == DType::kInt64) {
-        std::vector<std::int64_t> v(t.values.begin(), t.values.end());
-        writeNpy(tmp.string(), DType::kInt64, t.shape, v.data());
+        const std::vector<std::int64_t> v(t.values.begin(), t.values.end());
+        writeNpy(f, where, DType::kInt64, t.shape, v.data());
       } else {
-        std::vector<float> v(t.values.begin(), t.values.end());
-        writeNpy(tmp.string(), DType::kFloat32, t.shape, v.data());
+        const std::vector<float> v(t.values.begin(), t.values.end());
+        writeNpy(f, where, DType::kFloat32, t.shape, v.data());
       }
-    }
-  } catch (...) {
-    std::error_code ignored;
-    for (const auto& [tmp, file] : files) fs::remove(tmp, ignored);
-    throw;
+    });
   }
-  for (const auto& [tmp, file] : files) fs::rename(tmp, file);
+  output.commit();
 }
 
 VerifyMode parseVerify(const std::string& s) {

@@ -1,4 +1,4 @@
-#include "tools/npy.h"
+#include "tools/lib/npy.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -359,9 +359,11 @@ NpyArray readNpy(const std::string& path) {
   return array;
 }
 
-void writeNpy(const std::string& path, DType dtype, const std::vector<std::int64_t>& shape,
-              const void* data) {
-  const std::string where = "writeNpy '" + path + "'";
+namespace {
+
+// The header numpy.save writes for (dtype, shape), after checking them; `bytes` gets the data size.
+std::string npyHeader(const std::string& where, DType dtype, const std::vector<std::int64_t>& shape,
+                      const void* data, std::uint64_t& bytes) {
   const NpyType* type = nullptr;
   for (const NpyType& t : kTypes)
     if (t.dtype == dtype) type = &t;
@@ -369,11 +371,12 @@ void writeNpy(const std::string& path, DType dtype, const std::vector<std::int64
               "; NumPy has no bfloat16 or fp8 type, widen to fp32 first");
   for (std::int64_t d : shape)
     TPSIM_CHECK(d >= 0, where, ": shape must be non-negative, got ", shapeString(shape));
-  const std::optional<std::uint64_t> bytes = byteCount(shape, dtypeSize(dtype));
-  TPSIM_CHECK(bytes, where, ": expected a shape of at most 2^63 bytes, got ", shapeString(shape),
+  const std::optional<std::uint64_t> count = byteCount(shape, dtypeSize(dtype));
+  TPSIM_CHECK(count, where, ": expected a shape of at most 2^63 bytes, got ", shapeString(shape),
               " of ", dtypeName(dtype));
-  TPSIM_CHECK(data || *bytes == 0, where, ": data must not be null for shape ", shapeString(shape),
+  TPSIM_CHECK(data || *count == 0, where, ": data must not be null for shape ", shapeString(shape),
               ", got nullptr");
+  bytes = *count;
 
   // Keys sorted, each value's repr followed by ", " -- the exact text numpy.save writes.
   std::string dict = std::string("{'descr': '<") + type->code +
@@ -394,20 +397,41 @@ void writeNpy(const std::string& path, DType dtype, const std::vector<std::int64
   out += dict;
   out.append(padding, ' ');
   out += '\n';
+  return out;
+}
 
+bool writeAll(std::FILE* file, const std::string& header, const void* data, std::uint64_t bytes) {
+  return std::fwrite(header.data(), 1, header.size(), file) == header.size() &&
+         (bytes == 0 || std::fwrite(data, 1, bytes, file) == bytes);
+}
+
+}  // namespace
+
+void writeNpy(const std::string& path, DType dtype, const std::vector<std::int64_t>& shape,
+              const void* data) {
+  const std::string where = "writeNpy '" + path + "'";
+  std::uint64_t bytes = 0;
+  const std::string header = npyHeader(where, dtype, shape, data, bytes);
   File file(std::fopen(path.c_str(), "wb"));
   const int openErrno = errno;
   TPSIM_CHECK(file, where, ": expected a writable path, got '", std::strerror(openErrno), "'");
-  bool ok = std::fwrite(out.data(), 1, out.size(), file.get()) == out.size() &&
-            (*bytes == 0 || std::fwrite(data, 1, *bytes, file.get()) == *bytes);
+  bool ok = writeAll(file.get(), header, data, bytes);
   int writeErrno = errno;
   // fclose flushes the buffer, so a full disk often shows up only here.
   if (std::fclose(file.release()) != 0 && ok) {
     ok = false;
     writeErrno = errno;
   }
-  TPSIM_CHECK(ok, where, ": expected to write ", out.size() + *bytes, " bytes, got '",
+  TPSIM_CHECK(ok, where, ": expected to write ", header.size() + bytes, " bytes, got '",
               std::strerror(writeErrno), "'");
+}
+
+void writeNpy(std::FILE* file, const std::string& where, DType dtype, const std::vector<std::int64_t>& shape,
+              const void* data) {
+  std::uint64_t bytes = 0;
+  const std::string header = npyHeader(where, dtype, shape, data, bytes);
+  TPSIM_CHECK(writeAll(file, header, data, bytes), where, ": expected to write ", header.size() + bytes,
+              " bytes, got '", std::strerror(errno), "'");
 }
 
 }  // namespace tpsim::tools

@@ -14,16 +14,12 @@
 #include <vector>
 
 #include "backends/fault.h"
-#include "tools/bench_gpu.h"
-#include "tools/runner.h"
-#include "tools/trace.h"
+#include "tools/cli/bench_gpu.h"
+#include "tools/lib/runner.h"
+#include "tools/lib/trace.h"
+#include "tools/lib/usage_error.h"
 
 namespace tpsim::tools {
-
-// A bad command line: main prints one line plus "Try 'tpsim --help'" and exits 2.
-struct UsageError {
-  std::string message;
-};
 
 // The exit codes of every command, for the --help texts: a contract for outside harnesses.
 extern const char kExitCodes[];
@@ -32,6 +28,7 @@ int demoMain(const std::vector<std::string>& args);
 int benchMain(const std::vector<std::string>& args);
 int runMain(const std::vector<std::string>& args);
 int checkpointMain(const std::vector<std::string>& args);
+int layoutMain(const std::vector<std::string>& args);
 
 // A `tpsim run` command line, parsed and checked: all runMain decides before it touches a file or
 // allocates a tensor. parseRunArgs throws UsageError or InvalidArgument naming the flag.
@@ -53,7 +50,7 @@ struct DemoArgs {
 };
 DemoArgs parseDemoArgs(const std::vector<std::string>& args);
 
-// `tpsim bench`'s simulator sections (tools/bench.cc).
+// `tpsim bench`'s simulator sections (tools/cli/bench.cc).
 struct BenchConfig {
   std::string what = "all";
   std::vector<int> ranks;

@@ -1,7 +1,7 @@
-#include "tools/backend.h"
+#include "tools/lib/backend.h"
 
 #include "sim/world.h"
-#include "tools/cli.h"
+#include "tools/lib/usage_error.h"
 #include "tpsim_config.h"
 #if TPSIM_HAVE_GPU
 #include "gpu/device.h"

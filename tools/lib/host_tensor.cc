@@ -1,4 +1,4 @@
-#include "tools/host_tensor.h"
+#include "tools/lib/host_tensor.h"
 
 #include <algorithm>
 #include <cmath>

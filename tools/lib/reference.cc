@@ -1,4 +1,4 @@
-#include "tools/reference.h"
+#include "tools/lib/reference.h"
 
 #include <Eigen/Core>
 #include <algorithm>

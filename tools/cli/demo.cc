@@ -9,9 +9,9 @@
 #include <map>
 #include <sstream>
 
-#include "tools/backend.h"
-#include "tools/cli.h"
-#include "tools/runner.h"
+#include "tools/lib/backend.h"
+#include "tools/cli/cli.h"
+#include "tools/lib/runner.h"
 
 namespace po = boost::program_options;
 

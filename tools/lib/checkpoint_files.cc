@@ -1,4 +1,4 @@
-#include "core/checkpoint_io.h"
+#include "tools/lib/checkpoint_files.h"
 
 #include <algorithm>
 #include <cinttypes>
@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "backends/errors.h"
+#include "tools/lib/output_files.h"
 
 namespace tpsim {
 namespace {
@@ -194,42 +195,6 @@ json chunkJson(const CheckpointChunk& c) {
   return j;
 }
 
-void writeAtomically(const fs::path& file, const std::string& bytes) {
-  const fs::path tmp = file.parent_path() / ("." + file.filename().string() + ".partial");
-  fs::remove(tmp);  // a symlink left at the temporary name must not be written through
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out.write(bytes.data(), std::streamsize(bytes.size()));
-    out.flush();
-    if (!out) {
-      std::error_code ignored;
-      fs::remove(tmp, ignored);
-      TPSIM_CHECK(false, "checkpoint: expected to write ", file.string(), ", got a write error");
-    }
-  }
-  fs::rename(tmp, file);  // replaces a symlink at `file` rather than following it
-}
-
-std::string safetensorsBytes(const std::vector<SafetensorsEntry>& tensors,
-                             const std::map<std::string, std::string>& metadata) {
-  json header = json::object();
-  if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::uint64_t at = 0;
-  for (const auto& t : tensors) {
-    TPSIM_INTERNAL_ASSERT(std::int64_t(t.bytes.size()) == volume(t.shape) * std::int64_t(dtypeSize(t.dtype)),
-                          t.name, ": ", t.bytes.size(), " bytes for ", shapeStr(t.shape));
-    TPSIM_CHECK(!header.contains(t.name), "writeSafetensors: tensor names must be unique, got '", t.name, "' twice");
-    header[t.name] = {{"dtype", safetensorsDtype(t.dtype)}, {"shape", t.shape}, {"data_offsets", {at, at + t.bytes.size()}}};
-    at += t.bytes.size();
-  }
-  std::string text = header.dump();
-  text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned, as safetensors pads
-  std::string out(8, '\0');
-  for (int i = 0; i < 8; ++i) out[i] = char((std::uint64_t(text.size()) >> (8 * i)) & 0xff);
-  out += text;
-  for (const auto& t : tensors) out.append(t.bytes.data(), t.bytes.size());
-  return out;
-}
 
 // Reading: every field is type-checked; nlohmann's own errors become InvalidArgument naming the file.
 template <typename F>
@@ -263,6 +228,27 @@ std::uint64_t readHex64(const json& j, const std::string& where, const char* fie
 
 }  // namespace
 
+std::string safetensorsBytes(const std::vector<SafetensorsEntry>& tensors,
+                             const std::map<std::string, std::string>& metadata) {
+  json header = json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::uint64_t at = 0;
+  for (const auto& t : tensors) {
+    TPSIM_INTERNAL_ASSERT(std::int64_t(t.bytes.size()) == volume(t.shape) * std::int64_t(dtypeSize(t.dtype)),
+                          t.name, ": ", t.bytes.size(), " bytes for ", shapeStr(t.shape));
+    TPSIM_CHECK(!header.contains(t.name), "writeSafetensors: tensor names must be unique, got '", t.name, "' twice");
+    header[t.name] = {{"dtype", safetensorsDtype(t.dtype)}, {"shape", t.shape}, {"data_offsets", {at, at + t.bytes.size()}}};
+    at += t.bytes.size();
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned, as safetensors pads
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[i] = char((std::uint64_t(text.size()) >> (8 * i)) & 0xff);
+  out += text;
+  for (const auto& t : tensors) out.append(t.bytes.data(), t.bytes.size());
+  return out;
+}
+
 const char* safetensorsDtype(DType dtype) {
   switch (dtype) {
     case DType::kFloat32: return "F32";
@@ -288,11 +274,6 @@ std::uint64_t fnv1a64(const void* data, std::size_t size) {
   const auto* p = static_cast<const unsigned char*>(data);
   for (std::size_t i = 0; i < size; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
   return h;
-}
-
-void writeSafetensors(const std::string& path, const std::vector<SafetensorsEntry>& tensors,
-                      const std::map<std::string, std::string>& metadata) {
-  writeAtomically(path, safetensorsBytes(tensors, metadata));
 }
 
 // ---- Save ----------------------------------------------------------------------------------------
@@ -410,6 +391,7 @@ void CheckpointWriter::commit(const std::string& dir) const {
   // An old index goes first, so that a save failing halfway leaves no checkpoint that loads.
   const fs::path root(dir);
   fs::remove(root / kIndexName);
+  tools::OutputFiles output(where);  // the files, then the index last
   json index{{"format", kFormat}, {"version", kVersion}, {"files", json::object()}, {"tensors", json::object()},
              {"objects", json::object()}};
   std::vector<std::string> written;
@@ -418,7 +400,7 @@ void CheckpointWriter::commit(const std::string& dir) const {
     const std::string bytes = safetensorsBytes(tensors, {{"source", "tpsim checkpoint"}, {"rank", std::to_string(writer)}});
     std::uint64_t headerLen = 0;
     for (int i = 0; i < 8; ++i) headerLen |= std::uint64_t(static_cast<unsigned char>(bytes[i])) << (8 * i);
-    writeAtomically(root / file, bytes);
+    output.write((root / file).string(), bytes);
     written.push_back(file);
     index["files"][file] = {{"writer", writer},
                             {"size", bytes.size()},
@@ -453,7 +435,8 @@ void CheckpointWriter::commit(const std::string& dir) const {
     index["objects"][name] = {{"global_shape", o.globalShape}, {"offsets", offsets}, {"writers", writers},
                               {"value", nullptr}};
   }
-  writeAtomically(root / kIndexName, index.dump(1) + "\n");
+  output.write((root / kIndexName).string(), index.dump(1) + "\n");
+  output.commit();
 }
 
 // ---- Load ----------------------------------------------------------------------------------------

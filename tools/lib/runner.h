@@ -21,12 +21,12 @@
 #include <vector>
 
 #include "backends/world.h"
-#include "core/checkpoint_io.h"
+#include "tools/lib/checkpoint_files.h"
 #include "core/config.h"
 #include "core/layers.h"
 #include "core/placement.h"
-#include "tools/reference.h"
-#include "tools/trace.h"
+#include "tools/lib/reference.h"
+#include "tools/lib/trace.h"
 
 namespace tpsim::tools {
 
@@ -55,7 +55,7 @@ struct RunConfig {
   // The linears' weights as the GEMMs read them (core/mxfp8.h); not for the embedding.
   WeightFormat weightFormat = WeightFormat::kNative;
   std::uint64_t seed = 1234;
-  std::string backend = "sim";  // tools/backend.h
+  std::string backend = "sim";  // tools/lib/backend.h
   int threads = 0;
   std::vector<Fault> faults;                   // --inject: ranks that misbehave on purpose
   std::chrono::milliseconds timeout{60'000};   // --timeout: the world's collective timeout

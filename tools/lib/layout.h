@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "core/placement.h"
-#include "tools/runner.h"
+#include "tools/lib/runner.h"
 
 namespace tpsim::tools {
 
@@ -29,8 +29,5 @@ std::string layoutText(const RunConfig& config, const std::vector<TensorPlacemen
 // panel a <g class="panel"> with data-tensor, data-rows, data-cols (its layout extents) and
 // data-copies (how many ranks hold each element).
 std::string layoutSvg(const RunConfig& config, const std::vector<TensorPlacement>& placements);
-
-// `tpsim layout [options]`: returns the exit code (tools/cli.h's conventions).
-int layoutMain(const std::vector<std::string>& args);
 
 }  // namespace tpsim::tools

@@ -1,4 +1,4 @@
-#include "tools/cli.h"
+#include "tools/cli/cli.h"
 
 #include <boost/program_options.hpp>
 #include <cctype>

@@ -1,4 +1,4 @@
-#include "tools/memory.h"
+#include "tools/lib/memory.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -37,7 +37,7 @@ std::optional<double> readNumber(const std::string& file) {
 //         + 2H        the MLP's per-rank intermediates (H, GeLU(H), dA, dH in fp32)
 //   verify: 4W + 8B   the reference's |W| copies and products, the MLP's (tokens, F) matrices,
 //                     which it holds for a block of F at a time: B = min(H, max(2^21, 256 tokens))
-//                     (tools/reference.h); freed run memory that malloc keeps is why it adds to
+//                     (tools/lib/reference.h); freed run memory that malloc keeps is why it adds to
 //                     the run, not maxes.
 // Estimate / peak RSS measured with /usr/bin/time -v (Release, 2-core VM), 26 runs: 1.17-1.62.
 // column (s=256, b=4, K=N=1024) T=1 1.46, T=4 1.47 (--verify none 1.34), T=8 SP bias 1.50,
@@ -45,7 +45,7 @@ std::optional<double> readNumber(const std::string& file) {
 // mxfp8 T=8 G=4 1.44; row T=4 1.24, SP 1.60; embedding (V=8192, h=512) T=1 1.36, T=4 1.21,
 // T=4 G=2 1.26; mlp (s=128, b=4, h=256, F=2048) T=4 1.31 (none 1.36), T=2 G=2 SP 1.41, --load
 // T=2 1.27; (s=64, b=4, h=128, F=4096) T=1 1.40, T=8 1.62. Since the reference takes F in blocks
-// and the CLI keeps freed memory for reuse (tools/main.cc), 6 runs: 1.47-2.39: mlp (s=512, b=4,
+// and the CLI keeps freed memory for reuse (tools/cli/main.cc), 6 runs: 1.47-2.39: mlp (s=512, b=4,
 // h=1024, F=4096) T=4 SP 2.39 (none 1.92), (s=128, b=4, h=256, F=2048) T=4 1.57, (s=64, b=4,
 // h=128, F=4096) T=1 1.48, T=8 1.47, (s=256, b=8, h=512, F=8192) T=2 1.88; column (s=256, b=4,
 // K=N=1024) T=4 2.01.

@@ -10,7 +10,7 @@
 #include <optional>
 #include <string>
 
-#include "tools/runner.h"
+#include "tools/lib/runner.h"
 
 namespace tpsim::tools {
 

@@ -1,4 +1,4 @@
-#include "tools/trace.h"
+#include "tools/lib/trace.h"
 
 #include <algorithm>
 #include <cctype>
@@ -12,6 +12,7 @@
 
 #include "backends/errors.h"
 #include "sim/rendezvous.h"
+#include "tools/lib/output_files.h"
 
 namespace tpsim::tools {
 namespace {
@@ -364,10 +365,9 @@ std::vector<RankSummary> writeTrace(const TraceOptions& o, const std::vector<Ran
   std::vector<std::string> names;
   for (std::size_t r = 0; r < records.size(); ++r)
     names.push_back(detail::concat("rank ", r, " (t=", int(r) % tp, ", g=", int(r) / tp, ")"));
-  std::ofstream out(o.file, std::ios::binary | std::ios::trunc);
-  out << chromeTrace(records, timeline, names, o.clockText());
-  out.close();
-  TPSIM_CHECK(out, "--trace: could not write '", o.file, "'");
+  OutputFiles output("--trace");
+  output.write(o.file, chromeTrace(records, timeline, names, o.clockText()));
+  output.commit();
   return summarize(records, timeline);
 }
 

@@ -1,5 +1,5 @@
 // tpsim bench: what the simulator costs, each figure next to a baseline measured in the same run.
-// With --backend gpu the sections are the GPU's (tools/bench_gpu.cc); this file parses for both.
+// With --backend gpu the sections are the GPU's (tools/cli/bench_gpu.cc); this file parses for both.
 //
 //  latency    allReduce of one fp32 per rank, N ranks on the fiber world, against one OS thread
 //             per rank meeting at a mutex/condition-variable barrier (the obvious alternative).
@@ -34,9 +34,9 @@
 #include "sim/sgemm.h"
 #include "sim/sim_compute.h"
 #include "sim/world.h"
-#include "tools/backend.h"
-#include "tools/bench_gpu.h"
-#include "tools/cli.h"
+#include "tools/lib/backend.h"
+#include "tools/cli/bench_gpu.h"
+#include "tools/cli/cli.h"
 #include "tpsim_config.h"
 
 namespace po = boost::program_options;
@@ -312,7 +312,7 @@ FmaPeak fmaPeak() {
   return peak;
 }
 
-// The verifier's two products (tools/reference.cc) on fc1's forward shape: its values in fp64
+// The verifier's two products (tools/lib/reference.cc) on fc1's forward shape: its values in fp64
 // (dgemm; an fp64 FMA does half the fp32 lanes) and its bounds' magnitudes in bf16 pairs
 // (upperGemmBf16; one bf16 dot-product instruction does twice an FMA's work).
 void benchVerifierGemms(const BenchConfig& c, const FmaPeak& peak) {

@@ -1,5 +1,5 @@
 // tpsim bench --backend gpu: what the layers and the DeviceFabric cost on a CUDA GPU, each figure
-// next to a baseline measured in the same run (tools/bench.cc does the same for the simulator).
+// next to a baseline measured in the same run (tools/cli/bench.cc does the same for the simulator).
 //
 //  layers  ColumnParallelLinear (h -> F), RowParallelLinear (F -> h, input parallel) and the MLP
 //          block (column fc1, GeLU, row fc2), forward + backward, bf16, no bias, on gpu::World
@@ -42,8 +42,8 @@
 #include "gpu/device.h"
 #include "gpu/gpu_compute.h"
 #include "gpu/world.h"
-#include "tools/bench_gpu.h"
-#include "tools/cli.h"
+#include "tools/cli/bench_gpu.h"
+#include "tools/cli/cli.h"
 
 namespace tpsim::tools {
 namespace {

@@ -13,9 +13,9 @@
 
 #include "backends/errors.h"
 #include "backends/world.h"
-#include "tools/backend.h"
-#include "tools/cli.h"
-#include "tools/layout.h"
+#include "tools/lib/backend.h"
+#include "tools/cli/cli.h"
+#include "tools/lib/layout.h"
 #include "tpsim_config.h"
 
 namespace {

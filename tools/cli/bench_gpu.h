@@ -1,5 +1,5 @@
 // tpsim bench --backend gpu: its configuration, which bench.cc parses, and its entry point,
-// built only with the gpu backend (tools/bench_gpu.cc).
+// built only with the gpu backend (tools/cli/bench_gpu.cc).
 #pragma once
 
 #include <cstdint>

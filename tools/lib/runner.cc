@@ -1,4 +1,4 @@
-#include "tools/runner.h"
+#include "tools/lib/runner.h"
 
 #include <algorithm>
 #include <atomic>
@@ -13,7 +13,7 @@
 #include "core/gtp.h"
 #include "core/layers.h"
 #include "core/process_groups.h"
-#include "tools/backend.h"
+#include "tools/lib/backend.h"
 
 namespace tpsim::tools {
 namespace {

@@ -28,16 +28,16 @@ std::optional<DType> parseSafetensorsDtype(const std::string& name);
 // FNV-1a, 64 bit: the checksum of every stored byte range (header, chunk data) in the index.
 std::uint64_t fnv1a64(const void* data, std::size_t size);
 
-// Writes the safetensors file `path` (temporary name, then rename): `tensors` in order, each a
-// name, dtype, shape and row-major little-endian bytes.
+// A safetensors file's bytes: `tensors` in order, each a name, dtype, shape and row-major
+// little-endian bytes.
 struct SafetensorsEntry {
   std::string name;
   DType dtype = DType::kFloat32;
   std::vector<std::int64_t> shape;
   std::vector<char> bytes;
 };
-void writeSafetensors(const std::string& path, const std::vector<SafetensorsEntry>& tensors,
-                      const std::map<std::string, std::string>& metadata = {});
+std::string safetensorsBytes(const std::vector<SafetensorsEntry>& tensors,
+                             const std::map<std::string, std::string>& metadata = {});
 
 // One chunk as the index records it. Coordinates are global, over prependAxisNum + data axes.
 struct CheckpointChunk {

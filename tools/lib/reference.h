@@ -14,7 +14,7 @@
 #include <string>
 
 #include "core/mxfp8.h"
-#include "tools/host_tensor.h"
+#include "tools/lib/host_tensor.h"
 
 namespace tpsim::tools {
 
@@ -54,7 +54,7 @@ struct ReferenceOptions {
   // (mxfp8Weight); weight gradients are unchanged. stride: the linears' partition stride.
   WeightFormat weightFormat = WeightFormat::kNative;
   int stride = 1;
-  // u_acc: the relative error of one step of a GEMM's fp32 accumulation (tools/backend.h).
+  // u_acc: the relative error of one step of a GEMM's fp32 accumulation (tools/lib/backend.h).
   double accumulationUnit = 0x1p-24;
   // Column with disable_grad_reduce: input.grad is each TP rank's own partial dY_t·W_t (its output
   // rows, `stride` chunks), stacked (T, …, K), with no reduction among them.

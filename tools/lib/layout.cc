@@ -1,24 +1,14 @@
-#include "tools/layout.h"
+#include "tools/lib/layout.h"
 
-#include <boost/program_options.hpp>
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
-#include <iostream>
 #include <map>
 #include <mutex>
 #include <set>
-#include <unistd.h>
 
 #include "backends/errors.h"
 #include "core/gtp.h"
 #include "core/process_groups.h"
-#include "tools/backend.h"
-#include "tools/cli.h"
-
-namespace po = boost::program_options;
+#include "tools/lib/backend.h"
 
 namespace tpsim::tools {
 namespace {
@@ -272,37 +262,6 @@ std::string xmlEscape(const std::string& s) {
   return out;
 }
 
-void writeAtomically(const std::string& file, const std::string& text) {
-  namespace fs = std::filesystem;
-  TPSIM_CHECK(!file.empty(), "--svg: expected a file name, got an empty path");
-  const fs::path target(file);
-  const fs::file_type type = fs::symlink_status(target).type();
-  TPSIM_CHECK(type == fs::file_type::not_found || type == fs::file_type::regular || type == fs::file_type::symlink,
-              "--svg: expected ", file, " to be absent or a regular file, got another kind of file");
-  const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  // The temporary sits beside the target so that rename() is atomic; rename replaces a symlink at
-  // the target instead of writing through it.
-  const fs::path tmp = dir / ("." + target.filename().string() + ".partial");
-  std::error_code ec;
-  fs::remove(tmp, ec);
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    TPSIM_CHECK(f.good(), "--svg: cannot write ", file, " (cannot create ", tmp.string(), ")");
-    f << text;
-    f.close();
-    if (!f.good()) {
-      fs::remove(tmp, ec);
-      TPSIM_CHECK(false, "--svg: cannot write ", file, " (writing ", tmp.string(), " failed)");
-    }
-  }
-  fs::rename(tmp, target, ec);
-  if (ec) {
-    std::error_code ignored;
-    fs::remove(tmp, ignored);
-    TPSIM_CHECK(false, "--svg: cannot write ", file, " (", ec.message(), ")");
-  }
-}
-
 std::string configLine(const RunConfig& c) {
   std::string s = detail::concat("layer=", layerName(c.layer), " tp=", c.tp, " gtp-remat=", c.gtpRemat);
   if (c.gtpRemat > 1) s += detail::concat(" pad-for-alignment=", c.padForAlignment);
@@ -464,38 +423,6 @@ std::string layoutSvg(const RunConfig& c, const std::vector<TensorPlacement>& ps
       ".idx{font-size:10px;fill:#444}.rank{font-size:11px;font-family:DejaVu Sans Mono,monospace}"
       ".lbl{font-size:11px;fill:#fff}</style></defs>\n<rect width=\"100%\" height=\"100%\" fill=\"#fff\"/>\n");
   return svg + body + "</svg>\n";
-}
-
-int layoutMain(const std::vector<std::string>& args) {
-  RunConfig c;
-  std::string layer, svg;
-  po::options_description par("Parallelism");
-  addParallelismOptions(par, c, layer);
-  po::options_description lay("Layer options (Megatron's constructor arguments)");
-  addLayerOptions(lay, c);
-  po::options_description size("Problem size");
-  addSizeOptions(size, c);
-  po::options_description output("Output");
-  output.add_options()("svg", po::value(&svg), "also write the drawing as one standalone SVG page to FILE");
-  po::options_description all("tpsim layout --layer KIND [options]");
-  all.add(par).add(lay).add(size).add(output);
-  const po::variables_map vm = parseOptions(args, all);
-  if (vm.count("help")) {
-    std::cout << all << "\nText on stdout, coloured on a terminal unless NO_COLOR is set.\n"
-              << "exit codes: 0 drawn, 2 bad flags or sizes, or an --svg path that cannot be written\n";
-    return 0;
-  }
-  if (layer.empty()) throw UsageError{"--layer is required: column, row, embedding or mlp"};
-  if (vm.count("svg") && svg.empty()) throw UsageError{"--svg: expected a file name, got an empty path"};
-  c.layer = parseLayer(layer);
-  applyEmbeddingSequenceParallel(c);
-  const std::vector<TensorPlacement> placements = layoutPlacements(c);
-  const char* noColour = std::getenv("NO_COLOR");
-  const bool colour = isatty(fileno(stdout)) && (noColour == nullptr || *noColour == '\0');
-  if (!svg.empty()) writeAtomically(svg, layoutSvg(c, placements));  // a bad path fails before any output
-  std::fputs(layoutText(c, placements, colour).c_str(), stdout);
-  if (!svg.empty()) std::printf("\nwrote %s\n", svg.c_str());
-  return 0;
 }
 
 }  // namespace tpsim::tools

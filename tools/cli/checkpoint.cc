@@ -1,6 +1,6 @@
 // tpsim checkpoint: look into a sharded checkpoint (`inspect`) or write its tensors unsharded into
 // one safetensors file (`consolidate`). Both read and check the whole checkpoint first
-// (core/checkpoint_io.h), so a corrupt one is refused with the file and the mismatch named.
+// (tools/lib/checkpoint_files.h), so a corrupt one is refused with the file and the mismatch named.
 #include <boost/program_options.hpp>
 #include <cstdio>
 #include <filesystem>
@@ -8,9 +8,10 @@
 #include <set>
 
 #include "backends/errors.h"
-#include "core/checkpoint_io.h"
-#include "tools/cli.h"
-#include "tools/npy.h"
+#include "tools/lib/checkpoint_files.h"
+#include "tools/cli/cli.h"
+#include "tools/lib/output_files.h"
+#include "tools/lib/npy.h"
 
 namespace po = boost::program_options;
 
@@ -103,9 +104,8 @@ int consolidate(const std::string& dir, const std::string& file, const std::stri
   const fs::path parent = out.parent_path().empty() ? fs::path(".") : out.parent_path();
   TPSIM_CHECK(fs::is_directory(parent), "consolidate: FILE: expected a file in an existing directory, got '", file,
               "' (no directory ", parent.string(), ")");
-  const fs::file_type type = fs::symlink_status(out).type();
-  TPSIM_CHECK(type == fs::file_type::not_found || type == fs::file_type::regular || type == fs::file_type::symlink,
-              "consolidate: FILE: expected '", file, "' to be absent or a regular file, got another kind of file");
+  OutputFiles output("consolidate: FILE");
+  output.checkTarget(file);
   const CheckpointReader reader(dir);
   std::vector<SafetensorsEntry> tensors;
   for (const auto& [key, k] : reader.keys()) {
@@ -122,7 +122,8 @@ int consolidate(const std::string& dir, const std::string& file, const std::stri
     }
     tensors.push_back(std::move(e));
   }
-  writeSafetensors(file, tensors, {{"source", "tpsim checkpoint consolidate"}});
+  output.write(file, safetensorsBytes(tensors, {{"source", "tpsim checkpoint consolidate"}}));
+  output.commit();
   std::printf("# consolidated %s: %zu tensors, pad rows dropped, into %s\n", dir.c_str(), tensors.size(),
               file.c_str());
   for (const auto& t : tensors)
