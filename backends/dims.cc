@@ -34,11 +34,13 @@ bool Shape::operator==(const Shape& o) const {
   return true;
 }
 
-std::string Shape::str() const {
+std::string shapeText(const std::int64_t* dims, std::size_t rank) {
   std::string s = "(";
-  for (int i = 0; i < rank_; ++i) s += (i ? ", " : "") + std::to_string(dims_[i]);
-  return s + (rank_ == 1 ? ",)" : ")");
+  for (std::size_t i = 0; i < rank; ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + (rank == 1 ? ",)" : ")");
 }
+
+std::string Shape::str() const { return shapeText(dims_.data(), std::size_t(rank_)); }
 
 Shape Shape::contiguousStrides() const {
   Shape s = *this;

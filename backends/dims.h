@@ -12,8 +12,13 @@
 #include <initializer_list>
 #include <ostream>
 #include <string>
+#include <vector>
 
 namespace tpsim {
+
+// The one way tpsim writes a shape, as Python writes a tuple: "(8, 1024)", "(16,)", "()".
+std::string shapeText(const std::int64_t* dims, std::size_t rank);
+inline std::string shapeText(const std::vector<std::int64_t>& dims) { return shapeText(dims.data(), dims.size()); }
 
 class Shape {
  public:

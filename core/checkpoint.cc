@@ -27,12 +27,6 @@ bool endsWith(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-std::string str(const std::vector<std::int64_t>& shape) {
-  std::string out = "(";
-  for (std::size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
-  return out + ")";
-}
-
 // The GTP_remat group wrapGtp stamped on a shard.
 Collectives& gtpGroup(const char* where, const Parameter& shard) {
   TPSIM_CHECK(shard.attrs.group.has_value() && *shard.attrs.group != nullptr, where, ": GTP_remat shard '",
@@ -46,9 +40,9 @@ bool interleavesPadding(const ShardedTensor& st) {
 }
 
 std::string rowLayout(const ShardedTensor& st) {
-  if (!st.gtpPadding) return detail::concat("no GTP_remat padding, global ", str(st.globalShape));
+  if (!st.gtpPadding) return detail::concat("no GTP_remat padding, global ", shapeText(st.globalShape));
   return detail::concat("tp_axis ", st.gtpPadding->tpAxis, ", T = ", st.gtpPadding->tpSize, ", pad_length ",
-                        st.gtpPadding->padLength, ", global ", str(st.globalShape));
+                        st.gtpPadding->padLength, ", global ", shapeText(st.globalShape));
 }
 
 void checkData(const char* where, const Parameter& param, const std::string& key) {
@@ -323,7 +317,7 @@ void checkReshardable(const ShardedTensor& saved, const ShardedTensor& target) {
               target.key, "'");
   TPSIM_CHECK(target.globalShape.size() == saved.globalShape.size(), where, ": key '", saved.key,
               "': the target global shape must have the saved rank ", saved.globalShape.size(), " (saved ",
-              str(saved.globalShape), "), got ", str(target.globalShape));
+              shapeText(saved.globalShape), "), got ", shapeText(target.globalShape));
   // Pad rows after every TP slice: row positions agree only for an identical layout (SPEC 8 item 26).
   const bool interleaved = interleavesPadding(saved) || interleavesPadding(target);
   const bool sameLayout = saved.gtpPadding && target.gtpPadding &&
@@ -337,8 +331,8 @@ void checkReshardable(const ShardedTensor& saved, const ShardedTensor& target) {
               "shape; saved ", rowLayout(saved), ", got target ", rowLayout(target),
               ", whose rows would not line up; only layouts with T = 1 or pad_for_alignment = 0 reshard freely");
   TPSIM_CHECK(target.allowShapeMismatch || target.globalShape == saved.globalShape, where, ": key '", saved.key,
-              "': the target global shape must equal the saved ", str(saved.globalShape),
-              " unless the target allows a shape mismatch, got ", str(target.globalShape));
+              "': the target global shape must equal the saved ", shapeText(saved.globalShape),
+              " unless the target allows a shape mismatch, got ", shapeText(target.globalShape));
 }
 
 }  // namespace tpsim

@@ -42,7 +42,8 @@ std::int64_t padStart(const TensorPlacement& p, int t) {
 
 void checkAxis(const TensorPlacement& p, const AxisPlacement& a, const char* axis) {
   TPSIM_CHECK(a.size >= 1, "placement of ", p.name, ": the ", axis, " size must be >= 1, got ", a.size);
-  if (a.kind != AxisKind::kShard) return;
+  const bool gathered = a.kind == AxisKind::kReplicate && a.stride > 1;
+  if (a.kind != AxisKind::kShard && !gathered) return;
   TPSIM_CHECK(a.dim >= 0 && a.dim < int(p.shape.size()), "placement of ", p.name, ": ", axis, " shards dim ", a.dim,
               " of a rank-", p.shape.size(), " tensor");
   TPSIM_CHECK(a.stride >= 1 && a.padLength >= 0, "placement of ", p.name, ": ", axis, " stride must be >= 1 and "
@@ -60,12 +61,6 @@ const char* axisKindName(AxisKind kind) {
   return "?";
 }
 
-std::string shapeText(const std::vector<std::int64_t>& s) {
-  std::string out = "(";
-  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + (s.size() == 1 ? ",)" : ")");
-}
-
 std::string placementText(const TensorPlacement& p) {
   std::string s = "TP: ";
   switch (p.tp.kind) {
@@ -73,7 +68,11 @@ std::string placementText(const TensorPlacement& p) {
       s += detail::concat("shard dim ", p.tp.dim, p.vocab ? " (vocabulary ranges)" : "");
       if (p.tp.stride > 1) s += detail::concat(", stride ", p.tp.stride, " (interleaved chunks)");
       break;
-    case AxisKind::kReplicate: s += "replicated"; break;
+    case AxisKind::kReplicate:
+      s += "replicated";
+      if (p.tp.stride > 1) s += detail::concat(", gathered in rank order along dim ", p.tp.dim, " (stride ", p.tp.stride,
+                                               ": interleaved chunks)");
+      break;
     case AxisKind::kPartial: s += "partial sums, " + p.reduction; break;
   }
   if (p.gtp.size > 1) {
@@ -120,14 +119,18 @@ std::vector<Block> blocksOf(const TensorPlacement& p, int t, int g) {
   const int rank = int(p.shape.size());
   std::vector<std::vector<Piece>> pieces(rank);
   for (int d = 0; d < rank; ++d) pieces[d] = {Piece{0, p.shape[d], 0}};
-  if (p.tp.kind == AxisKind::kShard) {
+  const bool gathered = p.tp.kind == AxisKind::kReplicate && p.tp.stride > 1;
+  if (p.tp.kind == AxisKind::kShard || gathered) {
     const int d = p.tp.dim;
     const std::int64_t T = p.tp.size, S = p.tp.stride;
     TPSIM_CHECK(p.shape[d] % (T * S) == 0, "placement of ", p.name, ": dim ", d, " (", p.shape[d],
                 ") must be divisible by T x stride = ", T * S);
     const std::int64_t chunk = p.shape[d] / (T * S);
     pieces[d].clear();
-    for (std::int64_t j = 0; j < S; ++j) pieces[d].push_back({(t + j * T) * chunk, chunk, j * chunk});
+    // A shard holds its own chunks; a gathered copy every rank's, rank after rank.
+    for (std::int64_t from = gathered ? 0 : t; from < (gathered ? T : t + 1); ++from)
+      for (std::int64_t j = 0; j < S; ++j)
+        pieces[d].push_back({(from + j * T) * chunk, chunk, (gathered ? from * S : 0) * chunk + j * chunk});
   }
   if (p.gtp.kind == AxisKind::kShard) {
     const int d = p.gtp.dim;
@@ -220,6 +223,33 @@ std::int64_t padZeroCount(const TensorPlacement& p, int t, int g) {
   return n;
 }
 
+const TensorPlacement& placementNamed(const std::vector<TensorPlacement>& placements, const std::string& name) {
+  for (const TensorPlacement& p : placements)
+    if (p.name == name) return p;
+  std::string known;
+  for (const TensorPlacement& p : placements) known += (known.empty() ? "" : ", ") + p.name;
+  throw InvalidArgument(detail::concat("placementNamed: expected one of ", known.empty() ? "no placements" : known,
+                                       ", got '", name, "'"));
+}
+
+TensorPlacement withoutGtp(const TensorPlacement& placement) {
+  TensorPlacement p = placement;
+  p.gtp = {};
+  p.gtpShard = false;
+  return p;
+}
+
+TensorPlacement stackedPartials(const TensorPlacement& partial) {
+  TPSIM_CHECK(partial.tp.kind == AxisKind::kPartial, "stackedPartials: ", partial.name, " must be partial over TP, got ",
+              axisKindName(partial.tp.kind));
+  TensorPlacement p = partial;
+  p.shape.insert(p.shape.begin(), partial.tp.size);
+  p.tp = {AxisKind::kShard, partial.tp.size, 0};
+  p.reduction.clear();
+  if (p.gtp.kind == AxisKind::kShard) ++p.gtp.dim;
+  return p;
+}
+
 TensorPlacement parameterPlacement(const Parameter& param, const std::string& name, int tpSize, int gtpSize) {
   const ParamAttributes& a = param.attrs;
   TensorPlacement p;
@@ -302,14 +332,15 @@ std::vector<TensorPlacement> layerPlacements(ColumnParallelLinear& layer, std::i
   if (layer.weight()) params.push_back(parameterPlacement(*layer.weight(), prefix + "weight", T, G));
   if (layer.bias()) params.push_back(parameterPlacement(*layer.bias(), prefix + "bias", T, G));
   const AxisPlacement inTp = sp ? shard(T, 0) : replicate(T);
-  const AxisPlacement outTp = o.gatherOutput ? replicate(T) : shard(T, 2, o.stride);
+  // gather_output concatenates the ranks' stride-chunk shards in rank order (SPEC 3.11).
+  const AxisPlacement outTp = o.gatherOutput ? AxisPlacement{AxisKind::kReplicate, T, 2, o.stride} : shard(T, 2, o.stride);
   std::vector<TensorPlacement> out;
   out.push_back(activation(prefix + "input", TensorRole::kInput, {s, b, layer.inputSize()}, inTp, 1, G));
   addParams(out, params, false);
   out.push_back(activation(prefix + "output", TensorRole::kOutput, {s, b, layer.outputSize()}, outTp, 1, G));
   out.push_back(activation(prefix + "output.grad", TensorRole::kGradient, {s, b, layer.outputSize()}, outTp, 1, G));
   TensorPlacement dx = activation(prefix + "input.grad", TensorRole::kGradient, {s, b, layer.inputSize()}, inTp, 1, G);
-  if (T > 1 && o.disableGradReduce) {
+  if (o.disableGradReduce) {  // the caller sums the partials, even the one of T = 1
     out.push_back(withPartial(dx, dx.name, "summed by the caller (disable_grad_reduce)"));
   } else {
     if (T > 1)

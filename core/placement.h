@@ -30,7 +30,10 @@ struct AxisPlacement {
   AxisKind kind = AxisKind::kReplicate;
   int size = 1;
   int dim = 0;     // kShard: the dim cut (GTP_remat: of the TP-local tensor)
-  int stride = 1;  // kShard over TP: rank t holds chunks t, t+T, ... of dim/(T·stride) (SPEC 3.11)
+  // kShard over TP: rank t holds chunks t, t+T, ... of dim/(T·stride) (SPEC 3.11). kReplicate over
+  // TP with stride > 1: the whole, gathered from such shards in rank order (gather_output), so dim
+  // `dim` holds rank 0's chunks, then rank 1's, ...: not the logical order.
+  int stride = 1;
   // kShard over GTP_remat: zero rows appended to the TP-local dim before the cut (SPEC 4.2).
   std::int64_t padLength = 0;
 };
@@ -95,6 +98,17 @@ std::vector<std::int64_t> localShape(const TensorPlacement& placement, int t, in
 // gtpLocalPadZeroCount(shard, 0, numel) (SPEC 3.6).
 std::int64_t padZeroCount(const TensorPlacement& placement, int t, int g);
 
+// The placement named `name` among `placements`; throws InvalidArgument naming it when absent.
+const TensorPlacement& placementNamed(const std::vector<TensorPlacement>& placements, const std::string& name);
+
+// `placement` without its GTP_remat axis: what each TP rank holds before GTP_remat cuts it again
+// (the TP-local tensor).
+TensorPlacement withoutGtp(const TensorPlacement& placement);
+
+// A tensor partial over TP as a caller that keeps every partial sum sees it (disable_grad_reduce):
+// the T partial sums stacked along a new dim 0, TP rank t's at index t.
+TensorPlacement stackedPartials(const TensorPlacement& partial);
+
 // A parameter's placement from its attributes and its shard's shape. tpSize and gtpSize are the
 // layer's group sizes: a parameter records its GTP_remat group only when it is a shard, and never
 // its TP group. Throws InvalidArgument when a shard's group size is not gtpSize.
@@ -121,7 +135,6 @@ std::vector<TensorPlacement> layerPlacements(GroupedParallelLinear& layer, std::
 const char* axisKindName(AxisKind kind);  // "replicate", "shard", "partial"
 
 // Text for people, shared by tpsim layout, the demo's shard lines and checkpoint inspection.
-std::string shapeText(const std::vector<std::int64_t>& shape);  // "(8, 16)", "(16,)"
 // Both axes: "TP: shard dim 0; GTP_remat: shard dim 0 of the TP-local tensor, 16 pad rows per TP slice".
 std::string placementText(const TensorPlacement& placement);
 // What rank (t, g) holds, in global logical coordinates: "[0, 8) x [0, 16) + pad rows [8, 16) of its 16".

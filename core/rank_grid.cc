@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <limits>
 #include <sstream>
 
 #include "backends/errors.h"
@@ -369,5 +370,35 @@ std::vector<int> ParallelLayout::groupOf(GroupId id, int globalRank) const {
   const GroupSpec& spec = groupSpec(id);
   return grid(spec.grid).groupOf(spec.token, globalRank);
 }
+
+namespace {
+
+ParallelSizes layerSizes(int tp, int gtpRemat) {
+  TPSIM_CHECK(tp >= 1 && gtpRemat >= 1 && tp <= std::numeric_limits<int>::max() / gtpRemat,
+              "LayerGrid: expected T >= 1 and G >= 1 with T x G in int, got T = ", tp, ", G = ", gtpRemat);
+  ParallelSizes sizes;
+  sizes.world = tp * gtpRemat;
+  sizes.tp = tp;
+  sizes.gtpRemat = gtpRemat;
+  return sizes;
+}
+
+}  // namespace
+
+LayerGrid::LayerGrid(int tp, int gtpRemat) : layout_(layerSizes(tp, gtpRemat)) {}
+
+int LayerGrid::rank(int t, int g) const {
+  const RankGrid& grid = layout_.dense();
+  std::vector<int> coordinates(grid.axes().size(), 0);
+  for (std::size_t k = 0; k < grid.axes().size(); ++k) {
+    if (grid.axes()[k] == "tp") coordinates[k] = t;
+    if (grid.axes()[k] == "gtp_remat") coordinates[k] = g;
+  }
+  return grid.rankAt(coordinates);
+}
+
+int LayerGrid::t(int rank) const { return layout_.groupRank(GroupId::kTp, rank); }
+
+int LayerGrid::g(int rank) const { return layout_.groupRank(GroupId::kGtpRemat, rank); }
 
 }  // namespace tpsim

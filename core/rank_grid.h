@@ -146,4 +146,24 @@ class ParallelLayout {
   RankGrid expert_;
 };
 
+// The T x G world of one layer under GTP_remat, as the tools run it: ParallelLayout's dense grid
+// with TP and GTP_remat only. The one place the tools map a TP rank t and a GTP_remat rank g to a
+// world rank and back.
+class LayerGrid {
+ public:
+  LayerGrid(int tp, int gtpRemat);
+
+  int tp() const { return layout_.sizes().tp; }
+  int gtpRemat() const { return layout_.sizes().gtpRemat; }
+  int size() const { return layout_.world(); }
+  const ParallelLayout& layout() const { return layout_; }
+
+  int rank(int t, int g) const;
+  int t(int rank) const;  // TP rank
+  int g(int rank) const;  // GTP_remat rank
+
+ private:
+  ParallelLayout layout_;
+};
+
 }  // namespace tpsim

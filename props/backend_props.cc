@@ -30,8 +30,8 @@ using tools::HostTensor;
 constexpr int kCrossBackendCases = 500;
 constexpr int kThreadCases = 1500;
 
-const std::vector<LayerKind> kAllKinds = {LayerKind::kColumn, LayerKind::kRow, LayerKind::kEmbedding,
-                                          LayerKind::kMlp};
+const std::vector<const LayerKind*> kAllKinds = {layerKind("column"), layerKind("row"), layerKind("embedding"),
+                                          layerKind("mlp")};
 
 // The first element where two result maps differ beyond `slack(name, i)`, or "".
 std::string compareResults(const TensorMap& a, const std::string& aName, const TensorMap& b, const std::string& bName,
@@ -41,8 +41,8 @@ std::string compareResults(const TensorMap& a, const std::string& aName, const T
     auto it = b.find(name);
     if (it == b.end()) return name + ": missing on " + bName;
     if (it->second.shape != t.shape || it->second.dtype != t.dtype)
-      return name + ": " + aName + " gives " + dtypeName(t.dtype) + " " + t.shapeStr() + ", " + bName + " " +
-             dtypeName(it->second.dtype) + " " + it->second.shapeStr();
+      return name + ": " + aName + " gives " + dtypeName(t.dtype) + " " + shapeText(t.shape) + ", " + bName + " " +
+             dtypeName(it->second.dtype) + " " + shapeText(it->second.shape);
     for (std::size_t i = 0; i < t.values.size(); ++i)
       if (!(std::fabs(t.values[i] - it->second.values[i]) <= slack(name, i))) {
         char values[96];  // 9 significant digits: a one-ulp difference of an fp32 value shows
@@ -96,7 +96,7 @@ TEST(CrossBackend, ExactLayerCaseIsBitwiseEqualOnSimAndGpu) {
   TPSIM_REQUIRE_BACKEND("gpu");
   const Backend& sim = backendNamed("sim");
   checkProperty(kCrossBackendCases, [&] {
-    const RunConfig c = *genRunConfig({LayerKind::kColumn, LayerKind::kRow, LayerKind::kEmbedding}, genTp(),
+    const RunConfig c = *genRunConfig({layerKind("column"), layerKind("row"), layerKind("embedding")}, genTp(),
                                       GtpMode::kSometimes, Numerics::kExact);
     RC_TAG(c.gtpRemat > 1 ? "GTP_remat" : "no GTP_remat");
     const TensorMap inputs = *genExactInputs(c);
@@ -113,7 +113,7 @@ TEST(CrossBackend, RealLayerCaseAgreesWithinTheBoundOnSimAndGpu) {
   const Backend& sim = backendNamed("sim");
   checkProperty(kCrossBackendCases, [&] {
     const RunConfig c = *genRunConfig(kAllKinds, genTp(), GtpMode::kSometimes);
-    RC_TAG(layerName(c.layer), c.gtpRemat > 1 ? "GTP_remat" : "no GTP_remat");
+    RC_TAG(c.layer->name(), c.gtpRemat > 1 ? "GTP_remat" : "no GTP_remat");
     const TensorMap inputs = realInputs(c);
     const TensorMap a = sim.runLayer(c, inputs).results, b = other.runLayer(c, inputs).results;
     for (const auto& [backend, results] : {std::pair<const Backend*, const TensorMap*>{&sim, &a}, {&other, &b}})

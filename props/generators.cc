@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <numeric>
 #include <random>
+#include <set>
 #include <sstream>
 
 #include "core/gtp.h"
@@ -46,7 +47,16 @@ HostTensor integers(std::vector<std::int64_t> shape, DType dtype, int amplitude)
   return makeHost(std::move(shape), dtype, std::vector<double>(v.begin(), v.end()));
 }
 
-const std::vector<LayerKind> kAllKinds = {LayerKind::kColumn, LayerKind::kRow, LayerKind::kEmbedding, LayerKind::kMlp};
+const std::vector<const LayerKind*>& kAllKinds = tools::layerKinds();
+
+// The kinds that take, or do not take, an option: the cases an option's checks apply to.
+std::vector<const LayerKind*> kindsTaking(LayerOption option, bool taking = true) {
+  std::vector<const LayerKind*> out;
+  for (const LayerKind* k : tools::layerKinds())
+    if (k->takes(option) == taking) out.push_back(k);
+  return out;
+}
+std::vector<const LayerKind*> kindsWithout(LayerOption option) { return kindsTaking(option, false); }
 
 }  // namespace
 
@@ -74,62 +84,47 @@ rc::Gen<int> genTpAbove1() {
 }
 rc::Gen<DType> genFloatDtype() { return pick<DType>({DType::kFloat32, DType::kBFloat16, DType::kFloat16}); }
 
-rc::Gen<RunConfig> genRunConfig(const std::vector<LayerKind>& kinds, rc::Gen<int> tpGen, GtpMode gtp,
+rc::Gen<RunConfig> genRunConfig(const std::vector<const LayerKind*>& kinds, rc::Gen<int> tpGen, GtpMode gtp,
                                 Numerics numerics) {
   return rc::gen::exec([kinds, tpGen, gtp, numerics] {
     RunConfig c;
     c.layer = *pick(kinds);
+    auto takes = [&](LayerOption o) { return c.layer->takes(o); };
     c.tp = *tpGen;
     c.dtype = *genFloatDtype();
     c.seed = *genSeed();
     const int T = c.tp;
-    const bool linear = c.layer == LayerKind::kColumn || c.layer == LayerKind::kRow;
-    c.sequenceParallel = T > 1 && c.layer != LayerKind::kEmbedding && *flag();
-    if (linear) {
-      c.bias = *flag();
-      c.stride = *pick<int>({1, 2, 3});
-    }
-    if (c.layer == LayerKind::kColumn) {
-      c.gatherOutput = !c.sequenceParallel && *flag();
-      c.skipBiasAdd = c.bias && !c.gatherOutput && *flag();
+    c.sequenceParallel = T > 1 && takes(LayerOption::kSequenceParallel) && *flag();
+    if (takes(LayerOption::kBias)) c.bias = *flag();
+    if (takes(LayerOption::kStride)) c.stride = *pick<int>({1, 2, 3});
+    if (takes(LayerOption::kGatherOutput)) c.gatherOutput = !c.sequenceParallel && *flag();
+    if (takes(LayerOption::kSkipBiasAdd)) c.skipBiasAdd = c.bias && !c.gatherOutput && *flag();
+    if (takes(LayerOption::kOutputDtype))
       c.outputDtype = *pick<std::optional<DType>>({std::nullopt, DType::kFloat32, DType::kBFloat16, DType::kFloat16});
+    if (takes(LayerOption::kDisableGradReduce))
       c.disableGradReduce = !c.sequenceParallel && *pick<bool>({false, false, true});
-    }
-    if (c.layer == LayerKind::kRow) {
-      c.inputIsParallel = c.sequenceParallel || *flag();
-      c.skipBiasAdd = c.bias && *flag();
-    }
-    // A row layer scatters its input contiguously, so stride > 1 needs input_is_parallel.
-    if (c.layer == LayerKind::kRow && c.stride > 1) c.inputIsParallel = true;
-    if (c.layer != LayerKind::kEmbedding) {
+    // Sequence parallelism needs the input already split, and so does a stride (the layer's own
+    // scatter of the input is contiguous).
+    if (takes(LayerOption::kInputIsParallel)) c.inputIsParallel = c.sequenceParallel || c.stride > 1 || *flag();
+    if (takes(LayerOption::kGradAccumulationFusion)) {
       c.gradAccumulationFusion = *flag();
       if (c.gradAccumulationFusion && c.dtype == DType::kBFloat16)
         c.mainGradDtype = *pick<DType>({DType::kFloat32, DType::kBFloat16});
-    } else {
-      c.reduceScatterEmbeddings = *flag();
     }
+    if (takes(LayerOption::kReduceScatterEmbeddings)) c.reduceScatterEmbeddings = *flag();
+    // Every size as its kind's rules need it: divisible where a split or cut needs it, anything
+    // (1, primes, powers of two) elsewhere.
+    using D = SizeSpec::Divisor;
     const bool seqSplit = c.sequenceParallel || c.reduceScatterEmbeddings;
-    c.seq = seqSplit ? T * *pick<std::int64_t>({1, 2, 3})
-                     : *pick<std::int64_t>({1, 2, 3, 5, 7, 8});
-    c.batch = *pick<std::int64_t>({1, 2, 3});
-    const std::int64_t split = std::int64_t(T) * c.stride;
-    switch (c.layer) {
-      case LayerKind::kColumn:
-        c.inFeatures = *anyExtent();
-        c.outFeatures = *multiple(split);
-        break;
-      case LayerKind::kRow:
-        c.inFeatures = *multiple(split);
-        c.outFeatures = *anyExtent();
-        break;
-      case LayerKind::kEmbedding:
-        c.vocab = T * *pick<std::int64_t>({1, 2, 3, 5, 7});
-        c.outFeatures = *pick<std::int64_t>({1, 2, 3, 5, 8});
-        break;
-      case LayerKind::kMlp:
-        c.inFeatures = *pick<std::int64_t>({1, 2, 3, 5, 8, 16});
-        c.ffnHidden = *multiple(T);
-        break;
+    for (const SizeSpec& size : c.layer->sizes()) {
+      std::int64_t& v = c.*size.field;
+      switch (size.divisor) {
+        case D::kSequenceSplit: v = seqSplit ? T * *pick<std::int64_t>({1, 2, 3}) : *pick<std::int64_t>({1, 2, 3, 5, 7, 8}); break;
+        case D::kGtpRemat: v = *pick<std::int64_t>({1, 2, 3}); break;
+        case D::kTp: v = *multiple(T); break;
+        case D::kTpStride: v = *multiple(std::int64_t(T) * c.stride); break;
+        case D::kNone: v = *anyExtent(); break;
+      }
     }
     if (gtp == GtpMode::kOff || (gtp == GtpMode::kSometimes && !*pick<bool>({false, false, true}))) return c;
     return *genWithGtp(c, {2, 2, 4, 3, 8, 5, 6, 7}, numerics);
@@ -153,15 +148,9 @@ rc::Gen<RunConfig> genWithGtp(RunConfig base, std::vector<int> gtpSizes, Numeric
     c.fp32AccumReduceScatter = *flag();
     c.batch = G * *pick<std::int64_t>({1, 2});
     if (G > 1 && *flag()) {  // make every GTP weight's TP-local dim 0 a multiple of G, so that a = 0 is valid
-      switch (c.layer) {
-        case LayerKind::kColumn:
-        case LayerKind::kRow: c.outFeatures *= G; break;
-        case LayerKind::kEmbedding: c.vocab *= G; break;
-        case LayerKind::kMlp:
-          c.ffnHidden *= G;
-          c.inFeatures *= G;
-          break;
-      }
+      std::set<std::string> scaled;
+      for (const GtpWeightSpec& w : c.layer->gtpWeights())
+        if (scaled.insert(w.symbol).second) c.*tools::sizeNamed(c, w.symbol).field *= G;
     }
     bool divisible = true;
     for (std::int64_t d : gtpDims(c)) divisible = divisible && d % G == 0;
@@ -171,13 +160,10 @@ rc::Gen<RunConfig> genWithGtp(RunConfig base, std::vector<int> gtpSizes, Numeric
 }
 
 std::vector<std::int64_t> gtpDims(const RunConfig& c) {
-  switch (c.layer) {
-    case LayerKind::kColumn: return {c.outFeatures / c.tp};
-    case LayerKind::kRow: return {c.outFeatures};
-    case LayerKind::kEmbedding: return {c.vocab / c.tp};
-    case LayerKind::kMlp: return {c.ffnHidden / c.tp, c.inFeatures};
-  }
-  return {};
+  std::vector<std::int64_t> dims;
+  for (const GtpWeightSpec& w : c.layer->gtpWeights())
+    dims.push_back(tools::sizeValue(c, w.symbol) / (w.tpCutsDim0 ? c.tp : 1));
+  return dims;
 }
 
 std::string gtpSummary(const RunConfig& c) {
@@ -185,11 +171,10 @@ std::string gtpSummary(const RunConfig& c) {
   std::ostringstream os;
   os << "GTP_remat G=" << c.gtpRemat << " a=" << c.padForAlignment << (c.gtpReduceMean ? " MEAN" : " SUM")
      << (c.fp32AccumReduceScatter ? " fp32-accum" : "") << ":";
-  const std::vector<std::string> names =
-      c.layer == LayerKind::kMlp ? std::vector<std::string>{"fc1.weight", "fc2.weight"} : std::vector<std::string>{"weight"};
+  const std::vector<GtpWeightSpec>& weights = c.layer->gtpWeights();
   const std::vector<std::int64_t> dims = gtpDims(c);
   for (std::size_t i = 0; i < dims.size(); ++i) {
-    os << " " << names[i] << " Dlog=" << dims[i];
+    os << " " << weights[i].name << " Dlog=" << dims[i];
     if (c.padForAlignment == 0 && dims[i] % c.gtpRemat != 0) {
       os << " (not divisible by G)";
       continue;
@@ -217,14 +202,7 @@ std::int64_t exactLimit(const RunConfig& c) {
 }
 
 int exactAmplitude(const RunConfig& c) {
-  const std::int64_t m = c.seq * c.batch;
-  std::int64_t terms = 0;  // the longest sum any result element is
-  switch (c.layer) {
-    case LayerKind::kColumn:
-    case LayerKind::kRow: terms = std::max({c.inFeatures + 1, c.outFeatures, m}); break;
-    case LayerKind::kEmbedding: terms = m; break;  // a repeated id sums up to b·s gradient rows
-    case LayerKind::kMlp: terms = std::max({c.inFeatures + 1, c.ffnHidden + 1, m}); break;
-  }
+  const std::int64_t terms = c.layer->longestSum(c);  // the longest sum any result element is
   const std::int64_t limit = exactLimit(c);
   int a = int(std::floor(std::sqrt(double(limit) / double(terms))));
   while (std::int64_t(a) * a * terms > limit) --a;  // guard the floating-point sqrt
@@ -235,32 +213,19 @@ rc::Gen<TensorMap> genExactInputs(const RunConfig& c) { return genExactInputs(c,
 
 rc::Gen<TensorMap> genExactInputs(const RunConfig& c, int a) {
   return rc::gen::exec([c, a] {
-    const std::int64_t s = c.seq, b = c.batch, k = c.inFeatures, n = c.outFeatures;
+    const ShapeMap shapes = tools::tensorShapes(c);
     TensorMap m;
-    switch (c.layer) {
-      case LayerKind::kColumn:
-      case LayerKind::kRow:
-        m["input"] = integers({s, b, k}, c.dtype, a);
-        m["weight"] = integers({n, k}, c.dtype, a);
-        if (c.bias) m["bias"] = integers({n}, c.dtype, a);
-        m["grad_output"] = integers({s, b, n}, c.dtype, a);
-        break;
-      case LayerKind::kEmbedding: {
-        const auto ids = *rc::gen::container<std::vector<std::int64_t>>(std::size_t(b * s),
-                                                                       uniform<std::int64_t>(0, c.vocab));
-        m["input"] = makeHost({b, s}, DType::kInt64, std::vector<double>(ids.begin(), ids.end()));
-        m["weight"] = integers({c.vocab, n}, c.dtype, a);
-        m["grad_output"] = c.reduceScatterEmbeddings ? integers({s, b, n}, c.dtype, a) : integers({b, s, n}, c.dtype, a);
-        break;
+    for (const TensorSpec& t : c.layer->tensors(c)) {
+      const std::vector<std::int64_t>& shape = shapes.at(t.name);
+      if (t.idRange.empty()) {  // the MLP has no exact mode (GeLU), but integer inputs still make a readable case
+        m[t.name] = integers(shape, c.dtype, a);
+        continue;
       }
-      case LayerKind::kMlp:  // no exact mode (GeLU), but integer inputs still make a readable case
-        m["input"] = integers({s, b, k}, c.dtype, a);
-        m["fc1.weight"] = integers({c.ffnHidden, k}, c.dtype, a);
-        m["fc1.bias"] = integers({c.ffnHidden}, c.dtype, a);
-        m["fc2.weight"] = integers({k, c.ffnHidden}, c.dtype, a);
-        m["fc2.bias"] = integers({k}, c.dtype, a);
-        m["grad_output"] = integers({s, b, k}, c.dtype, a);
-        break;
+      std::int64_t n = 1;
+      for (std::int64_t d : shape) n *= d;
+      const auto ids = *rc::gen::container<std::vector<std::int64_t>>(
+          std::size_t(n), uniform<std::int64_t>(0, tools::sizeValue(c, t.idRange)));
+      m[t.name] = makeHost(shape, DType::kInt64, std::vector<double>(ids.begin(), ids.end()));
     }
     return m;
   });
@@ -270,13 +235,7 @@ TensorMap realInputs(const RunConfig& c) { return tools::generateInputs(c); }
 
 std::string shapesOf(const RunConfig& c) {
   std::ostringstream os;
-  os << "s=" << c.seq << " b=" << c.batch;
-  switch (c.layer) {
-    case LayerKind::kColumn:
-    case LayerKind::kRow: os << " K=" << c.inFeatures << " N=" << c.outFeatures; break;
-    case LayerKind::kEmbedding: os << " V=" << c.vocab << " h=" << c.outFeatures; break;
-    case LayerKind::kMlp: os << " h=" << c.inFeatures << " F=" << c.ffnHidden; break;
-  }
+  for (const SizeSpec& size : c.layer->sizes()) os << (os.tellp() > 0 ? " " : "") << size.symbol << "=" << c.*size.field;
   return os.str();
 }
 
@@ -334,10 +293,8 @@ ParallelSizes sizesOf(const Topology& t) {
 // ---- Invalid configurations -----------------------------------------------------------------
 
 rc::Gen<InvalidRunConfig> genInvalidRunConfig() {
-  using K = LayerKind;
+  using O = LayerOption;
   return rc::gen::exec([]() -> InvalidRunConfig {
-    const std::vector<K> linear = {K::kColumn, K::kRow}, notColumn = {K::kRow, K::kEmbedding, K::kMlp},
-                         spKinds = {K::kColumn, K::kRow, K::kMlp};
     switch (*pickIndex(20)) {
       case 0: {
         RunConfig c = *genRunConfig(kAllKinds);
@@ -345,17 +302,17 @@ rc::Gen<InvalidRunConfig> genInvalidRunConfig() {
         return {c, "--tp: expected 1..64, got " + std::to_string(c.tp)};
       }
       case 1: {
-        RunConfig c = *genRunConfig(spKinds, genTpAbove1());
+        RunConfig c = *genRunConfig(kindsTaking(O::kSequenceParallel), genTpAbove1());
         c.tp = 1;
         c.sequenceParallel = true;
         c.gatherOutput = c.disableGradReduce = false;
-        if (c.layer == K::kRow) c.inputIsParallel = true;
+        if (c.layer->takes(O::kInputIsParallel)) c.inputIsParallel = true;
         return {c, "--sequence-parallel: needs --tp > 1, got --tp 1"};
       }
       case 2: {
-        RunConfig c = *genRunConfig({K::kEmbedding, K::kMlp});
+        RunConfig c = *genRunConfig(kindsWithout(O::kStride));
         c.stride = *pick<int>({2, 3});
-        return {c, std::string("--stride: applies to --layer column or row, got --layer ") + layerName(c.layer)};
+        return {c, std::string("--stride: applies to --layer column or row, got --layer ") + c.layer->name()};
       }
       case 3: {
         RunConfig c = *genRunConfig(kAllKinds);
@@ -363,57 +320,57 @@ rc::Gen<InvalidRunConfig> genInvalidRunConfig() {
         return {c, "--stride: expected >= 1, got " + std::to_string(c.stride)};
       }
       case 4: {
-        RunConfig c = *genRunConfig(notColumn);
+        RunConfig c = *genRunConfig(kindsWithout(O::kOutputDtype));
         c.outputDtype = *genFloatDtype();
         return {c, std::string("--output-dtype: only ColumnParallelLinear has output_dtype, got --layer ") +
-                       layerName(c.layer)};
+                       c.layer->name()};
       }
       case 5: {
-        RunConfig c = *genRunConfig(notColumn);
+        RunConfig c = *genRunConfig(kindsWithout(O::kGatherOutput));
         c.gatherOutput = true;
         return {c, "--gather-output: applies to --layer column"};
       }
       case 6: {
-        RunConfig c = *genRunConfig({K::kColumn, K::kEmbedding, K::kMlp});
+        RunConfig c = *genRunConfig(kindsWithout(O::kInputIsParallel));
         c.inputIsParallel = true;
         return {c, "--input-is-parallel: applies to --layer row"};
       }
       case 7: {
-        RunConfig c = *genRunConfig(spKinds);
+        RunConfig c = *genRunConfig(kindsWithout(O::kReduceScatterEmbeddings));
         c.reduceScatterEmbeddings = true;
         return {c, "--reduce-scatter-embeddings: applies to --layer embedding"};
       }
       case 8: {
-        RunConfig c = *genRunConfig({K::kRow}, genTpAbove1());
+        RunConfig c = *genRunConfig({layerKind("row")}, genTpAbove1());
         c.sequenceParallel = true;
         c.inputIsParallel = false;
         return {c, "--sequence-parallel: RowParallelLinear needs --input-is-parallel with it"};
       }
       case 9: {
-        RunConfig c = *genRunConfig({K::kEmbedding}, genTpAbove1());
+        RunConfig c = *genRunConfig({layerKind("embedding")}, genTpAbove1());
         c.sequenceParallel = true;
         return {c, "--sequence-parallel: the embedding's sequence parallelism is --reduce-scatter-embeddings"};
       }
       case 10: {
-        RunConfig c = *genRunConfig({K::kColumn}, genTpAbove1());
+        RunConfig c = *genRunConfig(kindsTaking(O::kGatherOutput), genTpAbove1());
         c.sequenceParallel = c.gatherOutput = true;
         c.skipBiasAdd = c.disableGradReduce = false;
         return {c, "--gather-output: not with --sequence-parallel"};
       }
       case 11: {
         RunConfig c = *genRunConfig(kAllKinds);
-        if (c.layer == K::kColumn || c.layer == K::kRow) c.bias = false;
+        if (c.layer->takes(O::kSkipBiasAdd)) c.bias = false;
         c.skipBiasAdd = true;
         return {c, "--skip-bias-add: needs --bias and --layer column or row"};
       }
       case 12: {
-        RunConfig c = *genRunConfig({K::kColumn});
+        RunConfig c = *genRunConfig(kindsTaking(O::kGatherOutput));
         c.sequenceParallel = false;
         c.bias = c.gatherOutput = c.skipBiasAdd = true;
         return {c, "--skip-bias-add: not with --gather-output"};
       }
       case 13: {
-        RunConfig c = *genRunConfig({K::kEmbedding});
+        RunConfig c = *genRunConfig({layerKind("embedding")});
         c.gradAccumulationFusion = true;
         return {c, "--grad-accumulation-fusion: the embedding has no fused wgrad path"};
       }
@@ -428,7 +385,7 @@ rc::Gen<InvalidRunConfig> genInvalidRunConfig() {
         return {c, std::string("--main-grad-dtype: expected fp32 or bf16, got ") + dtypeName(c.mainGradDtype)};
       }
       case 16: {
-        RunConfig c = *genRunConfig(spKinds);
+        RunConfig c = *genRunConfig(kindsTaking(O::kGradAccumulationFusion));
         c.dtype = *pick<DType>({DType::kFloat32, DType::kFloat16});
         c.gradAccumulationFusion = true;
         c.mainGradDtype = DType::kBFloat16;
@@ -436,12 +393,12 @@ rc::Gen<InvalidRunConfig> genInvalidRunConfig() {
                        dtypeName(c.dtype)};
       }
       case 17: {
-        RunConfig c = *genRunConfig(notColumn);
+        RunConfig c = *genRunConfig(kindsWithout(O::kDisableGradReduce));
         c.disableGradReduce = true;
         return {c, "--disable-grad-reduce: applies to --layer column"};
       }
       case 18: {
-        RunConfig c = *genRunConfig({K::kColumn}, genTpAbove1());
+        RunConfig c = *genRunConfig(kindsTaking(O::kDisableGradReduce), genTpAbove1());
         c.sequenceParallel = c.disableGradReduce = true;
         c.gatherOutput = false;
         return {c, "--disable-grad-reduce: not with --sequence-parallel"};
@@ -460,53 +417,52 @@ rc::Gen<InvalidRunConfig> genInvalidRunConfig() {
 }
 
 rc::Gen<InvalidRunInputs> genInvalidRunInputs() {
-  using K = LayerKind;
   return rc::gen::exec([]() -> InvalidRunInputs {
     auto str = [](std::int64_t v) { return std::to_string(v); };
     switch (*pickIndex(10)) {
       case 0: {  // column: N not divisible by T·stride
-        RunConfig c = *genRunConfig({K::kColumn}, genTpAbove1());
+        RunConfig c = *genRunConfig({layerKind("column")}, genTpAbove1());
         c.outFeatures = *nonMultiple(std::int64_t(c.tp) * c.stride);
         return {c, realInputs(c), "tpsim run: N (weight.npy dim 0) = " + str(c.outFeatures) +
                                        " must be divisible by --tp x --stride = " + str(c.tp * c.stride)};
       }
       case 1: {  // row: K not divisible by T·stride
-        RunConfig c = *genRunConfig({K::kRow}, genTpAbove1());
+        RunConfig c = *genRunConfig({layerKind("row")}, genTpAbove1());
         c.inFeatures = *nonMultiple(std::int64_t(c.tp) * c.stride);
         // input_is_parallel would cut K itself; the runner checks K first either way.
         return {c, realInputs(c), "tpsim run: K (weight.npy dim 1) = " + str(c.inFeatures) +
                                        " must be divisible by --tp x --stride = " + str(c.tp * c.stride)};
       }
       case 2: {  // sequence parallelism: s not divisible by T
-        RunConfig c = *genRunConfig({K::kColumn, K::kRow, K::kMlp}, genTpAbove1());
+        RunConfig c = *genRunConfig(kindsTaking(LayerOption::kSequenceParallel), genTpAbove1());
         c.sequenceParallel = true;
         c.gatherOutput = c.disableGradReduce = false;
-        if (c.layer == K::kRow) c.inputIsParallel = true;
+        if (c.layer->takes(LayerOption::kInputIsParallel)) c.inputIsParallel = true;
         c.seq = *nonMultiple(c.tp);
         return {c, realInputs(c), "tpsim run: the sequence length s (input.npy dim 0) = " + str(c.seq) +
                                        " must be divisible by --tp = " + str(c.tp)};
       }
       case 3: {  // embedding: V not divisible by T
-        RunConfig c = *genRunConfig({K::kEmbedding}, genTpAbove1());
+        RunConfig c = *genRunConfig({layerKind("embedding")}, genTpAbove1());
         c.vocab = *nonMultiple(c.tp);
         return {c, realInputs(c), "tpsim run: the vocabulary size V (weight.npy dim 0) = " + str(c.vocab) +
                                        " must be divisible by --tp = " + str(c.tp)};
       }
       case 4: {  // embedding with reduce_scatter_embeddings: s not divisible by T
-        RunConfig c = *genRunConfig({K::kEmbedding}, genTpAbove1());
+        RunConfig c = *genRunConfig({layerKind("embedding")}, genTpAbove1());
         c.reduceScatterEmbeddings = true;
         c.seq = *nonMultiple(c.tp);
         return {c, realInputs(c), "tpsim run: the sequence length s (input.npy dim 1) = " + str(c.seq) +
                                        " must be divisible by --tp = " + str(c.tp)};
       }
       case 5: {  // mlp: F not divisible by T
-        RunConfig c = *genRunConfig({K::kMlp}, genTpAbove1());
+        RunConfig c = *genRunConfig({layerKind("mlp")}, genTpAbove1());
         c.ffnHidden = *nonMultiple(c.tp);
         return {c, realInputs(c), "tpsim run: the ffn hidden size F (fc1.weight.npy dim 0) = " + str(c.ffnHidden) +
                                        " must be divisible by --tp = " + str(c.tp)};
       }
       case 6: {  // embedding: an id outside [0, V)
-        RunConfig c = *genRunConfig({K::kEmbedding});
+        RunConfig c = *genRunConfig({layerKind("embedding")});
         TensorMap in = realInputs(c);
         const std::size_t at = *uniform<std::size_t>(0, in["input"].values.size());
         const std::int64_t id = *pick<std::int64_t>({-1, c.vocab, c.vocab + 5, -100});
@@ -515,12 +471,12 @@ rc::Gen<InvalidRunInputs> genInvalidRunInputs() {
                            ", outside [0, V=" + str(c.vocab) + ")"};
       }
       case 7: {  // grad_output of the wrong shape
-        RunConfig c = *genRunConfig({K::kColumn, K::kRow, K::kMlp, K::kEmbedding});
+        RunConfig c = *genRunConfig(kAllKinds);
         TensorMap in = realInputs(c);
         HostTensor& dy = in["grad_output"];
         const tools::HostTensor want = dy;
         dy.shape.back() += *pick<std::int64_t>({1, 2});
-        return {c, in, "tpsim run: grad_output.npy must have shape " + want.shapeStr() + ", got " + dy.shapeStr()};
+        return {c, in, "tpsim run: grad_output.npy must have shape " + shapeText(want.shape) + ", got " + shapeText(dy.shape)};
       }
       case 8: {  // a missing tensor
         RunConfig c = *genRunConfig(kAllKinds);
@@ -532,7 +488,7 @@ rc::Gen<InvalidRunInputs> genInvalidRunInputs() {
         return {c, in, "tpsim run: " + gone + ".npy is missing"};
       }
       default: {  // a bias of the wrong length
-        RunConfig c = *genRunConfig({K::kColumn, K::kRow});
+        RunConfig c = *genRunConfig(kindsTaking(LayerOption::kBias));
         c.bias = true;
         TensorMap in = realInputs(c);
         in["bias"] = makeHost({c.outFeatures + 1}, c.dtype, std::vector<double>(std::size_t(c.outFeatures + 1), 0.5));
@@ -558,7 +514,7 @@ void showValue(const InvalidRunConfig& invalid, std::ostream& os) {
 
 void showValue(const InvalidRunInputs& invalid, std::ostream& os) {
   os << invalid.config.str() << "\n  inputs:";
-  for (const auto& [name, t] : invalid.inputs) os << " " << name << " " << t.shapeStr();
+  for (const auto& [name, t] : invalid.inputs) os << " " << name << " " << shapeText(t.shape);
   os << "\n  expected error containing: " << invalid.expected;
 }
 
@@ -571,7 +527,7 @@ void showValue(const RunConfig& c, std::ostream& os) { os << c.str() << " " << p
 void showValue(const TensorMap& tensors, std::ostream& os) {
   constexpr std::size_t kShown = 48;  // values per tensor; the .npy files of a failure hold them all
   for (const auto& [name, t] : tensors) {
-    os << "\n  " << name << " " << t.shapeStr() << " " << dtypeName(t.dtype) << ": [";
+    os << "\n  " << name << " " << shapeText(t.shape) << " " << dtypeName(t.dtype) << ": [";
     for (std::size_t i = 0; i < t.values.size() && i < kShown; ++i) os << (i ? " " : "") << t.values[i];
     os << (t.values.size() > kShown ? " ...]" : "]");
   }

@@ -14,13 +14,20 @@
 #include <vector>
 
 #include "core/rank_grid.h"
+#include "tools/lib/layer_kind.h"
 #include "tools/lib/runner.h"
 
 namespace tpsim::props {
 
+using tools::GtpWeightSpec;
 using tools::LayerKind;
+using tools::layerKind;
+using tools::LayerOption;
 using tools::RunConfig;
+using tools::ShapeMap;
+using tools::SizeSpec;
 using tools::TensorMap;
+using tools::TensorSpec;
 
 // One of `elements`, uniformly whatever rapidcheck's size, shrinking towards the first one
 // (rapidcheck's gen::element and gen::weightedElement do not shrink). Repeat an element to weight it.
@@ -83,7 +90,7 @@ enum class GtpMode { kOff, kSometimes, kAlways };
 // does), MEAN or SUM, the fp32-accumulation reduce-scatter on or off, and the batch b = G·b0 split
 // over the peers. numerics kExact keeps the GTP cases exact: MEAN (the 1/G pre-scale) only with G a
 // power of two.
-rc::Gen<RunConfig> genRunConfig(const std::vector<LayerKind>& kinds, rc::Gen<int> tp = genTp(),
+rc::Gen<RunConfig> genRunConfig(const std::vector<const LayerKind*>& kinds, rc::Gen<int> tp = genTp(),
                                 GtpMode gtp = GtpMode::kOff, Numerics numerics = Numerics::kReal);
 
 // `base` with GTP_remat drawn as genRunConfig draws it, G from `gtpSizes` (1 allowed: then only the

@@ -247,7 +247,7 @@ bool isBiasGradient(const std::string& name) { return name.find("bias.grad") != 
 
 // The batch dim of a tensor tools::runSharded splits over GTP_remat peers (its `batch` lambda).
 int batchDim(const RunConfig& c, const std::string& name) {
-  if (c.layer != LayerKind::kEmbedding) return 1;  // (s, b, ·)
+  if (c.layer != layerKind("embedding")) return 1;  // (s, b, ·)
   if (name == "input") return 0;                   // ids (b, s)
   return c.reduceScatterEmbeddings ? 1 : 0;        // (s, b, h) or (b, s, h)
 }
@@ -272,7 +272,7 @@ double unitRoundoff(DType dtype) {
 // The wire dtype of a GTP weight's reduce-scatter in tools::runSharded (SPEC 4.5): main_grad's for
 // the linears (fp32 main_grad: the wider GEMM epilogue; otherwise it equals the input dtype), the
 // table dtype for the embedding.
-DType wireDtype(const RunConfig& c) { return c.layer == LayerKind::kEmbedding ? c.dtype : c.mainGradDtype; }
+DType wireDtype(const RunConfig& c) { return c.layer == layerKind("embedding") ? c.dtype : c.mainGradDtype; }
 
 // With identical data on every peer (each peer's batch block is the whole G = 1 batch), tools::
 // runSharded at G gives: output and input.grad, the G = 1 ones repeated per peer, bitwise; every
@@ -282,9 +282,9 @@ DType wireDtype(const RunConfig& c) { return c.layer == LayerKind::kEmbedding ? 
 // roundings of the pre-scale and the reduce-scatter's partial sums: (2G + 2) units of the wire
 // dtype. Biases are averaged or summed over identical peers, which is exact.
 TPSIM_PROP(GtpLaws, IdenticalDataOnEveryPeerGivesTheGtpOffRun, kTransparencyCases) {
-  const LayerKind kind = *pick<LayerKind>({LayerKind::kColumn, LayerKind::kRow, LayerKind::kEmbedding, LayerKind::kMlp});
+  const LayerKind* kind = *pick<const LayerKind*>({layerKind("column"), layerKind("row"), layerKind("embedding"), layerKind("mlp")});
   RunConfig c = *genRunConfig({kind}, genTp(), GtpMode::kAlways);
-  const bool exact = kind != LayerKind::kMlp;
+  const bool exact = kind != layerKind("mlp");
   if (!exact) {  // compare with a G = 1 main_grad in fp32 (fusion), not a wgrad rounded to the dtype
     c.gradAccumulationFusion = true;
     c.mainGradDtype = DType::kFloat32;
@@ -302,7 +302,7 @@ TPSIM_PROP(GtpLaws, IdenticalDataOnEveryPeerGivesTheGtpOffRun, kTransparencyCase
   const TensorMap offInputs = exact ? *genExactInputs(off, exactAmplitude(c)) : realInputs(off);
   const TensorMap inputs = repeatedOnEveryPeer(c, offInputs);
   const Numerics numerics = exact ? Numerics::kExact : Numerics::kReal;
-  RC_TAG(layerName(kind), powerOfTwo ? "G a power of two" : "other G");
+  RC_TAG(kind->name(), powerOfTwo ? "G a power of two" : "other G");
   const double u = unitRoundoff(wireDtype(c));
   for (const Backend* b : usableBackends()) {
     TensorMap r1, rMean, rSum;
@@ -325,13 +325,13 @@ TPSIM_PROP(GtpLaws, IdenticalDataOnEveryPeerGivesTheGtpOffRun, kTransparencyCase
         for (const auto& [mode, got] : {std::pair<const char*, const HostTensor*>{"MEAN", &m}, {"SUM", &s}})
           if (got->shape != want.shape || !sameBits(got->values, want.values))
             failLayerCase(c, numerics, b->name, inputs,
-                          std::string(mode) + " " + name + " " + got->shapeStr() + " " + str(got->values) +
-                              " is not the G = 1 result on every peer " + want.shapeStr() + " " + str(want.values));
+                          std::string(mode) + " " + name + " " + shapeText(got->shape) + " " + str(got->values) +
+                              " is not the G = 1 result on every peer " + shapeText(want.shape) + " " + str(want.values));
         continue;
       }
       if (m.shape != t1.shape || s.shape != t1.shape)
-        failLayerCase(c, numerics, b->name, inputs, name + ": G = 1 gives " + t1.shapeStr() + ", MEAN " + m.shapeStr() +
-                                                        ", SUM " + s.shapeStr());
+        failLayerCase(c, numerics, b->name, inputs, name + ": G = 1 gives " + shapeText(t1.shape) + ", MEAN " + shapeText(m.shape) +
+                                                        ", SUM " + shapeText(s.shape));
       const bool exactHere = isBiasGradient(name) || exact;
       for (std::size_t i = 0; i < t1.values.size(); ++i) {
         const double w = t1.values[i];
@@ -886,14 +886,14 @@ TPSIM_PROP(GtpLaws, Fp32AccumulationReduceScatterIsBypassedBitwiseAtTwoPeers, kB
 // The option through tools::runSharded at G in {1, 2}: every result is bitwise the same with and
 // without --fp32-accum-reduce-scatter, and every rank issues the same collectives (no all-to-all).
 TPSIM_PROP(GtpLaws, Fp32AccumulationFlagChangesNothingAtTwoPeersOrFewer, kRunnerBypassCases) {
-  const RunConfig base = *genWithGtp(*genRunConfig({LayerKind::kColumn, LayerKind::kRow, LayerKind::kEmbedding,
-                                                    LayerKind::kMlp}),
+  const RunConfig base = *genWithGtp(*genRunConfig({layerKind("column"), layerKind("row"), layerKind("embedding"),
+                                                    layerKind("mlp")}),
                                      {2, 2, 1});
   RunConfig with = base, without = base;
   with.fp32AccumReduceScatter = true;
   without.fp32AccumReduceScatter = false;
   const TensorMap inputs = realInputs(base);
-  RC_TAG(layerName(base.layer), base.gtpRemat == 1 ? "G = 1" : "G = 2");
+  RC_TAG(base.layer->name(), base.gtpRemat == 1 ? "G = 1" : "G = 2");
   for (const Backend* b : usableBackends()) {
     tools::RunResult r1, r2;
     try {

@@ -33,7 +33,7 @@ constexpr int kRealCases = 10000;
 constexpr int kMlpCases = 5000;
 constexpr int kCrossTopologyCases = 5000;
 
-const std::vector<LayerKind> kLinearAndEmbedding = {LayerKind::kColumn, LayerKind::kRow, LayerKind::kEmbedding};
+const std::vector<const LayerKind*> kLinearAndEmbedding = {layerKind("column"), layerKind("row"), layerKind("embedding")};
 
 // "[1, 0, 5]": the multi-index of flat position i in `shape`.
 std::string indexOf(const std::vector<std::int64_t>& shape, std::int64_t i) {
@@ -52,7 +52,7 @@ std::string difference(const std::string& name, const HostTensor& got, const std
                        const HostTensor& want, const std::string& wantSide) {
   std::ostringstream os;
   if (got.shape != want.shape) {
-    os << name << ": " << gotSide << " has shape " << got.shapeStr() << ", " << wantSide << " " << want.shapeStr();
+    os << name << ": " << gotSide << " has shape " << shapeText(got.shape) << ", " << wantSide << " " << shapeText(want.shape);
     return os.str();
   }
   std::int64_t first = -1, count = 0;
@@ -63,7 +63,7 @@ std::string difference(const std::string& name, const HostTensor& got, const std
     }
   if (count == 0) return "";
   os.precision(9);
-  os << name << " " << got.shapeStr() << " " << dtypeName(got.dtype) << ": " << count << " of " << got.values.size()
+  os << name << " " << shapeText(got.shape) << " " << dtypeName(got.dtype) << ": " << count << " of " << got.values.size()
      << " elements differ; first at " << indexOf(got.shape, first) << ": " << gotSide << " " << got.values[first]
      << ", " << wantSide << " " << want.values[first];
   return os.str();
@@ -94,7 +94,7 @@ std::string outsideTheBound(const RunConfig& c, const TensorMap& inputs, const T
     auto it = results.find(name);
     if (it == results.end()) return name + ": the sharded run produced no such result";
     const HostTensor& got = it->second;
-    if (got.shape != ref.value.shape) return name + ": sharded " + got.shapeStr() + ", unsharded " + ref.value.shapeStr();
+    if (got.shape != ref.value.shape) return name + ": sharded " + shapeText(got.shape) + ", unsharded " + shapeText(ref.value.shape);
     std::int64_t outside = 0, worst = -1;
     double worstRatio = 0;
     for (std::size_t i = 0; i < got.values.size(); ++i) {
@@ -105,7 +105,7 @@ std::string outsideTheBound(const RunConfig& c, const TensorMap& inputs, const T
       }
     }
     if (outside != 0)
-      os << (os.tellp() > 0 ? "; " : "") << name << " " << got.shapeStr() << " " << dtypeName(got.dtype) << ": "
+      os << (os.tellp() > 0 ? "; " : "") << name << " " << shapeText(got.shape) << " " << dtypeName(got.dtype) << ": "
          << outside << " elements outside their bound; worst at " << indexOf(got.shape, worst) << ": sharded "
          << got.values[worst] << ", unsharded " << ref.value.values[worst] << ", |err| "
          << std::fabs(got.values[worst] - ref.value.values[worst]) << " > bound " << ref.bound[worst];
@@ -137,7 +137,7 @@ void onEveryBackend(const RunConfig& c, Numerics numerics, const TensorMap& inpu
 TPSIM_PROP(LayerLaws, ShardedEqualsUnshardedBitwiseOnExactData, kExactCases) {
   const RunConfig c = *genRunConfig(kLinearAndEmbedding, genTp(), GtpMode::kSometimes, Numerics::kExact);
   const TensorMap inputs = *genExactInputs(c);
-  RC_TAG(layerName(c.layer), dtypeName(c.dtype), c.gtpRemat > 1 ? "GTP_remat" : "no GTP_remat");
+  RC_TAG(c.layer->name(), dtypeName(c.dtype), c.gtpRemat > 1 ? "GTP_remat" : "no GTP_remat");
   onEveryBackend(c, Numerics::kExact, inputs,
                  [&](const RunConfig& on, const TensorMap& results) {
                    return differenceFromReference(on, inputs, results);
@@ -148,7 +148,7 @@ TPSIM_PROP(LayerLaws, ShardedEqualsUnshardedBitwiseOnExactData, kExactCases) {
 // reduction length and the dtypes, for every element of every result.
 TPSIM_PROP(LayerLaws, ShardedEqualsUnshardedWithinTheDataDerivedBound, kRealCases) {
   const RunConfig c = *genRunConfig(kLinearAndEmbedding, genTp(), GtpMode::kSometimes);
-  RC_TAG(layerName(c.layer), c.tp > 4 ? "T > 4" : "T <= 4", c.gtpRemat > 1 ? "GTP_remat" : "no GTP_remat");
+  RC_TAG(c.layer->name(), c.tp > 4 ? "T > 4" : "T <= 4", c.gtpRemat > 1 ? "GTP_remat" : "no GTP_remat");
   const TensorMap inputs = realInputs(c);
   onEveryBackend(c, Numerics::kReal, inputs,
                  [&](const RunConfig& on, const TensorMap& results) {
@@ -159,7 +159,7 @@ TPSIM_PROP(LayerLaws, ShardedEqualsUnshardedWithinTheDataDerivedBound, kRealCase
 // Column(gather_output=false) -> GeLU -> Row(input_is_parallel) == the dense MLP block, forward and
 // every gradient, within the bound (GeLU has no exact mode), with and without sequence parallelism.
 TPSIM_PROP(LayerLaws, MlpBlockEqualsTheDenseMlpWithinTheBound, kMlpCases) {
-  const RunConfig c = *genRunConfig({LayerKind::kMlp}, genTp(), GtpMode::kSometimes);
+  const RunConfig c = *genRunConfig({layerKind("mlp")}, genTp(), GtpMode::kSometimes);
   RC_TAG(c.gtpRemat > 1 ? "GTP_remat" : "no GTP_remat");
   const TensorMap inputs = realInputs(c);
   onEveryBackend(c, Numerics::kReal, inputs,

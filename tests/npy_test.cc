@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "backends/dims.h"
 #include "backends/errors.h"
 
 namespace tpsim::tools {
@@ -84,11 +85,11 @@ const std::string kHeader23 = "{'descr': '<f4', 'fortran_order': False, 'shape':
 const std::string kData23(24, '\x01');  // (2, 3) fp32
 
 TEST(ShapeStringTest, PrintsLikeNumpy) {
-  EXPECT_EQ(shapeString({}), "()");
-  EXPECT_EQ(shapeString({5}), "(5,)");
-  EXPECT_EQ(shapeString({0}), "(0,)");
-  EXPECT_EQ(shapeString({2, 3}), "(2, 3)");
-  EXPECT_EQ(shapeString({2, 3, 4}), "(2, 3, 4)");
+  EXPECT_EQ(shapeText({}), "()");
+  EXPECT_EQ(shapeText({5}), "(5,)");
+  EXPECT_EQ(shapeText({0}), "(0,)");
+  EXPECT_EQ(shapeText({2, 3}), "(2, 3)");
+  EXPECT_EQ(shapeText({2, 3, 4}), "(2, 3, 4)");
 }
 
 using RoundTripCase = std::tuple<DType, std::vector<std::int64_t>>;

@@ -2,6 +2,7 @@
 // products computed in double (the bound they replace), whatever the magnitudes, and stay close.
 // The MLP's reference, which takes F in blocks, against loops over the whole.
 #include "tools/lib/reference.h"
+#include "tools/lib/layer_kind.h"
 
 #include <gtest/gtest.h>
 
@@ -136,7 +137,7 @@ TEST(Reference, MlpInBlocksOfFMatchesLoopsOverTheWhole) {
   }
 
   ReferenceOptions whole;
-  whole.kind = LayerKind::kMlp;
+  whole.layer = layerKind("mlp");
   ReferenceOptions blocks = whole;
   blocks.mlpBlockElements = tokens * 256;
   const std::map<std::string, Checked> one = denseReference(whole, in), three = denseReference(blocks, in);

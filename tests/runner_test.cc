@@ -29,21 +29,21 @@ TEST(Runner, EveryLayerKindAndOptionAgreesWithTheDenseComputation) {
       c.tp = tp;
       c.dtype = dt;
       c.seq = 8;
-      for (LayerKind kind : {LayerKind::kColumn, LayerKind::kRow, LayerKind::kEmbedding, LayerKind::kMlp}) {
+      for (const LayerKind* kind : {layerKind("column"), layerKind("row"), layerKind("embedding"), layerKind("mlp")}) {
         c.layer = kind;
-        c.bias = kind != LayerKind::kEmbedding;
+        c.bias = kind != layerKind("embedding");
         c.sequenceParallel = false;
         c.inputIsParallel = false;
         c.reduceScatterEmbeddings = false;
         expectAgreement(c);
-        if (tp > 1 && kind != LayerKind::kEmbedding) {
+        if (tp > 1 && kind != layerKind("embedding")) {
           c.sequenceParallel = true;
-          c.inputIsParallel = kind == LayerKind::kRow;
+          c.inputIsParallel = kind == layerKind("row");
           expectAgreement(c);
           c.sequenceParallel = false;
         }
       }
-      c.layer = LayerKind::kEmbedding;
+      c.layer = layerKind("embedding");
       c.bias = false;
       c.reduceScatterEmbeddings = true;
       expectAgreement(c);
@@ -54,7 +54,7 @@ TEST(Runner, ColumnAndRowOptions) {
   RunConfig c;
   c.tp = 2;
   c.bias = true;
-  c.layer = LayerKind::kColumn;
+  c.layer = layerKind("column");
   for (auto set : std::vector<std::function<void(RunConfig&)>>{
            [](RunConfig& r) { r.gatherOutput = true; }, [](RunConfig& r) { r.skipBiasAdd = true; },
            [](RunConfig& r) { r.stride = 2; }, [](RunConfig& r) { r.outputDtype = DType::kFloat32; r.dtype = DType::kBFloat16; },
@@ -64,7 +64,7 @@ TEST(Runner, ColumnAndRowOptions) {
     set(k);
     expectAgreement(k);
   }
-  c.layer = LayerKind::kRow;
+  c.layer = layerKind("row");
   for (auto set : std::vector<std::function<void(RunConfig&)>>{
            [](RunConfig& r) { r.inputIsParallel = true; }, [](RunConfig& r) { r.skipBiasAdd = true; },
            [](RunConfig& r) { r.stride = 2; r.inputIsParallel = true; },
@@ -98,7 +98,7 @@ TEST(Runner, StrideShardsInterleavedChunks) {
 
 TEST(Runner, SequenceParallelRowBiasGradientIsFinalizedOverTp) {
   RunConfig c;
-  c.layer = LayerKind::kRow;
+  c.layer = layerKind("row");
   c.tp = 4;
   c.bias = true;
   c.sequenceParallel = c.inputIsParallel = true;
@@ -156,7 +156,7 @@ TEST(Runner, DisableGradReduceReturnsEachRanksPartialInputGradient) {
 // GTP_remat through the whole tool: every layer kind, MEAN and SUM, padding that spills over
 // several peers (a = 16 on tiny dims), no padding (a = 0), and the fp32-accumulation variant.
 TEST(Runner, GtpRematAgreesWithTheDenseComputation) {
-  for (LayerKind kind : {LayerKind::kColumn, LayerKind::kRow, LayerKind::kEmbedding, LayerKind::kMlp})
+  for (const LayerKind* kind : {layerKind("column"), layerKind("row"), layerKind("embedding"), layerKind("mlp")})
     for (int g : {2, 4})
       for (bool mean : {true, false}) {
         RunConfig c;
@@ -165,11 +165,11 @@ TEST(Runner, GtpRematAgreesWithTheDenseComputation) {
         c.gtpRemat = g;
         c.gtpReduceMean = mean;
         c.batch = 4;
-        c.bias = kind != LayerKind::kEmbedding;
+        c.bias = kind != layerKind("embedding");
         c.fp32AccumReduceScatter = g == 4;
         expectAgreement(c);
         c.dtype = DType::kBFloat16;
-        c.sequenceParallel = kind == LayerKind::kColumn || kind == LayerKind::kMlp;
+        c.sequenceParallel = kind == layerKind("column") || kind == layerKind("mlp");
         expectAgreement(c);
       }
   RunConfig c;
@@ -194,7 +194,7 @@ TensorMap spikedWeights(const RunConfig& c) {
 // weight quantized on its own (rowwise for outputs, columnwise for input gradients; N/T = 20 rows
 // and stride 2 cut blocks differently from the unsharded weight), with and without GTP_remat.
 TEST(Runner, Mxfp8WeightsAgreeWithTheQuantizedReference) {
-  for (LayerKind kind : {LayerKind::kColumn, LayerKind::kRow, LayerKind::kMlp})
+  for (const LayerKind* kind : {layerKind("column"), layerKind("row"), layerKind("mlp")})
     for (int g : {1, 2})
       for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
         RunConfig c;
@@ -210,9 +210,9 @@ TEST(Runner, Mxfp8WeightsAgreeWithTheQuantizedReference) {
         c.ffnHidden = 72;
         c.weightFormat = WeightFormat::kMxfp8;
         expectAgreement(c, spikedWeights(c));
-        if (kind == LayerKind::kMlp) continue;
+        if (kind == layerKind("mlp")) continue;
         c.stride = 2;
-        c.inputIsParallel = kind == LayerKind::kRow;
+        c.inputIsParallel = kind == layerKind("row");
         expectAgreement(c, spikedWeights(c));
       }
   // The quantization is visible: against the unquantized reference, outputs and dgrads fail.
@@ -242,19 +242,19 @@ TEST(Runner, BadConfigurationsAndInputsAreNamed) {
   c.tp = 1;
   EXPECT_THAT(message([&] { c.validate(); }), HasSubstr("--sequence-parallel: needs --tp > 1"));
   c = RunConfig();
-  c.layer = LayerKind::kRow;
+  c.layer = layerKind("row");
   c.sequenceParallel = true;
   EXPECT_THAT(message([&] { c.validate(); }), HasSubstr("RowParallelLinear needs --input-is-parallel"));
   c = RunConfig();
-  c.layer = LayerKind::kRow;
+  c.layer = layerKind("row");
   c.disableGradReduce = true;
   EXPECT_THAT(message([&] { c.validate(); }), HasSubstr("--disable-grad-reduce: applies to --layer column"));
-  c.layer = LayerKind::kColumn;
+  c.layer = layerKind("column");
   c.sequenceParallel = true;
   EXPECT_THAT(message([&] { c.validate(); }), HasSubstr("--disable-grad-reduce: not with --sequence-parallel"));
   c = RunConfig();
   c.outputDtype = DType::kFloat32;
-  c.layer = LayerKind::kMlp;
+  c.layer = layerKind("mlp");
   EXPECT_THAT(message([&] { c.validate(); }), HasSubstr("--output-dtype: only ColumnParallelLinear"));
   c = RunConfig();
   c.tp = 3;
@@ -277,7 +277,7 @@ TEST(Runner, BadConfigurationsAndInputsAreNamed) {
   EXPECT_THAT(message([&] { c.validate(); }),
               HasSubstr("--pad-for-alignment: expected a positive multiple of 32 for --weight-format mxfp8 with "
                         "--gtp-remat 2, got 16"));
-  c.layer = LayerKind::kEmbedding;
+  c.layer = layerKind("embedding");
   c.gtpRemat = 1;
   EXPECT_THAT(message([&] { c.validate(); }), HasSubstr("--weight-format mxfp8: applies to --layer column, row or "
                                                         "mlp (the embedding is a lookup, not a GEMM)"));
@@ -289,7 +289,7 @@ TEST(Runner, BadConfigurationsAndInputsAreNamed) {
 
 TEST(Runner, CommandLineNamesEveryNonDefaultFlag) {
   RunConfig c;
-  c.layer = LayerKind::kRow;
+  c.layer = layerKind("row");
   c.tp = 4;
   c.sequenceParallel = c.inputIsParallel = c.bias = c.skipBiasAdd = true;
   c.stride = 2;
@@ -308,7 +308,7 @@ TEST(Runner, CommandLineNamesEveryNonDefaultFlag) {
             "tpsim run --layer row --tp 4 --sequence-parallel --bias --input-is-parallel --skip-bias-add --stride 2 "
             "--dtype bf16 --grad-accumulation-fusion --main-grad-dtype bf16 --seed 77 --load /tmp/tpsim-props/case");
   c = RunConfig();
-  c.layer = LayerKind::kColumn;
+  c.layer = layerKind("column");
   c.gatherOutput = true;
   c.disableGradReduce = true;
   c.outputDtype = DType::kFloat32;
@@ -316,12 +316,12 @@ TEST(Runner, CommandLineNamesEveryNonDefaultFlag) {
             "tpsim run --layer column --tp 2 --gather-output --disable-grad-reduce --dtype fp32 --output-dtype fp32 "
             "--seed 1234 --load '/tmp/a dir/it'\\''s'");
   c = RunConfig();
-  c.layer = LayerKind::kEmbedding;
+  c.layer = layerKind("embedding");
   c.reduceScatterEmbeddings = true;
   c.vocab = 64;
   EXPECT_EQ(commandLine(c), "tpsim run --layer embedding --tp 2 --reduce-scatter-embeddings --dtype fp32 --seed 1234 "
                             "--seq 8 --batch 2 --out-features 16 --vocab 64");
-  c.layer = LayerKind::kMlp;
+  c.layer = layerKind("mlp");
   c.reduceScatterEmbeddings = false;
   c.threads = 1;
   EXPECT_EQ(commandLine(c), "tpsim run --layer mlp --tp 2 --dtype fp32 --threads 1 --seed 1234 --seq 8 --batch 2 "

@@ -145,7 +145,7 @@ TEST(Trace, ModelCollectiveStartsAtItsLastMemberAndOverlapsLaterCompute) {
 
 TEST(Trace, ModelTotalsAreTheSumOfTheirPartsOnARealRun) {
   RunConfig c;
-  c.layer = LayerKind::kMlp;
+  c.layer = layerKind("mlp");
   c.tp = 2;
   c.gtpRemat = 2;
   c.batch = 4;

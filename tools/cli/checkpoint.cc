@@ -70,11 +70,11 @@ int inspect(const std::string& dir) {
     std::set<int> writers;
     for (const auto& c : k.chunks) writers.insert(c.writer);
     std::printf("%-22s %-5s %-14s %-14s %6zu  %-10s %s\n", key.c_str(), safetensorsDtype(k.dtype),
-                shapeString(k.globalShape).c_str(), shapeString(k.savedGlobalShape).c_str(), k.chunks.size(),
+                shapeText(k.globalShape).c_str(), shapeText(k.savedGlobalShape).c_str(), k.chunks.size(),
                 rankList(writers).c_str(), paddingText(k).c_str());
   }
   for (const auto& [key, o] : reader.objects())
-    std::printf("%-22s %-5s %-14s %-14s %6zu  %-10s %s\n", key.c_str(), "-", shapeString(o.globalShape).c_str(), "-",
+    std::printf("%-22s %-5s %-14s %-14s %6zu  %-10s %s\n", key.c_str(), "-", shapeText(o.globalShape).c_str(), "-",
                 o.writers.size(), rankList({o.writers.begin(), o.writers.end()}).c_str(), "(value None)");
   bool placed = false;
   for (const auto& [key, k] : reader.keys())
@@ -127,7 +127,7 @@ int consolidate(const std::string& dir, const std::string& file, const std::stri
   std::printf("# consolidated %s: %zu tensors, pad rows dropped, into %s\n", dir.c_str(), tensors.size(),
               file.c_str());
   for (const auto& t : tensors)
-    std::printf("%-22s %-5s %s\n", t.name.c_str(), safetensorsDtype(t.dtype), shapeString(t.shape).c_str());
+    std::printf("%-22s %-5s %s\n", t.name.c_str(), safetensorsDtype(t.dtype), shapeText(t.shape).c_str());
   return 0;
 }
 

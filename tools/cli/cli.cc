@@ -35,7 +35,7 @@ boost::program_options::variables_map parseOptions(const std::vector<std::string
 void addParallelismOptions(po::options_description& par, RunConfig& c, std::string& layer) {
   par.add_options()
       ("help,h", "show this help")
-      ("layer,l", po::value(&layer), "column | row | embedding | mlp (required)")
+      ("layer,l", po::value(&layer), layerHelp())
       ("tp,p", po::value(&c.tp)->default_value(c.tp), "tensor-parallel size T (ranks)")
       ("sequence-parallel,S", po::bool_switch(&c.sequenceParallel), "shard activations along the sequence")
       ("gtp-remat,G", po::value(&c.gtpRemat)->default_value(c.gtpRemat),
@@ -67,10 +67,18 @@ void addSizeOptions(po::options_description& size, RunConfig& c) {
       ("vocab,V", po::value(&c.vocab)->default_value(c.vocab), "embedding: vocabulary size V");
 }
 
-LayerKind parseLayer(const std::string& s) {
-  for (LayerKind k : {LayerKind::kColumn, LayerKind::kRow, LayerKind::kEmbedding, LayerKind::kMlp})
-    if (s == layerName(k)) return k;
-  throw UsageError{"--layer: expected column, row, embedding or mlp, got '" + s + "'"};
+const LayerKind* parseLayer(const std::string& s) {
+  if (const LayerKind* k = findLayerKind(s)) return k;
+  throw UsageError{"--layer: expected " + layerKindNames() + ", got '" + s + "'"};
+}
+
+const char* layerHelp() {
+  static const std::string help = [] {
+    std::string s;
+    for (const LayerKind* k : layerKinds()) s += (s.empty() ? "" : " | ") + std::string(k->name());
+    return s + " (required)";
+  }();
+  return help.c_str();
 }
 
 std::uint64_t parseSeed(const std::string& text) {

@@ -15,6 +15,7 @@
 
 #include "backends/fault.h"
 #include "tools/cli/bench_gpu.h"
+#include "tools/lib/layer_kind.h"
 #include "tools/lib/runner.h"
 #include "tools/lib/trace.h"
 #include "tools/lib/usage_error.h"
@@ -85,7 +86,9 @@ void addParallelismOptions(boost::program_options::options_description& parallel
 void addLayerOptions(boost::program_options::options_description& layerOptions, RunConfig& c);
 void addSizeOptions(boost::program_options::options_description& size, RunConfig& c);
 // --layer's value. Throws UsageError.
-LayerKind parseLayer(const std::string& text);
+const LayerKind* parseLayer(const std::string& text);
+// --layer's help: the kinds of the table.
+const char* layerHelp();
 
 // "1234" -> 1234 for --seed: digits only, so "-1" is refused instead of wrapping to 2^64 - 1.
 std::uint64_t parseSeed(const std::string& text);

@@ -20,7 +20,7 @@ namespace tpsim::tools {
 DemoArgs parseDemoArgs(const std::vector<std::string>& args) {
   DemoArgs out;
   RunConfig& c = out.config;
-  c.layer = LayerKind::kMlp;
+  c.layer = layerKind("mlp");
   c.tp = 4;
   c.sequenceParallel = true;
   c.bias = true;
@@ -94,6 +94,7 @@ int demoMain(const std::vector<std::string>& args) {
               c.gtpRemat > 1 ? " and GTP_remat peer g the batch block g" : "");
   const TensorMap inputs = generateInputs(c);
   const RunResult r = runSharded(c, inputs);
+  const LayerGrid grid(c.tp, c.gtpRemat);
 
   // Each parameter's placement, then the blocks of it each rank holds (tpsim layout draws them).
   std::printf("# shards: each parameter's placement, then the global rows x columns each rank holds\n");
@@ -102,8 +103,8 @@ int demoMain(const std::vector<std::string>& args) {
     if (p.role == TensorRole::kParameter) params.push_back(&p);
   for (const TensorPlacement* p : params)
     std::printf("%s %s: %s\n", p->name.c_str(), shapeText(p->shape).c_str(), placementText(*p).c_str());
-  for (int rank = 0; rank < c.tp * c.gtpRemat; ++rank) {
-    const int t = rank % c.tp, g = rank / c.tp;
+  for (int rank = 0; rank < grid.size(); ++rank) {
+    const int t = grid.t(rank), g = grid.g(rank);
     std::printf("rank %d (t=%d, g=%d):", rank, t, g);
     for (const TensorPlacement* p : params)
       std::printf("\n  %s %s: %s", p->name.c_str(), shapeText(localShape(*p, t, g)).c_str(), holdsText(*p, t, g).c_str());
@@ -111,7 +112,7 @@ int demoMain(const std::vector<std::string>& args) {
   }
   std::printf("\n# collectives each rank issued, in order (op group bytes-sent; the splits that build the groups"
               " are left out)\n");
-  for (int rank = 0; rank < c.tp * c.gtpRemat; ++rank) {
+  for (int rank = 0; rank < grid.size(); ++rank) {
     std::printf("rank %d:", rank);
     for (const auto& e : r.trace[rank])
       if (e.op != "split") std::printf("  %s %s %lldB", e.op.c_str(), e.group.c_str(), (long long)e.bytes);
@@ -123,7 +124,7 @@ int demoMain(const std::vector<std::string>& args) {
   std::printf("%-18s %-14s %12s %12s %9s  %s\n", "tensor", "shape", "max|err|", "bound", "#outside", "result");
   bool ok = true;
   std::string notes;
-  for (const Verdict& v : verify(c, inputs, r.results)) {
+  for (const Verdict& v : verify(c, inputs, r.results, VerifyMode::kBound, r.placements)) {
     ok = ok && v.outside == 0;
     std::printf("%-18s %-14s %12.3e %12.3e %9lld  %s\n", v.name.c_str(), v.shape.c_str(), v.maxError, v.maxBound,
                 (long long)v.outside, verdictResult(v).c_str());
@@ -131,7 +132,7 @@ int demoMain(const std::vector<std::string>& args) {
   }
   if (!notes.empty()) std::printf("\n%s", notes.c_str());
   if (c.record) {
-    const std::vector<RankSummary> summary = writeTrace(trace, r.records, c.tp);
+    const std::vector<RankSummary> summary = writeTrace(trace, r.records, grid);
     std::printf("\n# timeline, clock %s, written to %s; per rank in µs: compute ops, collectives from issue to "
                 "completion,\n# exposed = waiting for one, overlap = collectives under compute, other = the rest "
                 "(host work outside ops)\n%s",

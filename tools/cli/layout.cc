@@ -32,10 +32,10 @@ int layoutMain(const std::vector<std::string>& args) {
               << "exit codes: 0 drawn, 2 bad flags or sizes, or an --svg path that cannot be written\n";
     return 0;
   }
-  if (layer.empty()) throw UsageError{"--layer is required: column, row, embedding or mlp"};
+  if (layer.empty()) throw UsageError{"--layer is required: " + layerKindNames()};
   if (vm.count("svg") && svg.empty()) throw UsageError{"--svg: expected a file name, got an empty path"};
   c.layer = parseLayer(layer);
-  applyEmbeddingSequenceParallel(c);
+  applyLayerConventions(c);
   const std::vector<TensorPlacement> placements = layoutPlacements(c);
   const char* noColour = std::getenv("NO_COLOR");
   const bool colour = isatty(fileno(stdout)) && (noColour == nullptr || *noColour == '\0');

@@ -21,27 +21,26 @@ namespace po = boost::program_options;
 namespace tpsim::tools {
 namespace {
 
-std::vector<std::string> inputNames(const RunConfig& c) {
-  switch (c.layer) {
-    case LayerKind::kMlp: return {"input", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "grad_output"};
-    case LayerKind::kEmbedding: return {"input", "weight", "grad_output"};
-    default:
-      if (c.bias) return {"input", "weight", "bias", "grad_output"};
-      return {"input", "weight", "grad_output"};
-  }
-}
-
-// The parameters among inputNames: what a checkpoint holds, under the same names.
-std::vector<std::string> paramNames(const RunConfig& c) {
-  std::vector<std::string> out;
-  for (const std::string& n : inputNames(c))
-    if (n != "input" && n != "grad_output") out.push_back(n);
+// The tensors of c's layer that --load reads (withParams false: not the parameters, which come
+// from --load-checkpoint).
+std::vector<TensorSpec> loadedTensors(const RunConfig& c, bool withParams) {
+  std::vector<TensorSpec> out;
+  for (const TensorSpec& t : c.layer->tensors(c))
+    if (withParams || t.role != TensorRole::kParameter) out.push_back(t);
   return out;
 }
 
-std::string joinNames(const std::vector<std::string>& names, const std::string& suffix = "") {
+// The parameters: what a checkpoint holds, under the same names.
+std::vector<TensorSpec> parameters(const RunConfig& c) {
+  std::vector<TensorSpec> out;
+  for (const TensorSpec& t : c.layer->tensors(c))
+    if (t.role == TensorRole::kParameter) out.push_back(t);
+  return out;
+}
+
+std::string joinNames(const std::vector<TensorSpec>& tensors, const std::string& suffix = "") {
   std::string all;
-  for (const auto& n : names) all += (all.empty() ? "" : ", ") + n + suffix;
+  for (const TensorSpec& t : tensors) all += (all.empty() ? "" : ", ") + t.name + suffix;
   return all;
 }
 
@@ -55,18 +54,20 @@ HostTensor fromNpy(const NpyArray& a, DType want, const std::string& file) {
   return makeHost(a.shape, want, std::move(values));  // 16-bit --dtype: rounded once, here
 }
 
-// DIR/NAME.npy for each input of c's layer, checked to exist; withParams false: input and
-// grad_output only (the parameters come from --load-checkpoint).
-std::vector<std::pair<std::string, std::string>> inputFiles(const RunConfig& c, const std::string& dir,
-                                                            bool withParams) {
+// DIR/NAME.npy for each tensor --load reads, checked to exist, with whether it holds token ids.
+struct InputFile {
+  std::string name, path;
+  bool ids = false;
+};
+std::vector<InputFile> inputFiles(const RunConfig& c, const std::string& dir, bool withParams) {
   TPSIM_CHECK(std::filesystem::is_directory(dir), "--load: ", dir, " is not a directory");
-  const std::vector<std::string> names = withParams ? inputNames(c) : std::vector<std::string>{"input", "grad_output"};
-  std::vector<std::pair<std::string, std::string>> files;  // (name, path)
-  for (const std::string& name : names) {
-    const std::string file = (std::filesystem::path(dir) / (name + ".npy")).string();
-    TPSIM_CHECK(std::filesystem::exists(file), "--load: ", file, " is missing; --layer ", layerName(c.layer),
-                " reads ", joinNames(names, ".npy"));
-    files.push_back({name, file});
+  const std::vector<TensorSpec> tensors = loadedTensors(c, withParams);
+  std::vector<InputFile> files;
+  for (const TensorSpec& t : tensors) {
+    const std::string file = (std::filesystem::path(dir) / (t.name + ".npy")).string();
+    TPSIM_CHECK(std::filesystem::exists(file), "--load: ", file, " is missing; --layer ", c.layer->name(), " reads ",
+                joinNames(tensors, ".npy"));
+    files.push_back({t.name, file, !t.idRange.empty()});
   }
   return files;
 }
@@ -74,16 +75,14 @@ std::vector<std::pair<std::string, std::string>> inputFiles(const RunConfig& c, 
 // The inputs' shapes from the headers alone, to size the run before reading the data.
 ShapeMap loadShapes(const RunConfig& c, const std::string& dir, bool withParams) {
   ShapeMap m;
-  for (const auto& [name, file] : inputFiles(c, dir, withParams)) m[name] = readNpyHeader(file).shape;
+  for (const InputFile& f : inputFiles(c, dir, withParams)) m[f.name] = readNpyHeader(f.path).shape;
   return m;
 }
 
 TensorMap load(const RunConfig& c, const std::string& dir, bool withParams) {
   TensorMap m;
-  for (const auto& [name, file] : inputFiles(c, dir, withParams)) {
-    const bool ids = c.layer == LayerKind::kEmbedding && name == "input";
-    m[name] = fromNpy(readNpy(file), ids ? DType::kInt64 : c.dtype, file);
-  }
+  for (const InputFile& f : inputFiles(c, dir, withParams))
+    m[f.name] = fromNpy(readNpy(f.path), f.ids ? DType::kInt64 : c.dtype, f.path);
   return m;
 }
 
@@ -100,29 +99,26 @@ void prepareSaveDir(const std::string& flag, const std::string& dir) {
 // input and grad_output fit.
 TensorMap checkpointParams(RunConfig& c, const CheckpointReader& reader, const std::string& dir) {
   TensorMap m;
-  std::vector<std::string> held;
-  for (const auto& [key, k] : reader.keys()) held.push_back(key);
-  for (const std::string& name : paramNames(c)) {
+  std::string held;
+  for (const auto& [key, k] : reader.keys()) held += (held.empty() ? "" : ", ") + key;
+  for (const TensorSpec& t : parameters(c)) {
+    const std::string& name = t.name;
     TPSIM_CHECK(reader.keys().count(name), "--load-checkpoint: expected key '", name, "' in ", dir, " (--layer ",
-                layerName(c.layer), c.bias ? " --bias" : "", " reads ", joinNames(paramNames(c)), "), got only ",
-                held.empty() ? "no keys" : joinNames(held));
+                c.layer->name(), c.bias ? " --bias" : "", " reads ", joinNames(parameters(c)), "), got only ",
+                held.empty() ? "no keys" : held);
     const CheckpointKey& k = reader.key(name);
-    const std::size_t rank = name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0 ? 1 : 2;
+    const std::size_t rank = t.dims.size();
     TPSIM_CHECK(k.globalShape.size() == rank && isFloating(k.dtype), "--load-checkpoint: key '", name, "' in ", dir,
                 ": expected a floating tensor of rank ", rank, ", got ", dtypeName(k.dtype), " of shape ",
-                shapeString(k.globalShape));
+                shapeText(k.globalShape));
     const std::vector<char> bytes = reader.consolidated(name);
     std::vector<double> values(bytes.size() / dtypeSize(k.dtype));
     for (std::size_t i = 0; i < values.size(); ++i) values[i] = loadAsDouble(k.dtype, bytes.data() + i * dtypeSize(k.dtype));
     m[name] = makeHost(k.globalShape, c.dtype, std::move(values));
   }
-  const HostTensor& w = m.at(c.layer == LayerKind::kMlp ? "fc1.weight" : "weight");
-  switch (c.layer) {
-    case LayerKind::kColumn:
-    case LayerKind::kRow: c.outFeatures = w.shape[0], c.inFeatures = w.shape[1]; break;
-    case LayerKind::kEmbedding: c.vocab = w.shape[0], c.outFeatures = w.shape[1]; break;
-    case LayerKind::kMlp: c.ffnHidden = w.shape[0], c.inFeatures = w.shape[1]; break;
-  }
+  ShapeMap shapes;
+  for (const auto& [name, t] : m) shapes[name] = t.shape;
+  c = withSizesOf(c, shapes);
   return m;
 }
 
@@ -229,7 +225,7 @@ RunArgs parseRunArgs(const std::vector<std::string>& args) {
     out.help = help.str();
     return out;
   }
-  if (layer.empty()) throw UsageError{"--layer is required: column, row, embedding or mlp"};
+  if (layer.empty()) throw UsageError{"--layer is required: " + layerKindNames()};
   c.seed = parseSeed(seed);
   c.faults = parseInjections(injects);
   c.timeout = parseTimeout(timeout);
@@ -258,7 +254,7 @@ RunArgs parseRunArgs(const std::vector<std::string>& args) {
   if (!isBackendName(c.backend)) throw UsageError{"--backend: expected sim or gpu, got '" + c.backend + "'"};
   if (const std::string whyNot = backendUnusableReason(c.backend); !whyNot.empty())
     throw UsageError{"--backend " + c.backend + ": cannot run here: " + whyNot};
-  applyEmbeddingSequenceParallel(c);
+  applyLayerConventions(c);
   c.validate();
   if (vm.count("trace") && trace.file.empty()) throw UsageError{"--trace: expected a file path, got an empty path"};
   checkTraceOptions(trace, !vm["clock"].defaulted(), !vm["device-model"].defaulted());
@@ -286,7 +282,7 @@ int runMain(const std::vector<std::string>& args) {
     params = checkpointParams(c, *reader, loadCheckpoint);
   }
   // Before anything else is allocated: a run that cannot fit is refused, not killed by the kernel.
-  ShapeMap shapes = loadDir.empty() ? generatedShapes(c) : loadShapes(c, loadDir, !reader);
+  ShapeMap shapes = loadDir.empty() ? tensorShapes(c) : loadShapes(c, loadDir, !reader);
   for (const auto& [name, t] : params) shapes[name] = t.shape;
   checkMemory(c, shapes, verifyMode, parsed.maxMemory, loadDir);
 
@@ -297,7 +293,7 @@ int runMain(const std::vector<std::string>& args) {
   for (auto& [name, t] : params) inputs[name] = std::move(t);
   std::printf("# inputs (%s%s%s):", loadDir.empty() ? "generated" : loadDir.c_str(),
               reader ? "; parameters from checkpoint " : "", reader ? loadCheckpoint.c_str() : "");
-  for (const auto& [name, t] : inputs) std::printf(" %s %s", name.c_str(), t.shapeStr().c_str());
+  for (const auto& [name, t] : inputs) std::printf(" %s %s", name.c_str(), shapeText(t.shape).c_str());
   std::printf("\n");
   CheckpointWriter writer;
   const RunResult result =
@@ -314,7 +310,7 @@ int runMain(const std::vector<std::string>& args) {
     if (verifyMode == VerifyMode::kExact)
       std::printf("# --verify exact: every element must equal the unsharded result rounded to its dtype\n");
     std::printf("%-18s %-16s %12s %12s %9s  %s\n", "tensor", "shape", "max|err|", "bound", "#outside", "result");
-    for (const Verdict& v : verify(c, inputs, result.results, verifyMode)) {
+    for (const Verdict& v : verify(c, inputs, result.results, verifyMode, result.placements)) {
       ok = ok && v.outside == 0;
       std::printf("%-18s %-16s %12.3e %12.3e %9lld  %s\n", v.name.c_str(), v.shape.c_str(), v.maxError, v.maxBound,
                   (long long)v.outside, verdictResult(v).c_str());
@@ -334,7 +330,7 @@ int runMain(const std::vector<std::string>& args) {
                 saveCheckpoint.c_str());
   }
   if (c.record) {
-    writeTrace(trace, result.records, c.tp);
+    writeTrace(trace, result.records, LayerGrid(c.tp, c.gtpRemat));
     std::printf("\ntrace (clock %s) written to %s\n", trace.clockText().c_str(), trace.file.c_str());
   }
   const char* conclusion = verifyMode == VerifyMode::kNone    ? "verification skipped (--verify none)"

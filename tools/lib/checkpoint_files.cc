@@ -24,12 +24,6 @@ constexpr const char* kIndexName = "index.json";
 constexpr const char* kFormat = "tpsim-checkpoint";
 constexpr int kVersion = 1;
 
-std::string shapeStr(const Ints& s) {
-  std::string out = "(";
-  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + (s.size() == 1 ? ",)" : ")");
-}
-
 std::int64_t volume(const Ints& s) {
   std::int64_t n = 1;
   for (std::int64_t d : s) n *= d;
@@ -65,7 +59,7 @@ RowMap rowMap(const Ints& savedGlobalShape, int axis, const std::optional<GtpPad
   const bool interleaved = pad->tpAxis == 0 && pad->tpSize > 1;
   const std::int64_t extent = savedGlobalShape[std::size_t(axis)];
   TPSIM_CHECK(pad->tpSize >= 1 && pad->padLength > 0 && (!interleaved || extent % pad->tpSize == 0), where,
-              ": expected padded axis ", axis, " of ", shapeStr(savedGlobalShape), " to hold tp_size ", pad->tpSize,
+              ": expected padded axis ", axis, " of ", shapeText(savedGlobalShape), " to hold tp_size ", pad->tpSize,
               " equal slices, got a remainder");
   m.padded = true;
   m.slicePad = interleaved ? extent / pad->tpSize : extent;
@@ -155,12 +149,12 @@ void checkTiling(const CheckpointKey& k, const std::string& where) {
     for (std::size_t j = i + 1; j < c.size(); ++j)
       TPSIM_CHECK(!overlaps(c[i].globalOffset, c[i].localShape, c[j].globalOffset, c[j].localShape), where, ": key '",
                   k.key, "': expected each chunk written once, got ranks ", c[i].writer, " and ", c[j].writer,
-                  " both writing offsets ", shapeStr(c[i].globalOffset), " and ", shapeStr(c[j].globalOffset),
-                  " of ", shapeStr(k.savedGlobalShape), " (two main replicas)");
+                  " both writing offsets ", shapeText(c[i].globalOffset), " and ", shapeText(c[j].globalOffset),
+                  " of ", shapeText(k.savedGlobalShape), " (two main replicas)");
   std::int64_t real = 0;
   for (const auto& ch : c) real += volume(ch.storedShape);
   TPSIM_CHECK(real == volume(k.globalShape), where, ": key '", k.key, "': expected chunks covering all ",
-              volume(k.globalShape), " elements of ", shapeStr(k.globalShape), ", got ", real,
+              volume(k.globalShape), " elements of ", shapeText(k.globalShape), ", got ", real,
               "; a chunk is missing (a rank that holds it did not contribute, or no replica of it is main)");
 }
 
@@ -212,7 +206,7 @@ Ints readShape(const json& j, const std::string& where, const char* field) {
   std::int64_t n = 1;
   for (std::int64_t d : s) {
     TPSIM_CHECK(d >= 0 && d < (std::int64_t(1) << 48) && (d == 0 || n <= (std::int64_t(1) << 48) / d), where, ": ",
-                field, ": expected non-negative dims of fewer than 2^48 elements, got ", shapeStr(s));
+                field, ": expected non-negative dims of fewer than 2^48 elements, got ", shapeText(s));
     n = d == 0 ? n : n * d;
   }
   return s;
@@ -235,7 +229,7 @@ std::string safetensorsBytes(const std::vector<SafetensorsEntry>& tensors,
   std::uint64_t at = 0;
   for (const auto& t : tensors) {
     TPSIM_INTERNAL_ASSERT(std::int64_t(t.bytes.size()) == volume(t.shape) * std::int64_t(dtypeSize(t.dtype)),
-                          t.name, ": ", t.bytes.size(), " bytes for ", shapeStr(t.shape));
+                          t.name, ": ", t.bytes.size(), " bytes for ", shapeText(t.shape));
     TPSIM_CHECK(!header.contains(t.name), "writeSafetensors: tensor names must be unique, got '", t.name, "' twice");
     header[t.name] = {{"dtype", safetensorsDtype(t.dtype)}, {"shape", t.shape}, {"data_offsets", {at, at + t.bytes.size()}}};
     at += t.bytes.size();
@@ -309,8 +303,8 @@ void CheckpointWriter::add(int rank, const ShardedStateDict& stateDict, Compute&
     const std::string where = detail::concat("checkpoint save: key '", t.key, "' of rank ", rank);
     TPSIM_CHECK(c.localShape.size() == t.globalShape.size() && c.globalOffset.size() == t.globalShape.size() &&
                     !t.globalShape.empty(),
-                where, ": expected local shape, offset and global shape of one rank >= 1, got ", shapeStr(c.localShape),
-                ", ", shapeStr(c.globalOffset), ", ", shapeStr(t.globalShape));
+                where, ": expected local shape, offset and global shape of one rank >= 1, got ", shapeText(c.localShape),
+                ", ", shapeText(c.globalOffset), ", ", shapeText(t.globalShape));
     const Box real = logicalBox(c.globalOffset, c.localShape, rowMap(t.globalShape, p, t.gtpPadding, where), where);
     c.storedShape = c.localShape;
     c.storedShape[p] = real.shape[p];
@@ -335,7 +329,7 @@ void CheckpointWriter::add(int rank, const ShardedStateDict& stateDict, Compute&
   for (auto& [o, r] : objects) {
     CheckpointObject& rec = objects_[o.key];
     TPSIM_CHECK(rec.key.empty() || rec.globalShape == o.globalShape, "checkpoint save: key '", o.key,
-                "': expected one grid ", shapeStr(rec.globalShape), " for every rank, got ", shapeStr(o.globalShape),
+                "': expected one grid ", shapeText(rec.globalShape), " for every rank, got ", shapeText(o.globalShape),
                 " from rank ", r);
     rec.key = o.key;
     rec.globalShape = o.globalShape;
@@ -369,7 +363,7 @@ void CheckpointWriter::commit(const std::string& dir) const {
     }
     TPSIM_CHECK(k.dtype == h.dtype && k.savedGlobalShape == h.savedGlobalShape && k.globalShape == logical, where,
                 ": key '", h.key, "': expected every chunk of dtype ", dtypeName(k.dtype), " in global shape ",
-                shapeStr(k.savedGlobalShape), ", got ", dtypeName(h.dtype), " in ", shapeStr(h.savedGlobalShape),
+                shapeText(k.savedGlobalShape), ", got ", dtypeName(h.dtype), " in ", shapeText(h.savedGlobalShape),
                 " from rank ", h.chunk.writer);
     CheckpointChunk c = h.chunk;
     c.file = fileName(c.writer);
@@ -384,7 +378,7 @@ void CheckpointWriter::commit(const std::string& dir) const {
     const std::set<Ints> cells(o.offsets.begin(), o.offsets.end());
     TPSIM_CHECK(volume(o.globalShape) == std::int64_t(o.offsets.size()) && cells.size() == o.offsets.size(), where,
                 ": key '", name, "': expected one main replica for each of the ", volume(o.globalShape),
-                " cells of the object grid ", shapeStr(o.globalShape), ", got ", o.offsets.size(), " for ",
+                " cells of the object grid ", shapeText(o.globalShape), ", got ", o.offsets.size(), " for ",
                 cells.size(), " distinct cells");
   }
 
@@ -501,7 +495,7 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
                     t.at("data_offsets").dump());
         TPSIM_CHECK(off[1] - off[0] == std::uint64_t(volume(shape)) * dtypeSize(*dtype), fw, ": tensor '", name,
                     "': expected ", volume(shape) * std::int64_t(dtypeSize(*dtype)), " bytes for ", dt, " ",
-                    shapeStr(shape), ", got ", off[1] - off[0]);
+                    shapeText(shape), ", got ", off[1] - off[0]);
         ranges.push_back({off[0], off[1]});
         headers[file][name] = {*dtype, shape};
         dataBegin_[{file, name}] = std::size_t(8 + n + off[0]);
@@ -534,8 +528,8 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
         k.placement = p.at("text").get<std::string>();
       }
       TPSIM_CHECK(!k.globalShape.empty() && k.globalShape.size() == k.savedGlobalShape.size(), where, ": key '", name,
-                  "': expected global shapes of one rank >= 1, got ", shapeStr(k.globalShape), " and ",
-                  shapeStr(k.savedGlobalShape));
+                  "': expected global shapes of one rank >= 1, got ", shapeText(k.globalShape), " and ",
+                  shapeText(k.savedGlobalShape));
       for (const auto& cj : t.at("chunks")) {
         CheckpointChunk c;
         c.file = cj.at("file").get<std::string>();
@@ -560,20 +554,20 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
                     cw, ": expected offsets and shapes of rank ", r, " and a padded axis below it");
         for (std::size_t i = 0; i < r; ++i)
           TPSIM_CHECK(c.globalOffset[i] + c.localShape[i] <= k.savedGlobalShape[i], cw, ": expected the chunk ",
-                      shapeStr(c.localShape), " at ", shapeStr(c.globalOffset), " inside ", shapeStr(k.savedGlobalShape));
+                      shapeText(c.localShape), " at ", shapeText(c.globalOffset), " inside ", shapeText(k.savedGlobalShape));
         const RowMap m = rowMap(k.savedGlobalShape, c.paddedAxis, c.gtpPadding, cw);
         TPSIM_CHECK(logicalShape(k.savedGlobalShape, m) == k.globalShape, cw, ": expected its padding to leave ",
-                    shapeStr(k.globalShape), ", got ", shapeStr(logicalShape(k.savedGlobalShape, m)));
+                    shapeText(k.globalShape), ", got ", shapeText(logicalShape(k.savedGlobalShape, m)));
         TPSIM_CHECK(logicalBox(c.globalOffset, c.localShape, m, cw).shape == c.storedShape, cw,
-                    ": expected stored shape ", shapeStr(logicalBox(c.globalOffset, c.localShape, m, cw).shape),
-                    " (its real rows), got ", shapeStr(c.storedShape));
+                    ": expected stored shape ", shapeText(logicalBox(c.globalOffset, c.localShape, m, cw).shape),
+                    " (its real rows), got ", shapeText(c.storedShape));
         const auto h = headers.find(c.file);
         TPSIM_CHECK(h != headers.end(), cw, ": expected ", c.file, " among the index's files, got no such entry");
         const auto ht = h->second.find(c.tensor);
         TPSIM_CHECK(ht != h->second.end(), cw, ": expected tensor '", c.tensor, "' in ", c.file, ", got none");
         TPSIM_CHECK(ht->second.first == k.dtype && ht->second.second == c.storedShape, cw, ": expected ",
-                    safetensorsDtype(k.dtype), " ", shapeStr(c.storedShape), " (the index's), got ",
-                    safetensorsDtype(ht->second.first), " ", shapeStr(ht->second.second), " in the file");
+                    safetensorsDtype(k.dtype), " ", shapeText(c.storedShape), " (the index's), got ",
+                    safetensorsDtype(ht->second.first), " ", shapeText(ht->second.second), " in the file");
         TPSIM_CHECK(used.insert({c.file, c.tensor}).second, cw, ": expected each stored tensor used once, got it twice");
         c.checksum = readHex64(cj, cw, "fnv1a64");
         const std::size_t bytes = std::size_t(volume(c.storedShape)) * dtypeSize(k.dtype);
@@ -619,16 +613,16 @@ void CheckpointReader::load(const ShardedTensor& target, View dst, Compute& comp
   Ints local(std::size_t(p), 1);
   local.insert(local.end(), target.localShape.begin(), target.localShape.end());
   TPSIM_CHECK(local.size() == target.globalShape.size() && target.globalOffset.size() == local.size(), where,
-              ": expected the target's local shape, offset and global shape of one rank, got ", shapeStr(local), ", ",
-              shapeStr(target.globalOffset), ", ", shapeStr(target.globalShape));
+              ": expected the target's local shape, offset and global shape of one rank, got ", shapeText(local), ", ",
+              shapeText(target.globalOffset), ", ", shapeText(target.globalShape));
   const RowMap m = rowMap(target.globalShape, p, target.gtpPadding, where);
   const Ints logical = logicalShape(target.globalShape, m);
-  TPSIM_CHECK(logical == k.globalShape, where, ": expected global shape ", shapeStr(logical),
-              " (this topology's, pad rows left out), got ", shapeStr(k.globalShape), " in the checkpoint");
+  TPSIM_CHECK(logical == k.globalShape, where, ": expected global shape ", shapeText(logical),
+              " (this topology's, pad rows left out), got ", shapeText(k.globalShape), " in the checkpoint");
   TPSIM_CHECK(target.dtype == k.dtype || (isFloating(target.dtype) && isFloating(k.dtype)), where, ": expected dtype ",
               dtypeName(target.dtype), " or a floating type to convert from, got ", dtypeName(k.dtype));
   TPSIM_CHECK(dst.dtype() == target.dtype && dst.numel() == volume(local), where, ": expected a destination of ",
-              dtypeName(target.dtype), " ", shapeStr(local), ", got ", dst.str());
+              dtypeName(target.dtype), " ", shapeText(local), ", got ", dst.str());
   const Box box = logicalBox(target.globalOffset, local, m, where);
   std::vector<char> host(std::size_t(volume(local)) * dtypeSize(target.dtype), 0);  // pad rows stay 0
   std::int64_t filled = 0;
@@ -648,7 +642,7 @@ void CheckpointReader::checkObject(const ShardedObject& target) const {
   const auto it = objects_.find(target.key);
   TPSIM_CHECK(it != objects_.end(), "checkpoint ", indexPath_, ": expected object '", target.key, "', got none");
   TPSIM_CHECK(it->second.globalShape == target.globalShape, "checkpoint ", indexPath_, ": object '", target.key,
-              "': expected grid ", shapeStr(target.globalShape), ", got ", shapeStr(it->second.globalShape));
+              "': expected grid ", shapeText(target.globalShape), ", got ", shapeText(it->second.globalShape));
 }
 
 std::vector<char> CheckpointReader::consolidated(const std::string& name) const {

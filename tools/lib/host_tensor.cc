@@ -42,15 +42,9 @@ double roundValue(DType dtype, double v) {
 
 std::int64_t HostTensor::numel() const { return product(shape, 0, shape.size()); }
 
-std::string HostTensor::shapeStr() const {
-  std::string s = "(";
-  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + (shape.size() == 1 ? ",)" : ")");
-}
-
 HostTensor makeHost(std::vector<std::int64_t> shape, DType dtype, std::vector<double> values) {
   HostTensor t{std::move(shape), dtype, std::move(values)};
-  TPSIM_INTERNAL_ASSERT(std::int64_t(t.values.size()) == t.numel(), "values do not fill ", t.shapeStr());
+  TPSIM_INTERNAL_ASSERT(std::int64_t(t.values.size()) == t.numel(), "values do not fill ", shapeText(t.shape));
   for (double& v : t.values) v = roundValue(dtype, v);
   return t;
 }
@@ -136,7 +130,7 @@ void forEachRun(const Block& b, const std::vector<std::int64_t>& globalStrides,
 
 HostTensor shardOf(const TensorPlacement& p, const HostTensor& full, int t, int g) {
   TPSIM_INTERNAL_ASSERT(full.shape == p.shape, p.name, ": placement of ", shapeText(p.shape), " for a tensor ",
-                        full.shapeStr());
+                        shapeText(full.shape));
   HostTensor out{localShape(p, t, g), full.dtype, {}};
   out.values.assign(std::size_t(out.numel()), 0.0);
   const auto gs = rowMajorStrides(full.shape), ls = rowMajorStrides(out.shape);
@@ -158,7 +152,7 @@ HostTensor assemble(const TensorPlacement& p, const std::function<const HostTens
       const bool add = (p.tp.kind == AxisKind::kPartial && t > 0) || (p.gtp.kind == AxisKind::kPartial && g > 0);
       const HostTensor& mine = local(t, g);
       TPSIM_INTERNAL_ASSERT(mine.shape == localShape(p, t, g), p.name, " of rank (t=", t, ", g=", g, "): expected ",
-                            shapeText(localShape(p, t, g)), ", got ", mine.shapeStr());
+                            shapeText(localShape(p, t, g)), ", got ", shapeText(mine.shape));
       const auto ls = rowMajorStrides(mine.shape);
       for (const Block& b : blocksOf(p, t, g))
         if (!b.pad)

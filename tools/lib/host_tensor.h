@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -20,8 +21,13 @@ struct HostTensor {
   std::vector<double> values;
 
   std::int64_t numel() const;
-  std::string shapeStr() const;  // "(8, 2, 16)"
 };
+
+// name -> tensor, named as a run's files name them: inputs (input, weight, bias, grad_output; the
+// MLP's fc1.weight, ...) and results (output, input.grad, weight.grad, ...), each unsharded.
+using TensorMap = std::map<std::string, HostTensor>;
+// name -> shape of such tensors, where only their sizes matter.
+using ShapeMap = std::map<std::string, std::vector<std::int64_t>>;
 
 // a · b for sizes derived from flags or file headers. Throws InvalidArgument naming `what` (the
 // flags or file they come from) when either is negative or the product does not fit in int64.

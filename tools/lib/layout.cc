@@ -2,51 +2,16 @@
 
 #include <algorithm>
 #include <map>
-#include <mutex>
 #include <set>
 
 #include "backends/errors.h"
-#include "core/gtp.h"
-#include "core/process_groups.h"
-#include "tools/lib/backend.h"
+#include "core/rank_grid.h"
+#include "tools/lib/runner.h"
 
 namespace tpsim::tools {
 namespace {
 
 constexpr int kMaxTextCols = 64, kMaxTextRows = 32;
-
-// The shape checks of `tpsim run` on generated data (checkInputs), named by flag.
-void checkShapes(const RunConfig& c) {
-  const int T = c.tp, G = c.gtpRemat;
-  auto divisible = [](const std::string& what, std::int64_t v, std::int64_t by, const std::string& why) {
-    TPSIM_CHECK(v % by == 0, what, " = ", v, " must be divisible by ", why, " = ", by);
-  };
-  auto gtpSplits = [&](const std::string& what, std::int64_t dim0) {
-    if (G > 1 && c.padForAlignment == 0) divisible(what, dim0, G, "--gtp-remat (with --pad-for-alignment 0)");
-  };
-  const bool sequenceSplit = c.layer == LayerKind::kEmbedding ? c.reduceScatterEmbeddings : c.sequenceParallel;
-  if (sequenceSplit) divisible("--seq", c.seq, T, "--tp");
-  divisible("--batch", c.batch, G, "--gtp-remat");
-  switch (c.layer) {
-    case LayerKind::kEmbedding:
-      divisible("--vocab", c.vocab, T, "--tp");
-      gtpSplits("--vocab / --tp", c.vocab / T);
-      break;
-    case LayerKind::kMlp:
-      divisible("--ffn-hidden", c.ffnHidden, T, "--tp");
-      gtpSplits("--ffn-hidden / --tp", c.ffnHidden / T);
-      gtpSplits("--in-features (fc2's rows)", c.inFeatures);
-      break;
-    case LayerKind::kColumn:
-      divisible("--out-features", c.outFeatures, std::int64_t(T) * c.stride, "--tp x --stride");
-      gtpSplits("--out-features / --tp", c.outFeatures / T);
-      break;
-    case LayerKind::kRow:
-      divisible("--in-features", c.inFeatures, std::int64_t(T) * c.stride, "--tp x --stride");
-      gtpSplits("--out-features", c.outFeatures);
-      break;
-  }
-}
 
 // A block drawn in two dims: rows are dim 0, columns the later dims flattened (a 1-D tensor is one
 // column), all in layout coordinates.
@@ -130,7 +95,9 @@ std::vector<std::int64_t> boundaries(const std::vector<Rect>& rects, std::int64_
   return {s.begin(), s.end()};
 }
 
-std::string rankLabel(int t, int g, int T) { return detail::concat("r", t + T * g, " (t=", t, ", g=", g, ")"); }
+std::string rankLabel(const LayerGrid& grid, int t, int g) {
+  return detail::concat("r", grid.rank(t, g), " (t=", t, ", g=", g, ")");
+}
 
 std::string roleName(TensorRole r) {
   switch (r) {
@@ -157,10 +124,11 @@ std::set<std::string> parameterNames(const std::vector<TensorPlacement>& ps) {
 
 // The per-rank lines under a drawing.
 std::vector<std::string> rankLines(const TensorPlacement& p, bool paramLike) {
+  const LayerGrid grid(p.tp.size, p.gtp.size);
   std::vector<std::string> out;
   for (int g = 0; g < p.gtp.size; ++g)
     for (int t = 0; t < p.tp.size; ++t) {
-      std::string s = detail::concat(rankLabel(t, g, p.tp.size), " ", shapeText(localShape(p, t, g)), ": ",
+      std::string s = detail::concat(rankLabel(grid, t, g), " ", shapeText(localShape(p, t, g)), ": ",
                                      holdsText(p, t, g));
       if (paramLike)
         s += detail::concat("; gtp_local_pad_zero_count ", padZeroCount(p, t, g), "; duplicate filters: ",
@@ -181,7 +149,7 @@ std::string drawText(const TensorPlacement& p, bool colour, const std::set<std::
   const std::vector<Rect> rects = rectsOf(p);
   const auto rb = boundaries(rects, R, true), cb = boundaries(rects, C, false);
   const auto rp = scaled(rb, kMaxTextRows, 1), cp = scaled(cb, kMaxTextCols, 1);
-  const int T = p.tp.size;
+  const LayerGrid grid(p.tp.size, p.gtp.size);
   std::string out = detail::concat(p.name, " ", shapeText(p.shape), " ", roleName(p.role), ": ", placementText(p), "\n");
   if (p.layoutShape() != p.shape)
     out += detail::concat("  drawn with its pad rows: ", shapeText(p.layoutShape()),
@@ -216,7 +184,7 @@ std::string drawText(const TensorPlacement& p, bool colour, const std::set<std::
       std::vector<int> holders;
       bool pad = false;
       for (const Holder& x : holdersOf(p, indexAt(p, r, c))) {
-        holders.push_back(x.t + T * x.g);
+        holders.push_back(grid.rank(x.t, x.g));
         pad = pad || x.pad;
       }
       char ch = '?';
@@ -262,53 +230,17 @@ std::string xmlEscape(const std::string& s) {
   return out;
 }
 
-std::string configLine(const RunConfig& c) {
-  std::string s = detail::concat("layer=", layerName(c.layer), " tp=", c.tp, " gtp-remat=", c.gtpRemat);
-  if (c.gtpRemat > 1) s += detail::concat(" pad-for-alignment=", c.padForAlignment);
-  if (c.sequenceParallel) s += " sequence-parallel";
-  if (c.bias) s += " bias";
-  if (c.gatherOutput) s += " gather-output";
-  if (c.inputIsParallel) s += " input-is-parallel";
-  if (c.reduceScatterEmbeddings) s += " reduce-scatter-embeddings";
-  if (c.disableGradReduce) s += " disable-grad-reduce";
-  if (c.stride > 1) s += detail::concat(" stride=", c.stride);
-  for (const auto& [flag, value] : shapeFlags(c)) s += detail::concat(" ", flag, "=", value);
-  return s;
-}
-
 }  // namespace
 
 std::vector<TensorPlacement> layoutPlacements(const RunConfig& c) {
   c.validate();
-  checkShapes(c);
-  const int T = c.tp, G = c.gtpRemat;
-  ParallelSizes sizes;
-  sizes.world = T * G;
-  sizes.tp = T;
-  sizes.gtpRemat = G;
-  const ParallelLayout layout(sizes);
-  WorldOptions wo;
-  wo.size = sizes.world;
-  std::mutex mu;
-  std::vector<TensorPlacement> out;
-  makeWorld("sim", wo)->run([&](RankContext& ctx) {
-    ProcessGroups pg(ctx.comm, layout);
-    ModelParallelConfig mp = layerConfig(c);
-    mp.paramsDtype = DType::kBFloat16;  // only the shapes and attributes are read: the smallest weights
-    GtpGradReducer reducer(ctx.compute, GtpReduceOptions::fromConfig(mp, false));
-    const LayerContext lc{ctx.compute, pg.tp(), nullptr, nullptr, &pg.gtpRemat(), &pg.dpCp(), &reducer};
-    std::vector<TensorPlacement> ps = buildLayers(lc, mp, c).placements(c.seq, c.batch);
-    if (ctx.comm.rank() == 0) {
-      std::lock_guard<std::mutex> lock(mu);
-      out = std::move(ps);
-    }
-  });
-  return out;
+  checkSizes(c, SizeSource::kFlags);
+  return placementsOf(c);
 }
 
 std::string layoutText(const RunConfig& c, const std::vector<TensorPlacement>& ps, bool colour) {
-  std::string out = detail::concat("# tpsim layout: ", configLine(c), "\n");
-  out += detail::concat("# ", c.tp * c.gtpRemat, " ranks; rank r = t + T*g holds TP rank t, GTP_remat rank g\n");
+  std::string out = detail::concat("# tpsim layout: ", layoutLine(c), "\n");
+  out += detail::concat("# ", LayerGrid(c.tp, c.gtpRemat).size(), " ranks; rank r = t + T*g holds TP rank t, GTP_remat rank g\n");
   const std::set<std::string> params = parameterNames(ps);
   for (const auto& p : ps) out += "\n" + drawText(p, colour, params);
   return out;
@@ -317,20 +249,20 @@ std::string layoutText(const RunConfig& c, const std::vector<TensorPlacement>& p
 std::string layoutSvg(const RunConfig& c, const std::vector<TensorPlacement>& ps) {
   constexpr int kWidth = 1180, kLeft = 60, kBoxW = 520, kBoxH = 280, kLine = 15;
   const std::set<std::string> params = parameterNames(ps);
-  const int T = c.tp, G = c.gtpRemat;
+  const LayerGrid grid(c.tp, c.gtpRemat);
   std::string body;
   int y = 20;
-  body += detail::concat("<text x=\"10\" y=\"", y, "\" class=\"title\">tpsim layout: ", xmlEscape(configLine(c)),
+  body += detail::concat("<text x=\"10\" y=\"", y, "\" class=\"title\">tpsim layout: ", xmlEscape(layoutLine(c)),
                          "</text>\n");
   y += 22;
   // Legend: a swatch per rank, the hatching, the stripes of copies.
-  for (int r = 0; r < T * G; ++r) {
+  for (int r = 0; r < grid.size(); ++r) {
     const int x = 10 + (r % 8) * 120, row = y + (r / 8) * 20;
     body += detail::concat("<rect x=\"", x, "\" y=\"", row - 11, "\" width=\"14\" height=\"14\" fill=\"",
                            kSvgPalette[r % 16], "\"/><text x=\"", x + 18, "\" y=\"", row, "\">",
-                           xmlEscape(rankLabel(r % T, r / T, T)), "</text>\n");
+                           xmlEscape(rankLabel(grid, grid.t(r), grid.g(r))), "</text>\n");
   }
-  y += ((T * G + 7) / 8) * 20;
+  y += ((grid.size() + 7) / 8) * 20;
   body += detail::concat("<rect x=\"10\" y=\"", y - 11, "\" width=\"14\" height=\"14\" fill=\"#bbbbbb\"/>",
                          "<rect x=\"10\" y=\"", y - 11, "\" width=\"14\" height=\"14\" fill=\"url(#hatch)\"/>",
                          "<text x=\"28\" y=\"", y, "\">GTP_remat pad rows (zeros)</text>",
@@ -384,19 +316,19 @@ std::string layoutSvg(const RunConfig& c, const std::vector<TensorPlacement>& ps
       const double stripe = (x1 - x0) / double(holders.size());
       for (std::size_t i = 0; i < holders.size(); ++i) {
         const Rect& r = *holders[i];
-        const int rank = r.t + T * r.g;
+        const int rank = grid.rank(r.t, r.g);
         const std::string geometry = detail::concat("x=\"", x0 + stripe * double(i), "\" y=\"", y0, "\" width=\"",
                                                     stripe, "\" height=\"", y1 - y0, "\"");
         body += detail::concat("<rect class=\"block\" ", geometry, " fill=\"", kSvgPalette[rank % 16],
                                "\" data-rank=\"", rank, "\" data-t=\"", r.t, "\" data-g=\"", r.g, "\" data-pad=\"",
                                r.pad ? 1 : 0, "\" data-rows=\"", r0, " ", r1, "\" data-cols=\"", c0, " ", c1,
-                               "\"><title>", xmlEscape(rankLabel(r.t, r.g, T)), r.pad ? " pad rows" : "",
+                               "\"><title>", xmlEscape(rankLabel(grid, r.t, r.g)), r.pad ? " pad rows" : "",
                                "</title></rect>\n");
         if (r.pad) body += "<rect class=\"hatch\" " + geometry + " fill=\"url(#hatch)\"/>\n";
       }
       if (holders.size() == 1 && x1 - x0 >= 24 && y1 - y0 >= 12)
         body += detail::concat("<text x=\"", (x0 + x1) / 2, "\" y=\"", (y0 + y1) / 2 + 4,
-                               "\" class=\"lbl\" text-anchor=\"middle\">r", holders[0]->t + T * holders[0]->g,
+                               "\" class=\"lbl\" text-anchor=\"middle\">r", grid.rank(holders[0]->t, holders[0]->g),
                                "</text>\n");
     }
     body += detail::concat("<rect x=\"", kLeft, "\" y=\"", top, "\" width=\"", w, "\" height=\"", h,

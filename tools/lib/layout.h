@@ -11,13 +11,12 @@
 #include <vector>
 
 #include "core/placement.h"
-#include "tools/lib/runner.h"
+#include "tools/lib/run_config.h"
 
 namespace tpsim::tools {
 
-// The placements of config's layer as the layers built on T x G simulated ranks describe themselves
-// (rank (0, 0)'s view; the description is the same on every rank). Checks config's shapes first,
-// throwing InvalidArgument naming the flag.
+// placementsOf(config) (tools/lib/runner.h), after checking config and its sizes (checkSizes), with
+// messages naming the flags.
 std::vector<TensorPlacement> layoutPlacements(const RunConfig& config);
 
 // The text drawing of every tensor; `colour` adds ANSI escapes.

@@ -34,11 +34,12 @@ std::optional<double> readNumber(const std::string& file) {
 //   run:    8(X + Y)  the inputs, the per-rank results as doubles, their reassembly
 //         + T(2X + Y) each rank's own copy of the full input and output gradient, and of x
 //         + (8 + 4(G - 1))W  shards, backend copies, gradients, main_grad, GTP_remat gathers
-//         + 2H        the MLP's per-rank intermediates (H, GeLU(H), dA, dH in fp32)
-//   verify: 4W + 8B   the reference's |W| copies and products, the MLP's (tokens, F) matrices,
-//                     which it holds for a block of F at a time: B = min(H, max(2^21, 256 tokens))
-//                     (tools/lib/reference.h); freed run memory that malloc keeps is why it adds to
-//                     the run, not maxes.
+//         + S         the kind's per-rank intermediates (LayerKind::stepIntermediates: the MLP's
+//                     H, GeLU(H), dA, dH in fp32, 2H)
+//   verify: 4W + R    the reference's |W| copies and products, and what the kind's reference holds
+//                     at once (LayerKind::referenceIntermediates: the MLP's (tokens, F) matrices,
+//                     for a block of F at a time, 8·min(H, max(2^21, 256 tokens))); freed run memory
+//                     that malloc keeps is why it adds to the run, not maxes.
 // Estimate / peak RSS measured with /usr/bin/time -v (Release, 2-core VM), 26 runs: 1.17-1.62.
 // column (s=256, b=4, K=N=1024) T=1 1.46, T=4 1.47 (--verify none 1.34), T=8 SP bias 1.50,
 // T=4 G=2 1.49, --disable-grad-reduce 1.46; (s=16, b=2, K=2048, N=4096) T=2 1.56 (none 1.17);
@@ -52,22 +53,12 @@ std::optional<double> readNumber(const std::string& file) {
 double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode verify) {
   const double T = c.tp, G = c.gtpRemat;
   const double x = numel(shapes, "input"), y = numel(shapes, "grad_output");
-  double w = 0, h = 0, hBlock = 0;
-  for (const char* name : {"weight", "bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"})
-    w += numel(shapes, name);
-  if (c.layer == LayerKind::kMlp) {
-    auto in = shapes.find("input");
-    auto fc1 = shapes.find("fc1.weight");
-    if (in != shapes.end() && fc1 != shapes.end() && !in->second.empty() && in->second.back() > 0 &&
-        !fc1->second.empty()) {
-      const double tokens = x / double(in->second.back());
-      h = tokens * double(fc1->second[0]);
-      hBlock = std::min(h, std::max(double(ReferenceOptions().mlpBlockElements), 256 * tokens));
-    }
-  }
-  double doubles = 8 * (x + y) + T * (2 * x + y) + (8 + 4 * (G - 1)) * w + 2 * h;
+  double w = 0;
+  for (const TensorSpec& t : c.layer->tensors(c))
+    if (t.role == TensorRole::kParameter) w += numel(shapes, t.name);
+  double doubles = 8 * (x + y) + T * (2 * x + y) + (8 + 4 * (G - 1)) * w + c.layer->stepIntermediates(c, shapes);
   if (c.disableGradReduce) doubles += 3 * T * x;  // input.grad is (T, s, b, K): results and reference
-  if (verify != VerifyMode::kNone) doubles += 4 * w + 8 * hBlock;
+  if (verify != VerifyMode::kNone) doubles += 4 * w + c.layer->referenceIntermediates(c, shapes);
   const double base = 16.0 * (1 << 20) + 256.0 * 1024 * T * G;  // the program, threads, fiber stacks
   return base + 8 * doubles;
 }
@@ -119,26 +110,14 @@ void checkMemory(const RunConfig& c, const ShapeMap& shapes, VerifyMode verify, 
   std::string from = "--tp " + std::to_string(c.tp);
   if (c.gtpRemat > 1) from += " --gtp-remat " + std::to_string(c.gtpRemat);
   if (loadDir.empty()) {
-    from += " --seq " + std::to_string(c.seq) + " --batch " + std::to_string(c.batch);
-    switch (c.layer) {
-      case LayerKind::kColumn:
-      case LayerKind::kRow:
-        from += " --in-features " + std::to_string(c.inFeatures) + " --out-features " + std::to_string(c.outFeatures);
-        break;
-      case LayerKind::kEmbedding:
-        from += " --out-features " + std::to_string(c.outFeatures) + " --vocab " + std::to_string(c.vocab);
-        break;
-      case LayerKind::kMlp:
-        from += " --in-features " + std::to_string(c.inFeatures) + " --ffn-hidden " + std::to_string(c.ffnHidden);
-        break;
-    }
+    for (const auto& [flag, value] : shapeFlags(c)) from += " --" + flag + " " + std::to_string(value);
   } else {
     from += ", the shapes of the --load files";
   }
   const char* verifyName = verify == VerifyMode::kBound ? "bound" : verify == VerifyMode::kExact ? "exact" : "none";
   throw InvalidArgument(detail::concat(
       "tpsim run: expected a run that fits in memory, got an estimated peak of ", bytesText(need), " for --layer ",
-      layerName(c.layer), " ", from, " and --verify ", verifyName, ", more than ", limit,
+      c.layer->name(), " ", from, " and --verify ", verifyName, ", more than ", limit,
       "; use smaller sizes or fewer ranks", verify == VerifyMode::kNone ? "" : ", or --verify none"));
 }
 

@@ -12,6 +12,7 @@
 #include <optional>
 #include <system_error>
 
+#include "backends/dims.h"
 #include "backends/errors.h"
 
 namespace tpsim::tools {
@@ -267,12 +268,6 @@ std::size_t headerPadding(std::size_t dictSize, std::size_t lengthFieldSize) {
 
 }  // namespace
 
-std::string shapeString(const std::vector<std::int64_t>& shape) {
-  std::string s = "(";
-  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + (shape.size() == 1 ? ",)" : ")");
-}
-
 namespace {
 
 // An open .npy file positioned at its data, whose header and size have been checked.
@@ -332,9 +327,9 @@ OpenNpy openNpy(const std::string& path, const std::string& where) {
   const std::optional<std::uint64_t> bytes = byteCount(header.shape, dtypeSize(header.dtype));
   const std::uint64_t found = fileSize - dataOffset;
   TPSIM_CHECK(bytes, where, ": expected a shape of at most 2^63 bytes, got ",
-              shapeString(header.shape), " of ", header.descr, " with ", found, " bytes of data");
+              shapeText(header.shape), " of ", header.descr, " with ", found, " bytes of data");
   TPSIM_CHECK(*bytes == found, where, ": expected ", *bytes, " bytes of data for shape ",
-              shapeString(header.shape), " of ", header.descr, ", found ", found,
+              shapeText(header.shape), " of ", header.descr, ", found ", found,
               found < *bytes ? std::string("; the file is truncated")
                              : "; the file has " + std::to_string(found - *bytes) +
                                    " trailing bytes after the array; write one array per file "
@@ -370,17 +365,17 @@ std::string npyHeader(const std::string& where, DType dtype, const std::vector<s
   TPSIM_CHECK(type, where, ": dtype must be one of fp32, fp16, fp64, int64, got ", dtypeName(dtype),
               "; NumPy has no bfloat16 or fp8 type, widen to fp32 first");
   for (std::int64_t d : shape)
-    TPSIM_CHECK(d >= 0, where, ": shape must be non-negative, got ", shapeString(shape));
+    TPSIM_CHECK(d >= 0, where, ": shape must be non-negative, got ", shapeText(shape));
   const std::optional<std::uint64_t> count = byteCount(shape, dtypeSize(dtype));
-  TPSIM_CHECK(count, where, ": expected a shape of at most 2^63 bytes, got ", shapeString(shape),
+  TPSIM_CHECK(count, where, ": expected a shape of at most 2^63 bytes, got ", shapeText(shape),
               " of ", dtypeName(dtype));
-  TPSIM_CHECK(data || *count == 0, where, ": data must not be null for shape ", shapeString(shape),
+  TPSIM_CHECK(data || *count == 0, where, ": data must not be null for shape ", shapeText(shape),
               ", got nullptr");
   bytes = *count;
 
   // Keys sorted, each value's repr followed by ", " -- the exact text numpy.save writes.
   std::string dict = std::string("{'descr': '<") + type->code +
-                     "', 'fortran_order': False, 'shape': " + shapeString(shape) + ", }";
+                     "', 'fortran_order': False, 'shape': " + shapeText(shape) + ", }";
   if (!shape.empty()) dict.append(kGrowthAxisMaxDigits - std::to_string(shape[0]).size(), ' ');
   std::size_t lengthFieldSize = 2;
   std::size_t padding = headerPadding(dict.size(), lengthFieldSize);

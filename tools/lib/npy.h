@@ -39,7 +39,5 @@ void writeNpy(const std::string& path, DType dtype, const std::vector<std::int64
 void writeNpy(std::FILE* file, const std::string& where, DType dtype, const std::vector<std::int64_t>& shape,
               const void* data);
 
-// The repr of a NumPy shape tuple: "(2, 3)", "(5,)", "()".
-std::string shapeString(const std::vector<std::int64_t>& shape);
 
 }  // namespace tpsim::tools

@@ -15,6 +15,7 @@
 #include "backends/errors.h"
 #include "sim/host_pool.h"
 #include "sim/sgemm.h"
+#include "tools/lib/layer_kind.h"
 
 namespace tpsim::tools {
 namespace {
@@ -311,13 +312,13 @@ Checked checked(double uAcc, std::vector<std::int64_t> shape, DType dtype, Mat v
   return {HostTensor{std::move(shape), dtype, std::move(value.v)}, std::move(magnitude.v)};
 }
 
-// The rows (or columns) of a dim of `total` that TP rank t owns: chunks t, t + T, ... of
-// total/(T·stride), in order (SPEC 3.11).
-std::vector<std::int64_t> ownedIndices(std::int64_t total, int tp, int stride, int t) {
-  const std::int64_t chunk = total / (std::int64_t(tp) * stride);
+// The indices along `weight`'s TP dim that TP rank t holds, in the rank's order: the layer's own
+// placement decides (stride chunks included), not this file.
+std::vector<std::int64_t> ownedIndices(const TensorPlacement& weight, int t) {
   std::vector<std::int64_t> owned;
-  for (int j = 0; j < stride; ++j)
-    for (std::int64_t i = 0; i < chunk; ++i) owned.push_back((t + std::int64_t(j) * tp) * chunk + i);
+  for (const Block& b : blocksOf(withoutGtp(weight), t, 0))
+    for (std::int64_t i = b.global[std::size_t(weight.tp.dim)].begin; i < b.global[std::size_t(weight.tp.dim)].end; ++i)
+      owned.push_back(i);
   return owned;
 }
 
@@ -383,10 +384,10 @@ void fakeQuantize(std::vector<double>& m, std::int64_t rows, std::int64_t cols, 
 
 // The weight a linear's GEMM multiplies by for `axis` (1: fprop, 0: dgrad): w itself, or its MXFP8
 // copy, made in `quantized`.
-const HostTensor& gemmOperand(const ReferenceOptions& o, const HostTensor& w, int axis, int splitDim,
+const HostTensor& gemmOperand(const ReferenceOptions& o, const HostTensor& w, const std::string& name, int axis,
                               HostTensor& quantized) {
   if (o.weightFormat == WeightFormat::kNative) return w;
-  quantized = mxfp8Weight(w, axis, splitDim, o.tp, o.stride, o.computeDtype);
+  quantized = mxfp8Weight(w, placementNamed(o.placements, name), axis, o.computeDtype);
   return quantized;
 }
 
@@ -419,13 +420,14 @@ void linearLayer(const ReferenceOptions& o, const HostTensor& x, const HostTenso
 
 // A column layer's input gradient under disable_grad_reduce: for each TP rank t, dY over its
 // output rows times those rows of W, one GEMM rounded once, stacked (T, …, K).
-Checked partialDgrads(const ReferenceOptions& o, const HostTensor& x, const HostTensor& wDgrad, const HostTensor& dy) {
+Checked partialDgrads(const ReferenceOptions& o, const HostTensor& x, const HostTensor& wDgrad, const HostTensor& dy,
+                      const TensorPlacement& weight) {
   const MatrixView W = viewOf(wDgrad), dY = viewOf(dy);
   std::vector<std::int64_t> shape = x.shape;
   shape.insert(shape.begin(), o.tp);
   Checked all{HostTensor{shape, o.computeDtype, {}}, {}};
   for (int t = 0; t < o.tp; ++t) {
-    const std::vector<std::int64_t> rows = ownedIndices(W.rows(), o.tp, o.stride, t);
+    const std::vector<std::int64_t> rows = ownedIndices(weight, t);
     const Eigen::Map<const Eigen::Array<std::int64_t, Eigen::Dynamic, 1>> owned(rows.data(), std::int64_t(rows.size()));
     const Mat dYt = evaluate(dY(Eigen::all, owned)), Wt = evaluate(W(owned, Eigen::all));
     const std::int64_t n = std::int64_t(rows.size());
@@ -439,15 +441,13 @@ Checked partialDgrads(const ReferenceOptions& o, const HostTensor& x, const Host
 
 }  // namespace
 
-// The dense results and their relative bounds; denseReference adds the underflow allowance.
-static std::map<std::string, Checked> denseValues(const ReferenceOptions& o, const TensorMap& in);
-
 double gelu(double x) { return x * normalCdf(x); }
 
 double geluGrad(double x) { return normalCdf(x) + x * normalPdf(x); }
 
 std::map<std::string, Checked> denseReference(const ReferenceOptions& o, const TensorMap& in) {
-  std::map<std::string, Checked> out = denseValues(o, in);
+  TPSIM_INTERNAL_ASSERT(o.layer != nullptr, "denseReference: no layer kind");
+  std::map<std::string, Checked> out = o.layer->reference(o, in);
   const double underflow = underflowAllowance(o, in);
   // The GTP_remat reduce-scatter's roundings: each at most u(wire)·magnitude, and the bound holds at
   // least u(compute)·magnitude (its storage rounding), so they fit in a factor; plus their underflow.
@@ -461,170 +461,169 @@ std::map<std::string, Checked> denseReference(const ReferenceOptions& o, const T
   return out;
 }
 
-static std::map<std::string, Checked> denseValues(const ReferenceOptions& o, const TensorMap& in) {
+std::map<std::string, Checked> linearReference(const ReferenceOptions& o, const TensorMap& in) {
   std::map<std::string, Checked> out;
-  switch (o.kind) {
-    case LayerKind::kColumn:
-    case LayerKind::kRow: {
-      auto b = in.find("bias");
-      const HostTensor& w = need(in, "weight");
-      const int splitDim = o.kind == LayerKind::kColumn ? 0 : 1;
-      HostTensor fpropMxfp8, dgradMxfp8;
-      const HostTensor& wDgrad = gemmOperand(o, w, 0, splitDim, dgradMxfp8);
-      linearLayer(o, need(in, "input"), gemmOperand(o, w, 1, splitDim, fpropMxfp8), wDgrad,
-                  b == in.end() ? nullptr : &b->second, need(in, "grad_output"), "", out, 0);
-      if (o.disableGradReduce) out["input.grad"] = partialDgrads(o, need(in, "input"), wDgrad, need(in, "grad_output"));
-      break;
+  auto b = in.find("bias");
+  const HostTensor& w = need(in, "weight");
+  HostTensor fpropMxfp8, dgradMxfp8;
+  const HostTensor& wDgrad = gemmOperand(o, w, "weight", 0, dgradMxfp8);
+  linearLayer(o, need(in, "input"), gemmOperand(o, w, "weight", 1, fpropMxfp8), wDgrad,
+              b == in.end() ? nullptr : &b->second, need(in, "grad_output"), "", out, 0);
+  if (o.disableGradReduce)
+    out["input.grad"] = partialDgrads(o, need(in, "input"), wDgrad, need(in, "grad_output"),
+                                      placementNamed(o.placements, "weight"));
+  return out;
+}
+
+std::map<std::string, Checked> embeddingReference(const ReferenceOptions& o, const TensorMap& in) {
+  std::map<std::string, Checked> out;
+  const HostTensor& ids = need(in, "input");  // (b, s)
+  const Mat W = asMat(need(in, "weight"));
+  const std::int64_t h = W.cols;
+  HostTensor e{{ids.shape[0], ids.shape[1], h}, need(in, "weight").dtype, {}};
+  for (double id : ids.values)
+    e.values.insert(e.values.end(), W.v.begin() + std::int64_t(id) * h, W.v.begin() + (std::int64_t(id) + 1) * h);
+  if (o.reduceScatterEmbeddings) e = swap01(e);  // (s, b, h)
+  HostTensor dy = need(in, "grad_output");
+  if (o.reduceScatterEmbeddings) dy = swap01(dy);  // back to (b, s, h)
+  Mat dW{W.rows, h, std::vector<double>(W.v.size(), 0.0)}, adW = dW;
+  for (std::size_t i = 0; i < ids.values.size(); ++i)
+    for (std::int64_t j = 0; j < h; ++j) {
+      dW.v[std::int64_t(ids.values[i]) * h + j] += dy.values[i * h + j];
+      adW.v[std::int64_t(ids.values[i]) * h + j] += std::fabs(dy.values[i * h + j]);
     }
-    case LayerKind::kEmbedding: {
-      const HostTensor& ids = need(in, "input");  // (b, s)
-      const Mat W = asMat(need(in, "weight"));
-      const std::int64_t h = W.cols;
-      HostTensor e{{ids.shape[0], ids.shape[1], h}, need(in, "weight").dtype, {}};
-      for (double id : ids.values)
-        e.values.insert(e.values.end(), W.v.begin() + std::int64_t(id) * h, W.v.begin() + (std::int64_t(id) + 1) * h);
-      if (o.reduceScatterEmbeddings) e = swap01(e);  // (s, b, h)
-      HostTensor dy = need(in, "grad_output");
-      if (o.reduceScatterEmbeddings) dy = swap01(dy);  // back to (b, s, h)
-      Mat dW{W.rows, h, std::vector<double>(W.v.size(), 0.0)}, adW = dW;
-      for (std::size_t i = 0; i < ids.values.size(); ++i)
-        for (std::int64_t j = 0; j < h; ++j) {
-          dW.v[std::int64_t(ids.values[i]) * h + j] += dy.values[i * h + j];
-          adW.v[std::int64_t(ids.values[i]) * h + j] += std::fabs(dy.values[i * h + j]);
-        }
-      const Mat eMat = asMat(e);
-      out["output"] = checked(o.accumulationUnit, e.shape, e.dtype, eMat, absMat(eMat), 0, 1 + o.tp, e.dtype);
-      out["weight.grad"] = checked(o.accumulationUnit, need(in, "weight").shape, e.dtype, dW, adW,
-                                   std::int64_t(ids.values.size()), 1,
-                                   e.dtype);
-      break;
-    }
-    case LayerKind::kMlp: {
-      // fc1 (column) -> GeLU -> fc2 (row), each with its bias; SPEC's MLP block.
-      // fc1 is column-parallel, fc2 row-parallel (stride 1): each GEMM reads its own copy.
-      // A bound is rel · (the same computation on |values|) plus the error that a rounded
-      // intermediate (GeLU(H), dH) carries through the products after it. Both terms are products
-      // with the same non-negative right operand: each bound is one product of the summed left ones.
-      const HostTensor &x = need(in, "input"), &dy = need(in, "grad_output");
-      const HostTensor &w1 = need(in, "fc1.weight"), &w2 = need(in, "fc2.weight");
-      const HostTensor &b1 = need(in, "fc1.bias"), &b2 = need(in, "fc2.bias");
-      HostTensor w1fMxfp8, w1dMxfp8, w2fMxfp8, w2dMxfp8;
-      const HostTensor &w1f = gemmOperand(o, w1, 1, 0, w1fMxfp8), &w1d = gemmOperand(o, w1, 0, 0, w1dMxfp8);
-      const HostTensor &w2f = gemmOperand(o, w2, 1, 1, w2fMxfp8), &w2d = gemmOperand(o, w2, 0, 1, w2dMxfp8);
-      const MatrixView X = viewOf(x), dY = viewOf(dy), W1 = viewOf(w1f), W1d = viewOf(w1d), W2 = viewOf(w2f),
-                       W2d = viewOf(w2d);
-      const std::int64_t tokens = X.rows(), h = X.cols(), f = W1.rows();
-      const double uAcc = o.accumulationUnit;
-      const DType c = o.computeDtype;
-      const int stages = 3, T = o.tp;  // the GEMM's rounding and the MLP's two more; the T partial sums
-      // The dgrads read the weights themselves unless they are quantized.
-      const Upper aX = upperAbs(X), adY = upperAbs(dY), aW1 = upperAbs(W1), aW2 = upperAbs(W2);
-      const Upper aW1d = &w1d == &w1f ? Upper{} : upperAbs(W1d), aW2d = &w2d == &w2f ? Upper{} : upperAbs(W2d);
-      const Upper &w1Dgrad = &w1d == &w1f ? aW1 : aW1d, &w2Dgrad = &w2d == &w2f ? aW2 : aW2d;
+  const Mat eMat = asMat(e);
+  out["output"] = checked(o.accumulationUnit, e.shape, e.dtype, eMat, absMat(eMat), 0, 1 + o.tp, e.dtype);
+  out["weight.grad"] = checked(o.accumulationUnit, need(in, "weight").shape, e.dtype, dW, adW,
+                               std::int64_t(ids.values.size()), 1,
+                               e.dtype);
+  return out;
+}
 
-      // fc2 reads GeLU(H) rounded: an error of up to aErr·aH (|GeLU'| < 1.13) in each element. dH
-      // carries fc2's dgrad error, up to dhErr·adA (adA = |dY|·|W2d|), into fc1's backward. Each
-      // adds its own fp32 evaluation, relative to |H| <= aH and |dA| <= adA: GeLU's erf (2 ulp on
-      // the device, 1 in glibc) and three roundings, under 4 units; GeLU''s erf, exp and seven
-      // roundings, under 8.
-      const double uEval = unitRoundoff(DType::kFloat32);
-      const double aErr = 1.13 * (double(h + 2) * uAcc + 2 * unitRoundoff(c)) + 4 * uEval;
-      const double dhErr = 1.13 * (double(h + 2) * uAcc + 4 * unitRoundoff(c)) + 8 * uEval;
-      const double relY = relativeBound(uAcc, f, stages + T, o.outputDtype);
-      const double relW2 = relativeBound(uAcc, tokens, stages, c);
-      const double relX = relativeBound(uAcc, f, stages + T, c), relW1 = relativeBound(uAcc, tokens, stages, c);
-      const double relB1 = relativeBound(uAcc, tokens, stages + T, c);
+std::map<std::string, Checked> mlpReference(const ReferenceOptions& o, const TensorMap& in) {
+  std::map<std::string, Checked> out;
+  // fc1 (column) -> GeLU -> fc2 (row), each with its bias; SPEC's MLP block.
+  // fc1 is column-parallel, fc2 row-parallel (stride 1): each GEMM reads its own copy.
+  // A bound is rel · (the same computation on |values|) plus the error that a rounded
+  // intermediate (GeLU(H), dH) carries through the products after it. Both terms are products
+  // with the same non-negative right operand: each bound is one product of the summed left ones.
+  const HostTensor &x = need(in, "input"), &dy = need(in, "grad_output");
+  const HostTensor &w1 = need(in, "fc1.weight"), &w2 = need(in, "fc2.weight");
+  const HostTensor &b1 = need(in, "fc1.bias"), &b2 = need(in, "fc2.bias");
+  HostTensor w1fMxfp8, w1dMxfp8, w2fMxfp8, w2dMxfp8;
+  const HostTensor &w1f = gemmOperand(o, w1, "fc1.weight", 1, w1fMxfp8), &w1d = gemmOperand(o, w1, "fc1.weight", 0, w1dMxfp8);
+  const HostTensor &w2f = gemmOperand(o, w2, "fc2.weight", 1, w2fMxfp8), &w2d = gemmOperand(o, w2, "fc2.weight", 0, w2dMxfp8);
+  const MatrixView X = viewOf(x), dY = viewOf(dy), W1 = viewOf(w1f), W1d = viewOf(w1d), W2 = viewOf(w2f),
+                   W2d = viewOf(w2d);
+  const std::int64_t tokens = X.rows(), h = X.cols(), f = W1.rows();
+  const double uAcc = o.accumulationUnit;
+  const DType c = o.computeDtype;
+  const int stages = 3, T = o.tp;  // the GEMM's rounding and the MLP's two more; the T partial sums
+  // The dgrads read the weights themselves unless they are quantized.
+  const Upper aX = upperAbs(X), adY = upperAbs(dY), aW1 = upperAbs(W1), aW2 = upperAbs(W2);
+  const Upper aW1d = &w1d == &w1f ? Upper{} : upperAbs(W1d), aW2d = &w2d == &w2f ? Upper{} : upperAbs(W2d);
+  const Upper &w1Dgrad = &w1d == &w1f ? aW1 : aW1d, &w2Dgrad = &w2d == &w2f ? aW2 : aW2d;
 
-      // Every element of the (tokens, F) intermediates depends on one row of W1 and one column of
-      // W2, so F goes through in blocks: the intermediates exist for one block at a time, in
-      // buffers that stay in use (fresh memory is dear: freshVector), each weight is read once, and
-      // the results that sum over F (y, dX) add the blocks' products, in block order. The blocks
-      // depend on the shapes alone.
-      const std::int64_t fBlock = std::min<std::int64_t>(
-          std::max<std::int64_t>(f, 1),
-          std::max<std::int64_t>(256, o.mlpBlockElements / std::max<std::int64_t>(tokens, 1) / 256 * 256));
-      auto zeros = [](std::int64_t rows, std::int64_t cols) {
-        return Mat{rows, cols, freshVector<double>(rows * cols)};
-      };
-      Mat y = zeros(tokens, h), boundY = zeros(tokens, h), dX = zeros(tokens, h), boundX = zeros(tokens, h);
-      Mat dW1 = zeros(f, h), boundW1 = zeros(f, h), dW2 = zeros(h, f), boundW2 = zeros(h, f);
-      std::vector<double> db1(std::size_t(f), 0.0), db1Bound(std::size_t(f), 0.0);
-      const std::int64_t bufferSize = tokens * std::min(f, fBlock);
-      std::vector<double> A = freshVector<double>(bufferSize), dGelu = freshVector<double>(bufferSize),
-                          dH = freshVector<double>(bufferSize), aH = freshVector<double>(bufferSize),
-                          adA = freshVector<double>(bufferSize);
-      Upper left;  // the bounds' (tokens, block) operands: |intermediate| · rel + its carried error
-      for (std::int64_t f0 = 0; f0 < f; f0 += fBlock) {
-        const std::int64_t fb = std::min(fBlock, f - f0), n = tokens * fb;
-        const bool later = f0 > 0;  // y and dX add to the earlier blocks'
-        auto operand = [&](double rel, const std::vector<double>& value, double carried,
-                           const std::vector<double>& magnitude) -> const Upper& {
-          upperInto(tokens, fb, [&, v = value.data(), m = magnitude.data()](std::int64_t i) {
-            return rel * std::fabs(v[i]) + carried * m[i];
-          }, left);
-          return left;
-        };
-        const Eigen::Map<const Matrix> Ab(A.data(), tokens, fb), dHb(dH.data(), tokens, fb);
-        const auto W1b = W1.middleRows(f0, fb), W1db = W1d.middleRows(f0, fb);
-        const auto W2b = W2.middleCols(f0, fb), W2db = W2d.middleCols(f0, fb);
-        const auto aW1b = aW1.map().middleRows(f0, fb), w1Dgradb = w1Dgrad.map().middleRows(f0, fb);
-        const auto aW2b = aW2.map().middleCols(f0, fb), w2Dgradb = w2Dgrad.map().middleCols(f0, fb);
+  // fc2 reads GeLU(H) rounded: an error of up to aErr·aH (|GeLU'| < 1.13) in each element. dH
+  // carries fc2's dgrad error, up to dhErr·adA (adA = |dY|·|W2d|), into fc1's backward. Each
+  // adds its own fp32 evaluation, relative to |H| <= aH and |dA| <= adA: GeLU's erf (2 ulp on
+  // the device, 1 in glibc) and three roundings, under 4 units; GeLU''s erf, exp and seven
+  // roundings, under 8.
+  const double uEval = unitRoundoff(DType::kFloat32);
+  const double aErr = 1.13 * (double(h + 2) * uAcc + 2 * unitRoundoff(c)) + 4 * uEval;
+  const double dhErr = 1.13 * (double(h + 2) * uAcc + 4 * unitRoundoff(c)) + 8 * uEval;
+  const double relY = relativeBound(uAcc, f, stages + T, o.outputDtype);
+  const double relW2 = relativeBound(uAcc, tokens, stages, c);
+  const double relX = relativeBound(uAcc, f, stages + T, c), relW1 = relativeBound(uAcc, tokens, stages, c);
+  const double relB1 = relativeBound(uAcc, tokens, stages + T, c);
 
-        // H = X·W1ᵀ + b1 (in A's place), its magnitude aH = |X|·|W1|ᵀ, then GeLU(H) and GeLU'(H).
-        productInto<double>(X, W1b.transpose(), A.data(), fb);
-        upperProductInto(aX.map(), aX.exponent, aW1b.transpose(), aW1.exponent, aH.data(), fb, false);
-        forChunks(n, [&](std::int64_t begin, std::int64_t end) {
-          for (std::int64_t i = begin, j = begin % fb; i < end; ++i, j = j + 1 == fb ? 0 : j + 1) {
-            const double z = A[std::size_t(i)] + b1.values[std::size_t(f0 + j)], cdf = normalCdf(z);
-            A[std::size_t(i)] = z * cdf;
-            dGelu[std::size_t(i)] = cdf + z * normalPdf(z);
-          }
-        });
+  // Every element of the (tokens, F) intermediates depends on one row of W1 and one column of
+  // W2, so F goes through in blocks: the intermediates exist for one block at a time, in
+  // buffers that stay in use (fresh memory is dear: freshVector), each weight is read once, and
+  // the results that sum over F (y, dX) add the blocks' products, in block order. The blocks
+  // depend on the shapes alone.
+  const std::int64_t fBlock = std::min<std::int64_t>(
+      std::max<std::int64_t>(f, 1),
+      std::max<std::int64_t>(256, o.mlpBlockElements / std::max<std::int64_t>(tokens, 1) / 256 * 256));
+  auto zeros = [](std::int64_t rows, std::int64_t cols) {
+    return Mat{rows, cols, freshVector<double>(rows * cols)};
+  };
+  Mat y = zeros(tokens, h), boundY = zeros(tokens, h), dX = zeros(tokens, h), boundX = zeros(tokens, h);
+  Mat dW1 = zeros(f, h), boundW1 = zeros(f, h), dW2 = zeros(h, f), boundW2 = zeros(h, f);
+  std::vector<double> db1(std::size_t(f), 0.0), db1Bound(std::size_t(f), 0.0);
+  const std::int64_t bufferSize = tokens * std::min(f, fBlock);
+  std::vector<double> A = freshVector<double>(bufferSize), dGelu = freshVector<double>(bufferSize),
+                      dH = freshVector<double>(bufferSize), aH = freshVector<double>(bufferSize),
+                      adA = freshVector<double>(bufferSize);
+  Upper left;  // the bounds' (tokens, block) operands: |intermediate| · rel + its carried error
+  for (std::int64_t f0 = 0; f0 < f; f0 += fBlock) {
+    const std::int64_t fb = std::min(fBlock, f - f0), n = tokens * fb;
+    const bool later = f0 > 0;  // y and dX add to the earlier blocks'
+    auto operand = [&](double rel, const std::vector<double>& value, double carried,
+                       const std::vector<double>& magnitude) -> const Upper& {
+      upperInto(tokens, fb, [&, v = value.data(), m = magnitude.data()](std::int64_t i) {
+        return rel * std::fabs(v[i]) + carried * m[i];
+      }, left);
+      return left;
+    };
+    const Eigen::Map<const Matrix> Ab(A.data(), tokens, fb), dHb(dH.data(), tokens, fb);
+    const auto W1b = W1.middleRows(f0, fb), W1db = W1d.middleRows(f0, fb);
+    const auto W2b = W2.middleCols(f0, fb), W2db = W2d.middleCols(f0, fb);
+    const auto aW1b = aW1.map().middleRows(f0, fb), w1Dgradb = w1Dgrad.map().middleRows(f0, fb);
+    const auto aW2b = aW2.map().middleCols(f0, fb), w2Dgradb = w2Dgrad.map().middleCols(f0, fb);
 
-        // fc2: y = A·W2ᵀ + b2; dA = dY·W2d (in dH's place); dW2 = dYᵀ·A.
-        productInto<double>(Ab, W2b.transpose(), y.v.data(), h, later);
-        const Upper& yLeft = operand(relY, A, aErr, aH);
-        upperProductInto(yLeft.map(), yLeft.exponent, aW2b.transpose(), aW2.exponent, boundY.v.data(), h, later);
-        productInto<double>(dY, W2db, dH.data(), fb);
-        upperProductInto(adY.map(), adY.exponent, w2Dgradb, w2Dgrad.exponent, adA.data(), fb, false);
-        productInto<double>(dY.transpose(), Ab, dW2.v.data() + f0, f);
-        const Upper& w2Right = operand(relW2, A, aErr, aH);
-        upperProductInto(adY.map().transpose(), adY.exponent, w2Right.map(), w2Right.exponent, boundW2.v.data() + f0, f,
-                         false);
-
-        // GeLU's backward: dH = dA ⊙ GeLU'(H).
-        forChunks(n, [&](std::int64_t begin, std::int64_t end) {
-          for (std::int64_t i = begin; i < end; ++i) dH[std::size_t(i)] *= dGelu[std::size_t(i)];
-        });
-
-        // fc1: dX = dH·W1d; dW1 = dHᵀ·X; db1 = Σ dH.
-        productInto<double>(dHb, W1db, dX.v.data(), h, later);
-        const Upper& xLeft = operand(relX, dH, dhErr, adA);
-        upperProductInto(xLeft.map(), xLeft.exponent, w1Dgradb, w1Dgrad.exponent, boundX.v.data(), h, later);
-        productInto<double>(dHb.transpose(), X, dW1.v.data() + f0 * h, h);
-        const Upper& w1Left = operand(relW1, dH, dhErr, adA);
-        upperProductInto(w1Left.map().transpose(), w1Left.exponent, aX.map(), aX.exponent, boundW1.v.data() + f0 * h, h,
-                         false);
-        for (std::int64_t i = 0; i < tokens; ++i)
-          for (std::int64_t j = 0; j < fb; ++j) {
-            const std::size_t at = std::size_t(i * fb + j);
-            db1[std::size_t(f0 + j)] += dH[at];
-            db1Bound[std::size_t(f0 + j)] += relB1 * std::fabs(dH[at]) + dhErr * adA[at];
-          }
+    // H = X·W1ᵀ + b1 (in A's place), its magnitude aH = |X|·|W1|ᵀ, then GeLU(H) and GeLU'(H).
+    productInto<double>(X, W1b.transpose(), A.data(), fb);
+    upperProductInto(aX.map(), aX.exponent, aW1b.transpose(), aW1.exponent, aH.data(), fb, false);
+    forChunks(n, [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t i = begin, j = begin % fb; i < end; ++i, j = j + 1 == fb ? 0 : j + 1) {
+        const double z = A[std::size_t(i)] + b1.values[std::size_t(f0 + j)], cdf = normalCdf(z);
+        A[std::size_t(i)] = z * cdf;
+        dGelu[std::size_t(i)] = cdf + z * normalPdf(z);
       }
-      addRows(y, b2.values);
-      addRows(boundY, evaluate(relY * viewOf(b2).cwiseAbs()).v);
+    });
 
-      out["output"] = {HostTensor{withLast(x.shape, W2.rows()), o.outputDtype, std::move(y.v)}, std::move(boundY.v)};
-      out["input.grad"] = {HostTensor{x.shape, c, std::move(dX.v)}, std::move(boundX.v)};
-      out["fc1.weight.grad"] = {HostTensor{w1f.shape, c, std::move(dW1.v)}, std::move(boundW1.v)};
-      out["fc1.bias.grad"] = {HostTensor{b1.shape, c, std::move(db1)}, std::move(db1Bound)};
-      out["fc2.weight.grad"] = {HostTensor{w2f.shape, c, std::move(dW2.v)}, std::move(boundW2.v)};
-      out["fc2.bias.grad"] = checked(uAcc, b2.shape, c, Mat{1, h, columnSums(dY)}, Mat{1, h, absColumnSums(dY)}, tokens,
-                                     stages + T, c);
-      break;
-    }
+    // fc2: y = A·W2ᵀ + b2; dA = dY·W2d (in dH's place); dW2 = dYᵀ·A.
+    productInto<double>(Ab, W2b.transpose(), y.v.data(), h, later);
+    const Upper& yLeft = operand(relY, A, aErr, aH);
+    upperProductInto(yLeft.map(), yLeft.exponent, aW2b.transpose(), aW2.exponent, boundY.v.data(), h, later);
+    productInto<double>(dY, W2db, dH.data(), fb);
+    upperProductInto(adY.map(), adY.exponent, w2Dgradb, w2Dgrad.exponent, adA.data(), fb, false);
+    productInto<double>(dY.transpose(), Ab, dW2.v.data() + f0, f);
+    const Upper& w2Right = operand(relW2, A, aErr, aH);
+    upperProductInto(adY.map().transpose(), adY.exponent, w2Right.map(), w2Right.exponent, boundW2.v.data() + f0, f,
+                     false);
+
+    // GeLU's backward: dH = dA ⊙ GeLU'(H).
+    forChunks(n, [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t i = begin; i < end; ++i) dH[std::size_t(i)] *= dGelu[std::size_t(i)];
+    });
+
+    // fc1: dX = dH·W1d; dW1 = dHᵀ·X; db1 = Σ dH.
+    productInto<double>(dHb, W1db, dX.v.data(), h, later);
+    const Upper& xLeft = operand(relX, dH, dhErr, adA);
+    upperProductInto(xLeft.map(), xLeft.exponent, w1Dgradb, w1Dgrad.exponent, boundX.v.data(), h, later);
+    productInto<double>(dHb.transpose(), X, dW1.v.data() + f0 * h, h);
+    const Upper& w1Left = operand(relW1, dH, dhErr, adA);
+    upperProductInto(w1Left.map().transpose(), w1Left.exponent, aX.map(), aX.exponent, boundW1.v.data() + f0 * h, h,
+                     false);
+    for (std::int64_t i = 0; i < tokens; ++i)
+      for (std::int64_t j = 0; j < fb; ++j) {
+        const std::size_t at = std::size_t(i * fb + j);
+        db1[std::size_t(f0 + j)] += dH[at];
+        db1Bound[std::size_t(f0 + j)] += relB1 * std::fabs(dH[at]) + dhErr * adA[at];
+      }
   }
+  addRows(y, b2.values);
+  addRows(boundY, evaluate(relY * viewOf(b2).cwiseAbs()).v);
+
+  out["output"] = {HostTensor{withLast(x.shape, W2.rows()), o.outputDtype, std::move(y.v)}, std::move(boundY.v)};
+  out["input.grad"] = {HostTensor{x.shape, c, std::move(dX.v)}, std::move(boundX.v)};
+  out["fc1.weight.grad"] = {HostTensor{w1f.shape, c, std::move(dW1.v)}, std::move(boundW1.v)};
+  out["fc1.bias.grad"] = {HostTensor{b1.shape, c, std::move(db1)}, std::move(db1Bound)};
+  out["fc2.weight.grad"] = {HostTensor{w2f.shape, c, std::move(dW2.v)}, std::move(boundW2.v)};
+  out["fc2.bias.grad"] = checked(uAcc, b2.shape, c, Mat{1, h, columnSums(dY)}, Mat{1, h, absColumnSums(dY)}, tokens,
+                                 stages + T, c);
   return out;
 }
 
@@ -642,25 +641,17 @@ std::vector<double> magnitudeProduct(const std::vector<double>& a, const std::ve
   return upperMatmul(upperAbs(MatrixView(a.data(), m, k)), upperAbs(MatrixView(b.data(), k, n)), gemm).v;
 }
 
-HostTensor mxfp8Weight(const HostTensor& w, int axis, int splitDim, int tp, int stride, DType dtype) {
-  TPSIM_CHECK(w.shape.size() == 2, "mxfp8Weight: the weight must be (N, K), got ", w.shapeStr());
-  const std::int64_t rows = w.shape[0], cols = w.shape[1], total = w.shape[splitDim];
-  const std::int64_t local = total / (std::int64_t(tp) * stride) * stride;
-  std::vector<double> out = w.values;
-  for (int t = 0; t < tp; ++t) {
-    const std::vector<std::int64_t> owned = ownedIndices(total, tp, stride, t);
-    const std::int64_t lr = splitDim == 0 ? local : rows, lc = splitDim == 0 ? cols : local;
-    auto global = [&](std::int64_t r, std::int64_t c) {
-      return std::size_t(splitDim == 0 ? owned[r] * cols + c : r * cols + owned[c]);
-    };
-    std::vector<double> m(std::size_t(lr * lc));  // the TP-local weight (lr, lc)
-    for (std::int64_t r = 0; r < lr; ++r)
-      for (std::int64_t c = 0; c < lc; ++c) m[r * lc + c] = w.values[global(r, c)];
-    fakeQuantize(m, lr, lc, axis);
-    for (std::int64_t r = 0; r < lr; ++r)
-      for (std::int64_t c = 0; c < lc; ++c) out[global(r, c)] = m[r * lc + c];
+HostTensor mxfp8Weight(const HostTensor& w, const TensorPlacement& placement, int axis, DType dtype) {
+  TPSIM_CHECK(w.shape.size() == 2, "mxfp8Weight: the weight must be (N, K), got ", shapeText(w.shape));
+  const TensorPlacement tpLocal = withoutGtp(placement);
+  std::vector<HostTensor> quantized;  // each TP rank's own weight, quantized on its own
+  for (int t = 0; t < tpLocal.tp.size; ++t) {
+    HostTensor m = shardOf(tpLocal, w, t, 0);
+    fakeQuantize(m.values, m.shape[0], m.shape[1], axis);
+    quantized.push_back(std::move(m));
   }
-  return makeHost(w.shape, dtype, std::move(out));
+  HostTensor out = assemble(tpLocal, [&](int t, int) -> const HostTensor& { return quantized[std::size_t(t)]; });
+  return makeHost(w.shape, dtype, std::move(out.values));
 }
 
 }  // namespace tpsim::tools

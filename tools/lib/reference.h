@@ -14,26 +14,12 @@
 #include <string>
 
 #include "core/mxfp8.h"
+#include "core/placement.h"
 #include "tools/lib/host_tensor.h"
 
 namespace tpsim::tools {
 
-enum class LayerKind { kColumn, kRow, kEmbedding, kMlp };
-// Inline: the command-line parsers (and their fuzz target) need the names without the reference.
-inline const char* layerName(LayerKind kind) {
-  switch (kind) {
-    case LayerKind::kColumn: return "column";
-    case LayerKind::kRow: return "row";
-    case LayerKind::kEmbedding: return "embedding";
-    case LayerKind::kMlp: return "mlp";
-  }
-  return "unknown";
-}
-
-// name -> tensor. Inputs: input (or ids), weight, bias, grad_output; mlp: fc1.weight, fc1.bias,
-// fc2.weight, fc2.bias. Results: output, input.grad, weight.grad, bias.grad (mlp: fc1.weight.grad,
-// ...), each unsharded.
-using TensorMap = std::map<std::string, HostTensor>;
+class LayerKind;  // tools/lib/layer_kind.h
 
 struct Checked {
   HostTensor value;  // the dense result
@@ -41,7 +27,10 @@ struct Checked {
 };
 
 struct ReferenceOptions {
-  LayerKind kind = LayerKind::kColumn;
+  const LayerKind* layer = nullptr;  // whose reference: LayerKind::reference
+  // The layer's placements (LayerModules::placements). A reference that needs what each TP rank
+  // holds (MXFP8's per-rank quantization, disable_grad_reduce's per-rank partial sums) reads it here.
+  std::vector<TensorPlacement> placements;
   bool reduceScatterEmbeddings = false;  // output and grad_output are (s, b, h)
   int tp = 1;                            // number of partial sums a reduction adds
   DType computeDtype = DType::kFloat32;  // the activations' dtype
@@ -51,27 +40,35 @@ struct ReferenceOptions {
   int gtpRemat = 1;
   DType gtpWireDtype = DType::kFloat32;
   // MXFP8 weights: outputs use each linear's rowwise copy, input gradients its columnwise copy
-  // (mxfp8Weight); weight gradients are unchanged. stride: the linears' partition stride.
+  // (mxfp8Weight); weight gradients are unchanged.
   WeightFormat weightFormat = WeightFormat::kNative;
-  int stride = 1;
   // u_acc: the relative error of one step of a GEMM's fp32 accumulation (tools/lib/backend.h).
   double accumulationUnit = 0x1p-24;
   // Column with disable_grad_reduce: input.grad is each TP rank's own partial dY_t·W_t (its output
-  // rows, `stride` chunks), stacked (T, …, K), with no reduction among them.
+  // rows, as the weight's placement gives them), stacked (T, …, K), with no reduction among them.
   bool disableGradReduce = false;
   // The MLP takes F in blocks of a multiple of 256 columns, about this many elements of each (tokens,
   // F) intermediate; values change only by double rounding with it, bounds by their float rounding.
   std::int64_t mlpBlockElements = std::int64_t(1) << 21;
 };
 
+// The layer kind's reference (options.layer), with what every kind shares added to its bounds: the
+// GTP_remat reduce-scatter's roundings of weight gradients and gradual underflow.
 std::map<std::string, Checked> denseReference(const ReferenceOptions& options, const TensorMap& inputs);
 
-// deq(Q(w)) of an MXFP8 weight as the ranks quantize it: w (N, K) unsharded, cut over `tp` ranks
-// along splitDim (0: column-parallel, 1: row-parallel) in `stride` interleaved chunks (SPEC 3.11),
-// each rank's TP-local weight quantized on its own with blocks of 32 along `axis` (1: rowwise for
-// fprop, 0: columnwise for dgrad), the values rounded to `dtype`. GTP_remat shards quantize to the
-// same values (core/mxfp8.h). The scale rule is compute.h's quantizeMxfp8.
-HostTensor mxfp8Weight(const HostTensor& w, int axis, int splitDim, int tp, int stride, DType dtype);
+// The kinds' references, as their descriptors name them. linearReference: one linear layer
+// (input, weight, bias, grad_output; the placement of "weight"); embeddingReference: the lookup
+// (ids input, weight, grad_output); mlpReference: fc1, exact GeLU, fc2 (the placements of
+// "fc1.weight" and "fc2.weight").
+std::map<std::string, Checked> linearReference(const ReferenceOptions& options, const TensorMap& inputs);
+std::map<std::string, Checked> embeddingReference(const ReferenceOptions& options, const TensorMap& inputs);
+std::map<std::string, Checked> mlpReference(const ReferenceOptions& options, const TensorMap& inputs);
+
+// deq(Q(w)) of an MXFP8 weight as the ranks quantize it: w (N, K) unsharded, cut over the TP ranks
+// as `placement` says, each rank's TP-local weight quantized on its own with blocks of 32 along
+// `axis` (1: rowwise for fprop, 0: columnwise for dgrad), the values rounded to `dtype`. GTP_remat
+// shards quantize to the same values (core/mxfp8.h). The scale rule is compute.h's quantizeMxfp8.
+HostTensor mxfp8Weight(const HostTensor& w, const TensorPlacement& placement, int axis, DType dtype);
 
 // The arithmetic of the bounds' magnitude products: float, or (where the core has AVX512-BF16,
 // about twice as fast) bf16 operands rounded up, summed in float (sim::upperGemmBf16).

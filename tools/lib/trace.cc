@@ -359,12 +359,13 @@ void checkTraceOptions(TraceOptions& o, bool clockGiven, bool deviceGiven) {
   if (o.clock == "model") o.model = deviceModel(o.device);
 }
 
-std::vector<RankSummary> writeTrace(const TraceOptions& o, const std::vector<RankRecord>& records, int tp) {
+std::vector<RankSummary> writeTrace(const TraceOptions& o, const std::vector<RankRecord>& records,
+                                    const LayerGrid& grid) {
   const std::vector<RankTimeline> timeline =
       o.clock == "model" ? modelTimeline(records, o.model) : measuredTimeline(records);
   std::vector<std::string> names;
   for (std::size_t r = 0; r < records.size(); ++r)
-    names.push_back(detail::concat("rank ", r, " (t=", int(r) % tp, ", g=", int(r) / tp, ")"));
+    names.push_back(detail::concat("rank ", r, " (t=", grid.t(int(r)), ", g=", grid.g(int(r)), ")"));
   OutputFiles output("--trace");
   output.write(o.file, chromeTrace(records, timeline, names, o.clockText()));
   output.commit();

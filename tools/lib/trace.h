@@ -17,6 +17,7 @@
 
 #include "backends/collectives.h"
 #include "backends/compute.h"
+#include "core/rank_grid.h"
 
 namespace tpsim::tools {
 
@@ -113,8 +114,9 @@ struct TraceOptions {
 // Throws InvalidArgument naming the flag.
 void checkTraceOptions(TraceOptions& options, bool clockGiven, bool deviceGiven);
 // Places the records on the options' clock, writes the file (process names "rank r (t=.., g=..)"
-// for a TP size of tp) and returns the per-rank summary.
-std::vector<RankSummary> writeTrace(const TraceOptions& options, const std::vector<RankRecord>& records, int tp);
+// on the ranks of `grid`) and returns the per-rank summary.
+std::vector<RankSummary> writeTrace(const TraceOptions& options, const std::vector<RankRecord>& records,
+                                    const LayerGrid& grid);
 // The summary as a fixed-column table, one rank a line, in µs.
 std::string summaryTable(const std::vector<RankSummary>& summary);
 

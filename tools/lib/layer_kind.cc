@@ -1,0 +1,202 @@
+#include "tools/lib/layer_kind.h"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "backends/errors.h"
+#include "tools/lib/layers/kinds.h"
+
+namespace tpsim::tools {
+namespace {
+
+std::string joinKinds(const std::vector<std::string>& names) {
+  std::string s;
+  for (std::size_t i = 0; i < names.size(); ++i)
+    s += (i == 0 ? "" : i + 1 == names.size() ? " or " : ", ") + names[i];
+  return s;
+}
+
+std::vector<std::int64_t> dimsOf(const RunConfig& c, const TensorSpec& t) {
+  std::vector<std::int64_t> dims;
+  for (const std::string& symbol : t.dims) dims.push_back(sizeValue(c, symbol));
+  return dims;
+}
+
+// A size as a message names it: its flag, or where the files hold it.
+std::string sizeText(const SizeSpec& s, SizeSource source) {
+  if (source == SizeSource::kFlags) return "--" + s.flag;
+  return detail::concat(s.description, " (", s.tensor, ".npy dim ", s.dim, ")");
+}
+
+std::string symbols(const std::vector<std::string>& dims) {
+  std::string s = "(";
+  for (std::size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + dims[i];
+  return s + (dims.size() == 1 ? ",)" : ")");
+}
+
+const HostTensor& need(const TensorMap& m, const std::string& name) {
+  auto it = m.find(name);
+  TPSIM_CHECK(it != m.end(), "tpsim run: ", name, ".npy is missing");
+  return it->second;
+}
+
+}  // namespace
+
+const std::vector<const LayerKind*>& layerKinds() {
+  static const std::vector<const LayerKind*> table = {&columnLayerKind(), &rowLayerKind(), &embeddingLayerKind(),
+                                                      &mlpLayerKind()};
+  return table;
+}
+
+const LayerKind* findLayerKind(const std::string& name) {
+  for (const LayerKind* k : layerKinds())
+    if (name == k->name()) return k;
+  return nullptr;
+}
+
+const LayerKind* layerKind(const std::string& name) {
+  const LayerKind* k = findLayerKind(name);
+  TPSIM_CHECK(k, "--layer: expected ", layerKindNames(), ", got '", name, "'");
+  return k;
+}
+
+std::string layerKindNames() {
+  std::vector<std::string> names;
+  for (const LayerKind* k : layerKinds()) names.push_back(k->name());
+  return joinKinds(names);
+}
+
+std::string layerKindsTaking(LayerOption option) {
+  std::vector<std::string> names;
+  for (const LayerKind* k : layerKinds())
+    if (k->takes(option)) names.push_back(k->name());
+  return joinKinds(names);
+}
+
+const SizeSpec& sizeNamed(const RunConfig& c, const std::string& symbol) {
+  const std::vector<SizeSpec>& sizes = c.layer->sizes();
+  for (const SizeSpec& s : sizes)
+    if (s.symbol == symbol) return s;
+  TPSIM_INTERNAL_ASSERT(false, c.layer->name(), " has no size ", symbol);
+  return sizes.front();
+}
+
+std::int64_t sizeValue(const RunConfig& c, const std::string& symbol) { return c.*sizeNamed(c, symbol).field; }
+
+ShapeMap tensorShapes(const RunConfig& c) {
+  ShapeMap m;
+  for (const TensorSpec& t : c.layer->tensors(c)) {
+    // Every tensor's bytes as doubles checked once, so no product of these sizes can wrap later.
+    std::string flags;
+    for (const std::string& symbol : t.dims) flags += (flags.empty() ? "--" : " x --") + sizeNamed(c, symbol).flag;
+    std::int64_t bytes = sizeof(double);
+    const std::vector<std::int64_t> dims = dimsOf(c, t);
+    for (std::int64_t d : dims) bytes = checkedMul(bytes, d, flags);
+    m[t.name] = dims;
+  }
+  return m;
+}
+
+TensorMap generateInputs(const RunConfig& c) {
+  const ShapeMap shapes = tensorShapes(c);
+  std::mt19937_64 rng(c.seed);
+  TensorMap m;
+  // The draws keep the kind's order, so a seed makes the same data.
+  for (const TensorSpec& t : c.layer->tensors(c)) {
+    const std::vector<std::int64_t>& shape = shapes.at(t.name);
+    std::int64_t n = 1;
+    for (auto d : shape) n *= d;
+    std::vector<double> v(static_cast<std::size_t>(n));
+    if (!t.idRange.empty()) {
+      std::uniform_int_distribution<std::int64_t> id(0, sizeValue(c, t.idRange) - 1);
+      for (double& x : v) x = double(id(rng));
+      m[t.name] = makeHost(shape, DType::kInt64, std::move(v));
+    } else {
+      std::normal_distribution<double> dist(0.0, t.sigma);
+      for (double& x : v) x = dist(rng);
+      m[t.name] = makeHost(shape, c.dtype, std::move(v));
+    }
+  }
+  return m;
+}
+
+RunConfig withSizesOf(RunConfig c, const ShapeMap& shapes) {
+  for (const SizeSpec& s : c.layer->sizes()) {
+    auto it = shapes.find(s.tensor);
+    if (it != shapes.end() && std::size_t(s.dim) < it->second.size()) c.*s.field = it->second[std::size_t(s.dim)];
+  }
+  return c;
+}
+
+void checkSizes(const RunConfig& c, SizeSource source) {
+  const std::string prefix = source == SizeSource::kFiles ? "tpsim run: " : "";
+  auto divisible = [&](const std::string& what, std::int64_t v, std::int64_t by, const std::string& why) {
+    TPSIM_CHECK(v % by == 0, prefix, what, " = ", v, " must be divisible by ", why, " = ", by);
+  };
+  using D = SizeSpec::Divisor;
+  const std::vector<SizeSpec>& sizes = c.layer->sizes();
+  // The splits of the activations first, then the TP cuts of the weights, then GTP_remat's.
+  const bool sequenceSplit = c.sequenceParallel || c.reduceScatterEmbeddings;
+  for (const SizeSpec& s : sizes)
+    if (s.divisor == D::kSequenceSplit && sequenceSplit) divisible(sizeText(s, source), c.*s.field, c.tp, "--tp");
+  for (const SizeSpec& s : sizes)
+    if (s.divisor == D::kGtpRemat) divisible(sizeText(s, source), c.*s.field, c.gtpRemat, "--gtp-remat");
+  for (const SizeSpec& s : sizes) {
+    if (s.divisor == D::kTp) divisible(sizeText(s, source), c.*s.field, c.tp, "--tp");
+    if (s.divisor == D::kTpStride)
+      divisible(sizeText(s, source), c.*s.field, std::int64_t(c.tp) * c.stride, "--tp x --stride");
+  }
+  // Each GTP_remat peer keeps dim 0 / G rows of a TP-local weight when nothing pads it.
+  if (c.gtpRemat > 1 && c.padForAlignment == 0)
+    for (const GtpWeightSpec& w : c.layer->gtpWeights())
+      divisible(source == SizeSource::kFiles ? w.fileText : w.flagText,
+                sizeValue(c, w.symbol) / (w.tpCutsDim0 ? c.tp : 1), c.gtpRemat, "--gtp-remat (with --pad-for-alignment 0)");
+}
+
+void checkInputs(const RunConfig& c, const TensorMap& in) {
+  // Empty tensors are refused: the layers and the reference divide by these sizes.
+  for (const auto& [name, t] : in)
+    TPSIM_CHECK(std::all_of(t.shape.begin(), t.shape.end(), [](std::int64_t d) { return d >= 1; }), "tpsim run: ",
+                name, ".npy: expected every dim >= 1, got shape ", shapeText(t.shape));
+  // Non-finite inputs would only surface as a result outside its bound.
+  for (const auto& [name, t] : in) {
+    const auto bad = std::count_if(t.values.begin(), t.values.end(), [](double x) { return !std::isfinite(x); });
+    const auto first = std::find_if(t.values.begin(), t.values.end(), [](double x) { return !std::isfinite(x); });
+    TPSIM_CHECK(bad == 0, "tpsim run: ", name, ".npy: expected finite values, got ", bad, " NaN or Inf, the first at "
+                "flat index ", first - t.values.begin());
+  }
+  const std::vector<TensorSpec> specs = c.layer->tensors(c);
+  for (const TensorSpec& t : specs) need(in, t.name);
+  // The tensors the sizes are read from must be what they hold before their dims are believed.
+  const std::vector<SizeSpec>& sizes = c.layer->sizes();
+  for (const TensorSpec& t : specs) {
+    if (std::none_of(sizes.begin(), sizes.end(), [&](const SizeSpec& s) { return s.tensor == t.name; })) continue;
+    const HostTensor& x = in.at(t.name);
+    const bool rankOk = x.shape.size() == t.dims.size();
+    if (t.idRange.empty())
+      TPSIM_CHECK(rankOk && isFloating(x.dtype), "tpsim run: ", t.name, ".npy must be a float ", symbols(t.dims),
+                  " tensor, got ", dtypeName(x.dtype), " ", shapeText(x.shape));
+    else
+      TPSIM_CHECK(rankOk && x.dtype == DType::kInt64, "tpsim run: ", t.name, ".npy must hold int64 token ids of "
+                  "shape ", symbols(t.dims), ", got ", dtypeName(x.dtype), " ", shapeText(x.shape));
+  }
+  ShapeMap shapes;
+  for (const auto& [name, t] : in) shapes[name] = t.shape;
+  const RunConfig sized = withSizesOf(c, shapes);
+  for (const TensorSpec& t : specs) {
+    const std::vector<std::int64_t> want = dimsOf(sized, t), got = in.at(t.name).shape;
+    TPSIM_CHECK(got == want, "tpsim run: ", t.name, ".npy must have shape ", shapeText(want), ", got ", shapeText(got));
+  }
+  for (const TensorSpec& t : specs) {
+    if (t.idRange.empty()) continue;
+    const std::vector<double>& ids = in.at(t.name).values;
+    const std::int64_t range = sizeValue(sized, t.idRange);
+    for (std::size_t i = 0; i < ids.size(); ++i)
+      TPSIM_CHECK(ids[i] >= 0 && ids[i] < double(range), "tpsim run: ", t.name, ".npy holds id ", std::int64_t(ids[i]),
+                  " at flat position ", i, ", outside [0, ", t.idRange, "=", range, ")");
+  }
+  checkSizes(sized, SizeSource::kFiles);
+}
+
+}  // namespace tpsim::tools

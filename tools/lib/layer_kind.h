@@ -1,0 +1,156 @@
+// LayerKind: everything the tools know about one kind of layer (column, row, embedding, the MLP
+// block), in one descriptor: its sizes and tensors, its shape and divisibility rules with their
+// messages, the options it takes, how a rank builds its modules and runs them forward and backward,
+// its dense reference and, through the built modules, its placements.
+//
+// `tpsim run`, `demo`, `layout`, the memory estimate, checkpoints and the property generators read
+// descriptors; the table (layerKinds) is the one place that lists the kinds. docs/adding-a-layer.md
+// shows what a new kind takes.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/checkpoint.h"
+#include "core/layers.h"
+#include "core/placement.h"
+#include "tools/lib/host_tensor.h"
+#include "tools/lib/run_config.h"
+
+namespace tpsim::tools {
+
+struct Checked;           // tools/lib/reference.h
+struct ReferenceOptions;  // tools/lib/reference.h
+
+// A size of a layer's problem: the flag that sets it for generated data, and the dim of an input
+// file it is read from under --load.
+struct SizeSpec {
+  std::string symbol;       // as shapes are written: "s", "N"
+  std::string flag;         // without dashes: "seq"
+  std::int64_t RunConfig::*field;
+  std::string description;  // how a file-based message names it: "the sequence length s", "N"
+  std::string tensor;       // the input that holds it
+  int dim;
+  // What it must divide by: nothing, T (TP cuts it; the sequence only when split), T·stride, or G
+  // (the GTP_remat peers split the batch).
+  enum class Divisor { kNone, kTp, kTpStride, kSequenceSplit, kGtpRemat } divisor = Divisor::kNone;
+};
+
+// One unsharded tensor a run reads, named as its .npy file: "input", "fc1.weight", "grad_output".
+struct TensorSpec {
+  std::string name;
+  TensorRole role;                // kParameter, kInput, or kGradient (grad_output)
+  std::vector<std::string> dims;  // size symbols: {"s", "b", "K"}
+  double sigma = 1.0;             // generated data: normal(0, sigma), rounded to --dtype
+  std::string idRange;            // token ids: int64 in [0, that size) instead of floats
+};
+
+// A weight that GTP_remat shards along its TP-local dim 0, and how a message names that extent.
+struct GtpWeightSpec {
+  std::string name;             // "weight", "fc1.weight"
+  std::string symbol;           // the size its dim 0 is
+  bool tpCutsDim0 = false;      // its TP-local dim 0 is symbol / T
+  std::string fileText, flagText;  // "the TP-local rows N / --tp", "--out-features / --tp"
+};
+
+// Options of `tpsim run` that only some kinds take.
+enum class LayerOption {
+  kSequenceParallel, kBias, kStride, kOutputDtype, kGatherOutput, kDisableGradReduce, kInputIsParallel, kReduceScatterEmbeddings,
+  kSkipBiasAdd, kGradAccumulationFusion, kMxfp8Weights,
+};
+
+// One rank's forward and backward: the output, and the input's gradient (undefined where the
+// input has none: token ids).
+struct RankStep {
+  Tensor output, inputGrad;
+};
+
+// The modules of one kind as one rank builds them (shapes from the config's sizes, parameters not
+// initialized: the run copies its tensors in).
+class LayerModules {
+ public:
+  virtual ~LayerModules() = default;
+  // Every parameter, named as the inputs name them ("weight", "fc1.bias").
+  virtual std::vector<std::pair<std::string, Parameter*>> parameters() = 0;
+  // core/placement.h's description of every tensor on (seq, batch) tokens.
+  virtual std::vector<TensorPlacement> placements(std::int64_t seq, std::int64_t batch) = 0;
+  // The rank's sharded_state_dict: what a checkpoint saves and loads.
+  virtual ShardedStateDict stateDict(Collectives& tp, Collectives* dpCp) = 0;
+  // Forward on the rank's input x, then backward from its output gradient dy. The caller keeps x
+  // and dy alive until the backward has returned.
+  virtual RankStep step(Compute& compute, ConstView x, ConstView dy) = 0;
+};
+
+class LayerKind {
+ public:
+  virtual ~LayerKind() = default;
+  virtual const char* name() const = 0;  // --layer's value
+  virtual bool takes(LayerOption option) const = 0;
+  // Why an option it does not take means nothing here, where that needs saying ("" otherwise).
+  virtual std::string whyNot(LayerOption) const { return ""; }
+  // Its own rules for combining options (throws InvalidArgument naming the flag).
+  virtual void validate(const RunConfig&) const {}
+  // applyLayerConventions: flags that mean something else for this kind.
+  virtual void applyConventions(RunConfig&) const {}
+
+  // Its sizes, in the order their flags are listed, and its tensors, in the order generated data
+  // are drawn.
+  virtual const std::vector<SizeSpec>& sizes() const = 0;
+  virtual std::vector<TensorSpec> tensors(const RunConfig& config) const = 0;
+  virtual const std::vector<GtpWeightSpec>& gtpWeights() const = 0;
+  // The run's input and output among its placements ("fc1.input" and "fc2.output" for the MLP).
+  virtual std::string inputPlacement() const { return "input"; }
+  virtual std::string outputPlacement() const { return "output"; }
+  // The dtype GTP_remat reduce-scatters a weight gradient in (SPEC 4.5): its main_grad's.
+  virtual DType gtpWireDtype(const RunConfig& config) const { return config.mainGradDtype; }
+  // The most terms any result element sums (bias included): what keeps integer data exact.
+  virtual std::int64_t longestSum(const RunConfig& config) const = 0;
+  // Per-rank intermediates a step holds beyond its tensors, and what the reference holds at once
+  // beyond its results, in elements (the memory estimate's terms; 0 for a single GEMM).
+  virtual double stepIntermediates(const RunConfig&, const ShapeMap&) const { return 0; }
+  virtual double referenceIntermediates(const RunConfig&, const ShapeMap&) const { return 0; }
+
+  virtual std::unique_ptr<LayerModules> build(const LayerContext& context, const ModelParallelConfig& mp,
+                                              const RunConfig& config) const = 0;
+  // The dense results and their relative bounds (tools/lib/reference.h).
+  virtual std::map<std::string, Checked> reference(const ReferenceOptions& options, const TensorMap& inputs) const = 0;
+};
+
+// The table: every kind, in the order --help lists them.
+const std::vector<const LayerKind*>& layerKinds();
+// The kind named `name`, or nullptr.
+const LayerKind* findLayerKind(const std::string& name);
+// The kind named `name`; throws InvalidArgument listing the kinds for any other name.
+const LayerKind* layerKind(const std::string& name);
+// "column, row, embedding or mlp": every kind, or those taking `option`, for messages.
+std::string layerKindNames();
+std::string layerKindsTaking(LayerOption option);
+
+// The size named `symbol` of config's layer (its value in config).
+const SizeSpec& sizeNamed(const RunConfig& config, const std::string& symbol);
+std::int64_t sizeValue(const RunConfig& config, const std::string& symbol);
+
+// The shapes of config's tensors from its sizes. Throws InvalidArgument naming the flags when a
+// tensor's size in bytes (as doubles) does not fit in int64.
+ShapeMap tensorShapes(const RunConfig& config);
+// Seeded data with those shapes, drawn in the kind's order and rounded to the configured dtype.
+TensorMap generateInputs(const RunConfig& config);
+// config with its sizes read from `shapes` (loaded files or a checkpoint's tensors): each size from
+// its own tensor's dim, where `shapes` has that tensor.
+RunConfig withSizesOf(RunConfig config, const ShapeMap& shapes);
+
+// Checks the sizes against the kind's divisibility rules (sequence and batch splits, TP cuts,
+// GTP_remat's split of each weight's TP-local rows when --pad-for-alignment is 0). Messages name
+// the shape flags (kFlags: generated data, tpsim layout) or the files (kFiles, after "tpsim run: ").
+enum class SizeSource { kFlags, kFiles };
+void checkSizes(const RunConfig& config, SizeSource source);
+// Checks loaded tensors: every dim >= 1, finite values, each tensor present with the kind's rank,
+// dtype and the shape its sizes give, token ids in range, then checkSizes(kFiles). Messages name
+// the file.
+void checkInputs(const RunConfig& config, const TensorMap& inputs);
+
+}  // namespace tpsim::tools

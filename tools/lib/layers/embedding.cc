@@ -1,0 +1,103 @@
+// --layer embedding: VocabParallelEmbedding on int64 ids (b, s), weight (V, h) cut along V.
+#include <algorithm>
+
+#include "core/checkpoint.h"
+#include "core/embedding.h"
+#include "tools/lib/layers/kinds.h"
+#include "tools/lib/reference.h"
+
+namespace tpsim::tools {
+namespace {
+
+class EmbeddingModules final : public LayerModules {
+ public:
+  EmbeddingModules(const LayerContext& lc, const ModelParallelConfig& mp, const RunConfig& c)
+      : layer_(lc, withoutSequenceParallel(mp), c.vocab, c.outFeatures, uninitialized(), options(c)) {}
+
+  std::vector<std::pair<std::string, Parameter*>> parameters() override { return {{"weight", &layer_.weight()}}; }
+  std::vector<TensorPlacement> placements(std::int64_t seq, std::int64_t batch) override {
+    return layerPlacements(layer_, seq, batch);
+  }
+  ShardedStateDict stateDict(Collectives& tp, Collectives* dpCp) override {
+    return shardedStateDict(layer_, "", {}, tp, dpCp);
+  }
+  RankStep step(Compute&, ConstView ids, ConstView dy) override {
+    Tensor y = layer_.forward(ids);
+    layer_.backward(dy);
+    return {std::move(y), Tensor()};  // token ids have no gradient
+  }
+
+ private:
+  // The embedding's sequence parallelism is reduce_scatter_embeddings.
+  static ModelParallelConfig withoutSequenceParallel(ModelParallelConfig mp) {
+    mp.sequenceParallel = false;
+    return mp;
+  }
+  static VocabParallelEmbeddingOptions options(const RunConfig& c) {
+    VocabParallelEmbeddingOptions o;
+    o.reduceScatterEmbeddings = c.reduceScatterEmbeddings;
+    return o;
+  }
+
+  VocabParallelEmbedding layer_;
+};
+
+class EmbeddingKind final : public LayerKind {
+ public:
+  const char* name() const override { return "embedding"; }
+  bool takes(LayerOption o) const override { return o == LayerOption::kReduceScatterEmbeddings; }
+  std::string whyNot(LayerOption o) const override {
+    if (o == LayerOption::kGradAccumulationFusion) return "the embedding has no fused wgrad path";
+    if (o == LayerOption::kMxfp8Weights) return "the embedding is a lookup, not a GEMM";
+    if (o == LayerOption::kSequenceParallel) return "the embedding's sequence parallelism is --reduce-scatter-embeddings";
+    return "";
+  }
+  // --sequence-parallel means what Megatron's language model does with it: the output
+  // reduce-scattered along the sequence.
+  void applyConventions(RunConfig& c) const override {
+    if (!c.sequenceParallel) return;
+    c.sequenceParallel = false;
+    c.reduceScatterEmbeddings = true;
+  }
+  const std::vector<SizeSpec>& sizes() const override {
+    using D = SizeSpec::Divisor;
+    static const std::vector<SizeSpec> sizes = {
+        {"s", "seq", &RunConfig::seq, "the sequence length s", "input", 1, D::kSequenceSplit},
+        {"b", "batch", &RunConfig::batch, "the batch b", "input", 0, D::kGtpRemat},
+        {"h", "out-features", &RunConfig::outFeatures, "h", "weight", 1, D::kNone},
+        {"V", "vocab", &RunConfig::vocab, "the vocabulary size V", "weight", 0, D::kTp}};
+    return sizes;
+  }
+  std::vector<TensorSpec> tensors(const RunConfig& c) const override {
+    // Batch-first output, or (s, b, h) through the sequence-parallel reduce-scatter.
+    const std::vector<std::string> out = c.reduceScatterEmbeddings ? std::vector<std::string>{"s", "b", "h"}
+                                                                   : std::vector<std::string>{"b", "s", "h"};
+    return {{"input", TensorRole::kInput, {"b", "s"}, 0.0, "V"},
+            {"weight", TensorRole::kParameter, {"V", "h"}, 1.0},
+            {"grad_output", TensorRole::kGradient, out, 1.0}};
+  }
+  const std::vector<GtpWeightSpec>& gtpWeights() const override {
+    static const std::vector<GtpWeightSpec> w = {{"weight", "V", true, "the TP-local rows V / --tp", "--vocab / --tp"}};
+    return w;
+  }
+  // The table's gradient has no main_grad: it is reduce-scattered in the table's dtype.
+  DType gtpWireDtype(const RunConfig& c) const override { return c.dtype; }
+  // A repeated id sums up to b·s gradient rows.
+  std::int64_t longestSum(const RunConfig& c) const override { return c.seq * c.batch; }
+  std::unique_ptr<LayerModules> build(const LayerContext& lc, const ModelParallelConfig& mp,
+                                      const RunConfig& c) const override {
+    return std::make_unique<EmbeddingModules>(lc, mp, c);
+  }
+  std::map<std::string, Checked> reference(const ReferenceOptions& o, const TensorMap& in) const override {
+    return embeddingReference(o, in);
+  }
+};
+
+}  // namespace
+
+const LayerKind& embeddingLayerKind() {
+  static const EmbeddingKind kind;
+  return kind;
+}
+
+}  // namespace tpsim::tools

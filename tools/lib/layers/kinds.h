@@ -1,0 +1,38 @@
+// The layer kinds of the table (tools/lib/layer_kind.h), one file each, and what the linear ones
+// share.
+#pragma once
+
+#include "core/layers.h"
+#include "core/random.h"
+#include "tools/lib/layer_kind.h"
+
+namespace tpsim::tools {
+
+const LayerKind& columnLayerKind();     // column.cc: ColumnParallelLinear
+const LayerKind& rowLayerKind();        // row.cc: RowParallelLinear
+const LayerKind& embeddingLayerKind();  // embedding.cc: VocabParallelEmbedding
+const LayerKind& mlpLayerKind();        // mlp.cc: fc1 column, exact GeLU, fc2 row
+
+// The initializer a run's layers are built with: never called, as initialization is off (the run
+// copies its tensors in).
+InitMethod uninitialized();
+
+// Forward and backward of a column or row layer as its caller uses it: a bias the layer returns
+// (skip_bias_add) is added by the caller, so its gradient is the row sums of dy.
+template <class Linear>
+RankStep linearStep(Compute& compute, Linear& layer, ConstView x, ConstView dy, DType dtype) {
+  LayerOutput out = layer.forward(x);
+  Tensor db;
+  if (out.outputBias) {
+    compute.addBias(out.outputBias->data, out.output);
+    db = compute.empty({dy.dim(-1)}, dtype);
+    compute.sumRows(dy, db);
+  }
+  Tensor dx = layer.backward(dy, db.defined() ? ConstView(db) : ConstView());
+  return {std::move(out.output), std::move(dx)};
+}
+
+// Every parameter of `named` that the layer has (a bias may be absent).
+std::vector<std::pair<std::string, Parameter*>> present(std::vector<std::pair<std::string, Parameter*>> named);
+
+}  // namespace tpsim::tools
