@@ -414,6 +414,21 @@ check trace-device-measured 2 "--device-model: applies to --clock model, got --c
   "$tpsim" demo --trace "$work/x.json" --device-model pcie
 check trace-device-unknown 2 "--device-model: expected h100-nvlink, h200-nvlink, a100-nvlink, pcie or a readable key=value file, got 'b200'" \
   -- "$tpsim" demo --trace "$work/x.json" --clock model --device-model b200
+# No hang, no unbounded read: a --device-model file is a regular file (opening a FIFO waits for a
+# writer) of at most 1 MiB and lines of at most 4096 bytes; the 10 GiB file is sparse.
+mkfifo "$work/device.fifo"
+check trace-device-fifo 2 "--device-model $work/device.fifo: expected a regular file, got a FIFO" -- \
+  timeout 10 "$tpsim" demo --trace "$work/x.json" --clock model --device-model "$work/device.fifo"
+check trace-device-zero 2 "--device-model /dev/zero: expected a regular file, got a device or other special file" -- \
+  timeout 10 "$tpsim" demo --trace "$work/x.json" --clock model --device-model /dev/zero
+check trace-device-dir 2 "--device-model $work: expected a key=value file, got a directory" -- \
+  timeout 10 "$tpsim" demo --trace "$work/x.json" --clock model --device-model "$work"
+truncate -s 10G "$work/device.huge"
+check trace-device-huge 2 "--device-model $work/device.huge: expected a file of at most 1048576 bytes, got 10737418240" -- \
+  timeout 10 "$tpsim" demo --trace "$work/x.json" --clock model --device-model "$work/device.huge"
+printf 'tflops.fp32 = 1%*s\n' 5000 '' >"$work/device.long"
+check trace-device-long-line 2 "--device-model $work/device.long:1: expected lines of at most 4096 bytes, got a longer one" -- \
+  timeout 10 "$tpsim" demo --trace "$work/x.json" --clock model --device-model "$work/device.long"
 check trace-dir 2 "--trace: expected a file path in an existing directory, got '$work/nowhere/t.json'" -- \
   "$tpsim" run --layer row --trace "$work/nowhere/t.json"
 check trace-empty 2 "--trace: expected a file path, got an empty path" -- "$tpsim" demo --trace ""
