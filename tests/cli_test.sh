@@ -414,6 +414,21 @@ check trace-device-measured 2 "--device-model: applies to --clock model, got --c
   "$tpsim" demo --trace "$work/x.json" --device-model pcie
 check trace-device-unknown 2 "--device-model: expected h100-nvlink, h200-nvlink, a100-nvlink, pcie or a readable key=value file, got 'b200'" \
   -- "$tpsim" demo --trace "$work/x.json" --clock model --device-model b200
+# No hang, no unbounded read: a --device-model file is a regular file (opening a FIFO waits for a
+# writer) of at most 1 MiB and lines of at most 4096 bytes; the 10 GiB file is sparse.
+mkfifo "$work/device.fifo"
+check trace-device-fifo 2 "--device-model $work/device.fifo: expected a regular file, got a FIFO" -- \
+  timeout 10 "$tpsim" demo --trace "$work/x.json" --clock model --device-model "$work/device.fifo"
+check trace-device-zero 2 "--device-model /dev/zero: expected a regular file, got a device or other special file" -- \
+  timeout 10 "$tpsim" demo --trace "$work/x.json" --clock model --device-model /dev/zero
+check trace-device-dir 2 "--device-model $work: expected a key=value file, got a directory" -- \
+  timeout 10 "$tpsim" demo --trace "$work/x.json" --clock model --device-model "$work"
+truncate -s 10G "$work/device.huge"
+check trace-device-huge 2 "--device-model $work/device.huge: expected a file of at most 1048576 bytes, got 10737418240" -- \
+  timeout 10 "$tpsim" demo --trace "$work/x.json" --clock model --device-model "$work/device.huge"
+printf 'tflops.fp32 = 1%*s\n' 5000 '' >"$work/device.long"
+check trace-device-long-line 2 "--device-model $work/device.long:1: expected lines of at most 4096 bytes, got a longer one" -- \
+  timeout 10 "$tpsim" demo --trace "$work/x.json" --clock model --device-model "$work/device.long"
 check trace-dir 2 "--trace: expected a file path in an existing directory, got '$work/nowhere/t.json'" -- \
   "$tpsim" run --layer row --trace "$work/nowhere/t.json"
 check trace-empty 2 "--trace: expected a file path, got an empty path" -- "$tpsim" demo --trace ""
@@ -491,6 +506,45 @@ rm "$work/ck-bad/rank-00002.safetensors"
 check ckpt-missing 2 "rank-00002.safetensors: expected a readable safetensors file named in the index, got no such file" -- \
   "$tpsim" checkpoint consolidate "$work/ck-bad" "$work/y.safetensors"
 [ -e "$work/y.safetensors" ] && { echo "FAIL ckpt-missing: wrote a file"; failures=$((failures + 1)); }
+# No hang, no unbounded read: a checkpoint's files are read only if regular (opening a FIFO waits for
+# a writer), the index up to 64 MiB, and a file only once its size is the index's. The 1 TiB files
+# are sparse: read before that check, they would not fit in memory.
+check ckpt-small 0 "checkpoint saved" -- "$tpsim" run --layer column --save-checkpoint "$work/ck-small"
+mkdir -p "$work/ck-odd"
+odd_checkpoint() {  # odd_checkpoint NAME FILE: a copy of ck-small without FILE, for a test to put one there
+  rm -rf "${work:?}/ck-odd/$1"
+  cp -r "$work/ck-small" "$work/ck-odd/$1"
+  rm "$work/ck-odd/$1/$2"
+}
+odd_checkpoint index-fifo index.json
+mkfifo "$work/ck-odd/index-fifo/index.json"
+check ckpt-index-fifo 2 "ck-odd/index-fifo/index.json: expected a regular file, got a FIFO" -- \
+  timeout 10 "$tpsim" checkpoint inspect "$work/ck-odd/index-fifo"
+odd_checkpoint index-dir index.json
+mkdir "$work/ck-odd/index-dir/index.json"
+check ckpt-index-dir 2 "ck-odd/index-dir/index.json: expected an index, got a directory" -- \
+  timeout 10 "$tpsim" checkpoint inspect "$work/ck-odd/index-dir"
+odd_checkpoint index-huge index.json
+truncate -s 1T "$work/ck-odd/index-huge/index.json"
+check ckpt-index-huge 2 "index.json: expected a file of at most 67108864 bytes, got 1099511627776" -- \
+  timeout 10 "$tpsim" checkpoint inspect "$work/ck-odd/index-huge"
+odd_checkpoint shard-fifo rank-00001.safetensors
+mkfifo "$work/ck-odd/shard-fifo/rank-00001.safetensors"
+check ckpt-shard-fifo 2 "rank-00001.safetensors: expected a regular file, got a FIFO" -- \
+  timeout 10 "$tpsim" run --layer column --load-checkpoint "$work/ck-odd/shard-fifo"
+odd_checkpoint shard-link-to-fifo rank-00001.safetensors
+ln -s "$work/ck-odd/shard-fifo/rank-00001.safetensors" "$work/ck-odd/shard-link-to-fifo/rank-00001.safetensors"
+check ckpt-shard-link-to-fifo 2 "rank-00001.safetensors: expected a regular file, got a FIFO" -- \
+  timeout 10 "$tpsim" checkpoint consolidate "$work/ck-odd/shard-link-to-fifo" "$work/z.safetensors"
+odd_checkpoint shard-dir rank-00001.safetensors
+mkdir "$work/ck-odd/shard-dir/rank-00001.safetensors"
+check ckpt-shard-dir 2 "rank-00001.safetensors: expected a safetensors file, got a directory" -- \
+  timeout 10 "$tpsim" checkpoint inspect "$work/ck-odd/shard-dir"
+odd_checkpoint shard-huge rank-00001.safetensors
+shard_size=$(stat -c %s "$work/ck-small/rank-00001.safetensors")
+truncate -s 1T "$work/ck-odd/shard-huge/rank-00001.safetensors"
+check ckpt-shard-huge 2 "rank-00001.safetensors: expected $shard_size bytes (the index's size), got 1099511627776; the file is truncated or was replaced" -- \
+  timeout 10 "$tpsim" run --layer column --load-checkpoint "$work/ck-odd/shard-huge"
 
 # Megatron's usual embedding setup: sequence parallelism is reduce_scatter_embeddings.
 check embedding-sp 0 "reduce-scatter-embeddings" -- "$tpsim" run --layer embedding --tp 2 --sequence-parallel

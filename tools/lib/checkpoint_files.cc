@@ -1,16 +1,17 @@
 #include "tools/lib/checkpoint_files.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <set>
 #include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "backends/errors.h"
+#include "tools/lib/input_file.h"
 #include "tools/lib/output_files.h"
 
 namespace tpsim {
@@ -23,6 +24,9 @@ using Ints = std::vector<std::int64_t>;
 constexpr const char* kIndexName = "index.json";
 constexpr const char* kFormat = "tpsim-checkpoint";
 constexpr int kVersion = 1;
+// An index holds a few hundred bytes per chunk: 64 MiB is some 100,000 chunks, more than any layer
+// has, and a bound on what a file named index.json can make a load read.
+constexpr std::uint64_t kMaxIndexBytes = std::uint64_t(64) << 20;
 
 std::int64_t volume(const Ints& s) {
   std::int64_t n = 1;
@@ -438,13 +442,16 @@ void CheckpointWriter::commit(const std::string& dir) const {
 CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPath_((fs::path(dir) / kIndexName).string()) {
   TPSIM_CHECK(fs::is_directory(dir), "checkpoint ", dir, ": expected a directory, got ",
               fs::exists(dir) ? "another kind of file" : "nothing there");
-  auto readAll = [](const fs::path& path, const std::string& what) {
-    std::ifstream in(path, std::ios::binary);
-    TPSIM_CHECK(in.good() && fs::is_regular_file(path), "checkpoint ", path.string(), ": expected a readable ", what,
-                ", got ", fs::exists(path) ? "an unreadable file" : "no such file");
-    return std::vector<char>(std::istreambuf_iterator<char>(in), {});
+  // Messages name the file, and what it should be: "checkpoint ck/index.json: expected a readable
+  // index (written last by a complete save), got no such file".
+  const auto openFile = [](const std::string& path, const std::string& kind, const std::string& what) {
+    return tools::InputFile(path, "checkpoint " + path, kind, [&](int error) {
+      return detail::concat("checkpoint ", path, ": expected a readable ", what, ", got ",
+                            error == ENOENT ? "no such file" : "an unreadable file");
+    });
   };
-  const std::vector<char> indexText = readAll(indexPath_, "index (written last by a complete save)");
+  const std::vector<char> indexText =
+      openFile(indexPath_, "an index", "index (written last by a complete save)").readAll(kMaxIndexBytes);
   const std::string& where = indexPath_;
   const json index = parsing(where, [&] { return json::parse(indexText.begin(), indexText.end()); });
   parsing(where, [&] {
@@ -456,12 +463,13 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
     for (const auto& [file, rec] : index.at("files").items()) {
       TPSIM_CHECK(fs::path(file).filename().string() == file && file.find("..") == std::string::npos, where,
                   ": expected plain file names, got '", file, "'");
-      const fs::path path = fs::path(dir) / file;
-      const std::string fw = path.string();
-      std::vector<char> bytes = readAll(path, "safetensors file named in the index");
+      const std::string fw = (fs::path(dir) / file).string();
+      tools::InputFile input = openFile(fw, "a safetensors file", "safetensors file named in the index");
       const auto size = rec.at("size").get<std::uint64_t>();
-      TPSIM_CHECK(bytes.size() == size, fw, ": expected ", size, " bytes (the index's size), got ", bytes.size(),
+      // Before reading: a file of another size, however large, is never read.
+      TPSIM_CHECK(input.size() == size, fw, ": expected ", size, " bytes (the index's size), got ", input.size(),
                   "; the file is truncated or was replaced");
+      std::vector<char> bytes = input.readAll(size);
       TPSIM_CHECK(bytes.size() >= 8, fw, ": expected an 8-byte header length, got a ", bytes.size(), "-byte file");
       std::uint64_t n = 0;
       for (int i = 0; i < 8; ++i) n |= std::uint64_t(static_cast<unsigned char>(bytes[i])) << (8 * i);

@@ -5,7 +5,6 @@
 #include <charconv>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <limits>
 #include <map>
 #include <memory>
@@ -14,6 +13,7 @@
 
 #include "backends/dims.h"
 #include "backends/errors.h"
+#include "tools/lib/input_file.h"
 
 namespace tpsim::tools {
 namespace {
@@ -251,15 +251,6 @@ Header parseHeader(const std::string& where, const std::string& text) {
   return header;
 }
 
-// Reads exactly `n` bytes. Callers have checked the file size first, so a short read means an
-// I/O error or a file that changed while we read it.
-void readExactly(std::FILE* file, void* dst, std::size_t n, const std::string& where,
-                 const char* what) {
-  const std::size_t got = std::fread(dst, 1, n, file);
-  TPSIM_CHECK(got == n, where, ": expected to read ", n, " bytes of ", what, ", got ", got, " (",
-              std::ferror(file) ? std::strerror(errno) : "the file shrank while being read", ")");
-}
-
 // numpy _wrap_header: spaces then '\n' so the data starts on a kAlign boundary; always 1..kAlign
 // spaces, never zero.
 std::size_t headerPadding(std::size_t dictSize, std::size_t lengthFieldSize) {
@@ -272,29 +263,19 @@ namespace {
 
 // An open .npy file positioned at its data, whose header and size have been checked.
 struct OpenNpy {
-  File file;
+  InputFile file;
   Header header;
   std::uint64_t dataBytes = 0;
 };
 
 OpenNpy openNpy(const std::string& path, const std::string& where) {
-  std::error_code ec;
-  // Before opening: opening a FIFO blocks until a writer comes, possibly forever. status()
-  // follows symlinks, so a link to a FIFO or a device is refused too.
-  const std::filesystem::file_type type = std::filesystem::status(path, ec).type();
-  TPSIM_CHECK(type != std::filesystem::file_type::directory, where, ": expected a .npy file, got a directory");
-  TPSIM_CHECK(ec || type == std::filesystem::file_type::regular, where, ": expected a regular file, got ",
-              type == std::filesystem::file_type::fifo     ? "a FIFO"
-              : type == std::filesystem::file_type::socket ? "a socket"
-                                                            : "a device or other special file");
-  File file(std::fopen(path.c_str(), "rb"));
-  const int openErrno = errno;
-  TPSIM_CHECK(file, where, ": expected a readable .npy file, got '", std::strerror(openErrno), "'");
-  const std::uintmax_t fileSize = std::filesystem::file_size(path, ec);
-  TPSIM_CHECK(!ec, where, ": expected a regular file, got '", ec.message(), "'");
+  InputFile file(path, where, "a .npy file", [&](int error) {
+    return detail::concat(where, ": expected a readable .npy file, got '", std::strerror(error), "'");
+  });
+  const std::uint64_t fileSize = file.size();
 
-  std::string preamble(std::min<std::uintmax_t>(fileSize, kPreambleSize), '\0');
-  readExactly(file.get(), preamble.data(), preamble.size(), where, "magic string");
+  std::string preamble(std::min<std::uint64_t>(fileSize, kPreambleSize), '\0');
+  file.read(preamble.data(), preamble.size(), "magic string");
   const bool isZip = preamble.compare(0, 2, "PK") == 0;
   TPSIM_CHECK(preamble.size() == kPreambleSize && preamble.compare(0, kMagicSize, kMagic) == 0,
               where, ": expected the .npy magic string \"\\x93NUMPY\" and a version, got \"",
@@ -313,7 +294,7 @@ OpenNpy openNpy(const std::string& path, const std::string& where) {
               "-byte header length after the magic string, found ", fileSize - kPreambleSize,
               " bytes; the file is truncated");
   unsigned char lengthBytes[4];
-  readExactly(file.get(), lengthBytes, lengthFieldSize, where, "header length");
+  file.read(lengthBytes, lengthFieldSize, "header length");
   std::uint64_t headerSize = 0;
   for (std::size_t i = lengthFieldSize; i-- > 0;) headerSize = (headerSize << 8) | lengthBytes[i];
   const std::uint64_t dataOffset = kPreambleSize + lengthFieldSize + headerSize;
@@ -321,7 +302,7 @@ OpenNpy openNpy(const std::string& path, const std::string& where) {
               " bytes, found ", fileSize - kPreambleSize - lengthFieldSize,
               "; the file is truncated");
   std::string headerText(headerSize, '\0');
-  readExactly(file.get(), headerText.data(), headerText.size(), where, "header");
+  file.read(headerText.data(), headerText.size(), "header");
   Header header = parseHeader(where, headerText);
 
   const std::optional<std::uint64_t> bytes = byteCount(header.shape, dtypeSize(header.dtype));
@@ -350,7 +331,7 @@ NpyArray readNpy(const std::string& path) {
   OpenNpy npy = openNpy(path, where);
   NpyArray array{npy.header.dtype, std::move(npy.header.shape), {}};
   array.data.resize(npy.dataBytes);
-  readExactly(npy.file.get(), array.data.data(), array.data.size(), where, "data");
+  npy.file.read(array.data.data(), array.data.size(), "data");
   return array;
 }
 

@@ -5,13 +5,13 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <sstream>
 #include <tuple>
 
 #include "backends/errors.h"
 #include "sim/rendezvous.h"
+#include "tools/lib/input_file.h"
 #include "tools/lib/output_files.h"
 
 namespace tpsim::tools {
@@ -239,10 +239,18 @@ DeviceModel preset(const std::string& name) {
   return d;
 }
 
+// A device model is a few hundred bytes (seven key = value lines and comments): these bounds keep
+// any file named there from filling memory.
+constexpr std::uint64_t kMaxDeviceModelBytes = 1 << 20;
+constexpr std::size_t kMaxDeviceModelLine = 4096;
+
 DeviceModel fromFile(const std::string& path) {
-  std::ifstream in(path);
-  TPSIM_CHECK(in, "--device-model: expected h100-nvlink, h200-nvlink, a100-nvlink, pcie or a readable key=value "
-              "file, got '", path, "'");
+  const std::string where = "--device-model " + path;
+  InputFile file(path, where, "a key=value file", [&](int) {
+    return detail::concat("--device-model: expected h100-nvlink, h200-nvlink, a100-nvlink, pcie or a readable "
+                          "key=value file, got '", path, "'");
+  });
+  file.checkSize(kMaxDeviceModelBytes);
   DeviceModel d;
   d.name = path;
   std::map<std::string, double*> keys = {
@@ -251,7 +259,7 @@ DeviceModel fromFile(const std::string& path) {
       {"link_gbps", &d.linkGBps}};
   std::map<std::string, bool> seen;
   std::string line;
-  for (int number = 1; std::getline(in, line); ++number) {
+  for (int number = 1; file.readLine(line, kMaxDeviceModelLine); ++number) {
     line = line.substr(0, line.find('#'));
     const auto notSpace = [](unsigned char ch) { return !std::isspace(ch); };
     const auto trim = [&](std::string s) {
@@ -262,7 +270,7 @@ DeviceModel fromFile(const std::string& path) {
     if (trim(line).empty()) continue;
     const std::size_t eq = line.find('=');
     const std::string key = trim(line.substr(0, eq)), text = eq == std::string::npos ? "" : trim(line.substr(eq + 1));
-    TPSIM_CHECK(eq != std::string::npos && keys.count(key), "--device-model ", path, ":", number,
+    TPSIM_CHECK(eq != std::string::npos && keys.count(key), where, ":", number,
                 ": expected key = value with a key of tflops.fp32, tflops.bf16, tflops.fp16, tflops.fp64, "
                 "memory_gbps, link_latency_us, link_gbps, got '", trim(line), "'");
     std::size_t used = 0;
@@ -273,13 +281,13 @@ DeviceModel fromFile(const std::string& path) {
       used = 0;
     }
     const bool latency = key == "link_latency_us";
-    TPSIM_CHECK(used != 0 && used == text.size() && std::isfinite(v) && (latency ? v >= 0 : v > 0), "--device-model ",
-                path, ":", number, ": expected ", key, latency ? " >= 0" : " > 0", ", got '", text, "'");
+    TPSIM_CHECK(used != 0 && used == text.size() && std::isfinite(v) && (latency ? v >= 0 : v > 0), where, ":",
+                number, ": expected ", key, latency ? " >= 0" : " > 0", ", got '", text, "'");
     *keys[key] = v;
     seen[key] = true;
   }
   for (const auto& [key, ptr] : keys)
-    TPSIM_CHECK(seen.count(key), "--device-model ", path, ": expected a value for ", key, ", got none");
+    TPSIM_CHECK(seen.count(key), where, ": expected a value for ", key, ", got none");
   return d;
 }
 
