@@ -11,7 +11,7 @@
 #include <tuple>
 
 #include "backends/errors.h"
-#include "sim/rendezvous.h"
+#include "backends/world/rendezvous.h"
 
 namespace tpsim::tools {
 namespace {
@@ -142,7 +142,7 @@ class RecordingCollectives final : public Collectives {
   RecordingCollectives(Collectives& inner, std::unique_ptr<Collectives> owned, RankRecord& record,
                        TraceClock::time_point t0)
       : inner_(inner), owned_(std::move(owned)), record_(record), t0_(t0),
-        name_(inner.label() + "[" + sim::rankList(inner.globalRanks()) + "]") {}
+        name_(inner.label() + "[" + world::rankList(inner.globalRanks()) + "]") {}
 
   using Collectives::allReduce;
   int rank() const override { return inner_.rank(); }
