@@ -4,11 +4,11 @@
 
 #include <chrono>
 
-#include "sim/rendezvous.h"
+#include "backends/world/rendezvous.h"
 
 namespace tpsim::gpu {
 
-class DeviceTransport : public sim::Transport {
+class DeviceTransport : public world::Transport {
  public:
   // Waits, until `deadline` at most and without throwing, for the data movement enqueued so far;
   // true when all of it finished. After a failed run, collectives may still be in flight that no

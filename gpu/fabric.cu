@@ -150,7 +150,7 @@ void launchReduceFor(DType dtype, const Members& m, int n, std::int64_t count, b
 }
 
 // The widest unit (<= 16 bytes) that divides the block size and every buffer's address.
-int moveUnit(const sim::Collective& c, std::size_t blockBytes) {
+int moveUnit(const world::Collective& c, std::size_t blockBytes) {
   std::uintptr_t bits = blockBytes | 16;
   for (std::size_t r = 0; r < c.in.size(); ++r)
     bits |= reinterpret_cast<std::uintptr_t>(c.in[r].data()) | reinterpret_cast<std::uintptr_t>(c.out[r].data());
@@ -158,24 +158,24 @@ int moveUnit(const sim::Collective& c, std::size_t blockBytes) {
 }
 
 template <typename U>
-void launchMove(const sim::Collective& c, const Members& m, int n, std::size_t blockBytes, cudaStream_t stream) {
+void launchMove(const world::Collective& c, const Members& m, int n, std::size_t blockBytes, cudaStream_t stream) {
   const std::int64_t units = std::int64_t(blockBytes / sizeof(U));
   switch (c.kind) {
-    case sim::OpKind::kAllGather:
+    case world::OpKind::kAllGather:
       allGatherKernel<U><<<blocksFor(std::int64_t(n) * n * units), kThreads, 0, stream>>>(m, n, units);
       break;
-    case sim::OpKind::kBroadcast:
+    case world::OpKind::kBroadcast:
       broadcastKernel<U><<<blocksFor(std::int64_t(n) * units), kThreads, 0, stream>>>(m, n, c.root, units);
       break;
-    case sim::OpKind::kAllToAll:
+    case world::OpKind::kAllToAll:
       allToAllKernel<U><<<blocksFor(std::int64_t(n) * n * units), kThreads, 0, stream>>>(m, n, units);
       break;
-    default: TPSIM_INTERNAL_ASSERT(false, "DeviceFabric: ", sim::opName(c.kind), " moves no blocks");
+    default: TPSIM_INTERNAL_ASSERT(false, "DeviceFabric: ", world::opName(c.kind), " moves no blocks");
   }
-  TPSIM_CUDA_CHECK_LAUNCH(sim::opName(c.kind));
+  TPSIM_CUDA_CHECK_LAUNCH(world::opName(c.kind));
 }
 
-void launchMoveFor(const sim::Collective& c, const Members& m, int n, std::size_t blockBytes, cudaStream_t stream) {
+void launchMoveFor(const world::Collective& c, const Members& m, int n, std::size_t blockBytes, cudaStream_t stream) {
   switch (moveUnit(c, blockBytes)) {
     case 16: return launchMove<uint4>(c, m, n, blockBytes, stream);
     case 8: return launchMove<std::uint64_t>(c, m, n, blockBytes, stream);
@@ -210,14 +210,14 @@ bool DeviceFabric::drain(std::chrono::steady_clock::time_point deadline) noexcep
   return drained;
 }
 
-sim::TransportToken DeviceFabric::issued(int globalRank) {
+world::TransportToken DeviceFabric::issued(int globalRank) {
   return recordEvent(device_, ranks_[globalRank]->stream());
 }
 
-sim::TransportToken DeviceFabric::execute(const sim::Collective& c) {
+world::TransportToken DeviceFabric::execute(const world::Collective& c) {
   const int n = int(c.globalRanks.size());
   TPSIM_CUDA_CHECK(cudaSetDevice(device_));
-  for (const sim::TransportToken& ready : c.issued) TPSIM_CUDA_CHECK(cudaStreamWaitEvent(stream_, eventOf(ready), 0));
+  for (const world::TransportToken& ready : c.issued) TPSIM_CUDA_CHECK(cudaStreamWaitEvent(stream_, eventOf(ready), 0));
   Members m{};
   for (int r = 0; r < n; ++r) {
     m.in[r] = c.in[r].data();
@@ -227,22 +227,22 @@ sim::TransportToken DeviceFabric::execute(const sim::Collective& c) {
   const bool empty = c.inCount == 0 && c.outCount == 0;
   if (!empty) {
     switch (c.kind) {
-      case sim::OpKind::kAllReduce:
-      case sim::OpKind::kReduceScatter:
-        launchReduceFor(c.dtype, m, n, c.outCount, c.kind == sim::OpKind::kReduceScatter, c.reduce == ReduceOp::kMean,
+      case world::OpKind::kAllReduce:
+      case world::OpKind::kReduceScatter:
+        launchReduceFor(c.dtype, m, n, c.outCount, c.kind == world::OpKind::kReduceScatter, c.reduce == ReduceOp::kMean,
                         stream_);
         break;
-      case sim::OpKind::kAllGather: launchMoveFor(c, m, n, std::size_t(c.inCount) * esize, stream_); break;
-      case sim::OpKind::kBroadcast: launchMoveFor(c, m, n, std::size_t(c.outCount) * esize, stream_); break;
-      case sim::OpKind::kAllToAll: launchMoveFor(c, m, n, std::size_t(c.inCount / n) * esize, stream_); break;
-      case sim::OpKind::kBarrier:
-      case sim::OpKind::kSplit: break;
+      case world::OpKind::kAllGather: launchMoveFor(c, m, n, std::size_t(c.inCount) * esize, stream_); break;
+      case world::OpKind::kBroadcast: launchMoveFor(c, m, n, std::size_t(c.outCount) * esize, stream_); break;
+      case world::OpKind::kAllToAll: launchMoveFor(c, m, n, std::size_t(c.inCount / n) * esize, stream_); break;
+      case world::OpKind::kBarrier:
+      case world::OpKind::kSplit: break;
     }
   }
   return recordEvent(device_, stream_);
 }
 
-void DeviceFabric::completed(int globalRank, const sim::TransportToken& done) {
+void DeviceFabric::completed(int globalRank, const world::TransportToken& done) {
   streamWaitToken(device_, ranks_[globalRank]->stream(), done);
 }
 

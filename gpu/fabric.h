@@ -31,9 +31,9 @@ class DeviceFabric final : public DeviceTransport {
   DeviceFabric& operator=(const DeviceFabric&) = delete;
 
   Device device() const override { return Device::kCuda; }
-  sim::TransportToken issued(int globalRank) override;
-  sim::TransportToken execute(const sim::Collective& c) override;
-  void completed(int globalRank, const sim::TransportToken& done) override;
+  world::TransportToken issued(int globalRank) override;
+  world::TransportToken execute(const world::Collective& c) override;
+  void completed(int globalRank, const world::TransportToken& done) override;
   bool drain(std::chrono::steady_clock::time_point deadline) noexcept override;
 
  private:

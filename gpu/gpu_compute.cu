@@ -119,24 +119,9 @@ bool syncFromEnv() {
   return true;
 }
 
-// ---- Checks (SimCompute's, with CUDA memory for host memory) --------------------------------------
+// ---- Checks (of arguments: compute_checks.h, shared with SimCompute) ----------------------------
 
-using compute_checks::checkHolds;
-using compute_checks::checkSameShape;
-void checkCuda(const char* op, const char* arg, ConstView v) { compute_checks::checkDevice(Device::kCuda, op, arg, v); }
-void checkFloating(const char* op, const char* arg, ConstView v) {
-  compute_checks::checkFloating(Device::kCuda, op, arg, v);
-}
-
-void checkIds(const char* op, ConstView ids) {
-  checkCuda(op, "ids", ids);
-  TPSIM_CHECK(ids.dtype() == DType::kInt64, op, ": ids must be int64, got ", ids.str());
-}
-
-void checkMxfp8(const char* op, ConstView data, ConstView scales, int axis) {
-  compute_checks::checkMxfp8(Device::kCuda, op, data, scales, axis);
-}
-
+// A value that copy or fill cannot store into an int64 or e8m0 output.
 std::string unstorableMessage(const char* op, DType to, double v) {
   if (to == DType::kInt64)
     return tpsim::detail::concat(op, ": an int64 output must receive values in [-2^63, 2^63), got ", v);
@@ -261,9 +246,7 @@ Tensor GpuCompute::empty(Shape shape, DType dtype) {
 // Host memory is pageable: a copy may block the host until the stream is idle, so the stream is
 // drained first (within the deadline), and the copy has finished when these return.
 void GpuCompute::upload(const void* host, View dst) {
-  checkCuda("upload", "dst", dst);
-  TPSIM_CHECK(dst.isContiguous(), "upload: dst must be contiguous, got ", dst.str(),
-              "; upload into a contiguous tensor and copy() into the strided view");
+  compute_checks::checkUpload(Device::kCuda, dst);
   if (dst.bytes() == 0) return;
   synchronize("upload");
   TPSIM_CUDA_CHECK(cudaMemcpyAsync(dst.data(), host, dst.bytes(), cudaMemcpyHostToDevice, stream_));
@@ -271,9 +254,7 @@ void GpuCompute::upload(const void* host, View dst) {
 }
 
 void GpuCompute::download(ConstView src, void* host) {
-  checkCuda("download", "src", src);
-  TPSIM_CHECK(src.isContiguous(), "download: src must be contiguous, got ", src.str(),
-              "; copy() it into a contiguous tensor first");
+  compute_checks::checkDownload(Device::kCuda, src);
   if (src.bytes() == 0) return;
   synchronize("download");
   TPSIM_CUDA_CHECK(cudaMemcpyAsync(host, src.data(), src.bytes(), cudaMemcpyDeviceToHost, stream_));
@@ -283,7 +264,7 @@ void GpuCompute::download(ConstView src, void* host) {
 // ---- Elementwise --------------------------------------------------------------------------------
 
 void GpuCompute::fill(View y, double value) {
-  checkCuda("fill", "y", y);
+  compute_checks::checkFill(Device::kCuda, y);
   TPSIM_CHECK(kern::storable(value, y.dtype()), unstorableMessage("fill", y.dtype(), value));
   enter();
   kern::runFill(onDevice(), y, value);
@@ -291,9 +272,7 @@ void GpuCompute::fill(View y, double value) {
 }
 
 void GpuCompute::copy(ConstView x, View y) {
-  checkCuda("copy", "x", x);
-  checkCuda("copy", "y", y);
-  checkSameShape("copy", "y", y, "x", x);
+  compute_checks::checkCopy(Device::kCuda, x, y);
   enter();
   if (x.dtype() == y.dtype() && x.isContiguous() && y.isContiguous()) {
     const std::size_t bytes = x.bytes();
@@ -316,17 +295,14 @@ void GpuCompute::copy(ConstView x, View y) {
 }
 
 void GpuCompute::axpy(float alpha, ConstView x, View y) {
-  checkFloating("axpy", "x", x);
-  checkFloating("axpy", "y", y);
-  checkSameShape("axpy", "y", y, "x", x);
-  checkHolds("axpy", "y", y, "x", x);
+  compute_checks::checkAxpy(Device::kCuda, x, y);
   enter();
   kern::runAxpy(onDevice(), alpha, x, y);
   finish("axpy");
 }
 
 void GpuCompute::scale(View y, float alpha) {
-  checkFloating("scale", "y", y);
+  compute_checks::checkScale(Device::kCuda, y);
   enter();
   kern::runScale(onDevice(), y, alpha);
   finish("scale");
@@ -369,42 +345,28 @@ void GpuCompute::gemm(ConstView a, ConstView b, View c, float alpha, float beta)
 // ---- Bias, reductions, activations ----------------------------------------------------------------
 
 void GpuCompute::addBias(ConstView bias, View y) {
-  checkFloating("addBias", "bias", bias);
-  checkFloating("addBias", "y", y);
-  TPSIM_CHECK(bias.rank() == 1, "addBias: bias must be a vector (N), got ", bias.str());
-  TPSIM_CHECK(y.rank() >= 1 && y.dim(-1) == bias.dim(0), "addBias: y must be (..., N=", bias.dim(0),
-              "), got ", y.str());
+  compute_checks::checkAddBias(Device::kCuda, bias, y);
   enter();
   kern::runAddBias(onDevice(), bias, y);
   finish("addBias");
 }
 
 void GpuCompute::sumRows(ConstView y, View out, float beta) {
-  checkFloating("sumRows", "y", y);
-  checkFloating("sumRows", "out", out);
-  TPSIM_CHECK(y.rank() >= 1, "sumRows: y must be (..., N), got a scalar ", y.str());
-  const std::int64_t n = y.dim(-1);
-  TPSIM_CHECK(out.rank() == 1 && out.dim(0) == n, "sumRows: out must be (N=", n, "), got ", out.str());
+  compute_checks::checkSumRows(Device::kCuda, y, out);
   enter();
   kern::runSumRows(onDevice(), y, out, beta);
   finish("sumRows");
 }
 
 void GpuCompute::gelu(ConstView x, View y) {
-  checkFloating("gelu", "x", x);
-  checkFloating("gelu", "y", y);
-  checkSameShape("gelu", "y", y, "x", x);
+  compute_checks::checkGelu(Device::kCuda, x, y);
   enter();
   kern::runGelu(onDevice(), x, y);
   finish("gelu");
 }
 
 void GpuCompute::geluBackward(ConstView x, ConstView dy, View dx) {
-  checkFloating("geluBackward", "x", x);
-  checkFloating("geluBackward", "dy", dy);
-  checkFloating("geluBackward", "dx", dx);
-  checkSameShape("geluBackward", "dy", dy, "x", x);
-  checkSameShape("geluBackward", "dx", dx, "x", x);
+  compute_checks::checkGeluBackward(Device::kCuda, x, dy, dx);
   enter();
   kern::runGeluBackward(onDevice(), x, dy, dx);
   finish("geluBackward");
@@ -413,20 +375,14 @@ void GpuCompute::geluBackward(ConstView x, ConstView dy, View dx) {
 // ---- MXFP8 --------------------------------------------------------------------------------------
 
 void GpuCompute::quantizeMxfp8(ConstView x, View data, View scales, int axis) {
-  checkFloating("quantizeMxfp8", "x", x);
-  TPSIM_CHECK(x.rank() == 2, "quantizeMxfp8: x must be a matrix (R, C), got ", x.str());
-  checkSameShape("quantizeMxfp8", "data", data, "x", x);
-  checkMxfp8("quantizeMxfp8", data, scales, axis);
+  compute_checks::checkQuantizeMxfp8(Device::kCuda, x, data, scales, axis);
   enter();
   kern::runQuantizeMxfp8(onDevice(), x, data, scales, axis);
   finish("quantizeMxfp8");
 }
 
 void GpuCompute::dequantizeMxfp8(ConstView data, ConstView scales, int axis, View y) {
-  checkFloating("dequantizeMxfp8", "y", y);
-  TPSIM_CHECK(data.rank() == 2, "dequantizeMxfp8: data must be a matrix (R, C), got ", data.str());
-  checkMxfp8("dequantizeMxfp8", data, scales, axis);
-  checkSameShape("dequantizeMxfp8", "y", y, "data", data);
+  compute_checks::checkDequantizeMxfp8(Device::kCuda, data, scales, axis, y);
   enter();
   kern::runDequantizeMxfp8(onDevice(), data, scales, axis, y);
   finish("dequantizeMxfp8");
@@ -435,13 +391,7 @@ void GpuCompute::dequantizeMxfp8(ConstView data, ConstView scales, int axis, Vie
 // ---- Embedding rows -----------------------------------------------------------------------------
 
 void GpuCompute::gatherRows(ConstView table, ConstView ids, std::int64_t first, View out) {
-  checkFloating("gatherRows", "table", table);
-  checkFloating("gatherRows", "out", out);
-  TPSIM_CHECK(table.rank() == 2, "gatherRows: table must be (V, h), got ", table.str());
-  checkIds("gatherRows", ids);
-  const std::int64_t h = table.dim(1), n = ids.numel();
-  TPSIM_CHECK(out.rank() == 2 && out.dim(0) == n && out.dim(1) == h, "gatherRows: out must be (n=", n,
-              ", h=", h, "), got ", out.str());
+  compute_checks::checkGatherRows(Device::kCuda, table, ids, out);
   enter();
   Tensor idsDense;  // (n)
   if (!ids.isContiguous()) {
@@ -455,14 +405,8 @@ void GpuCompute::gatherRows(ConstView table, ConstView ids, std::int64_t first, 
 // The adds must happen in increasing i for every table element, as in SimCompute, whatever ids
 // repeat: the ids are read on the host and planned there (kern::planScatter).
 void GpuCompute::scatterAddRows(ConstView grad, ConstView ids, std::int64_t first, View table) {
-  checkFloating("scatterAddRows", "grad", grad);
-  checkFloating("scatterAddRows", "table", table);
-  TPSIM_CHECK(table.rank() == 2, "scatterAddRows: table must be (V, h), got ", table.str());
-  checkIds("scatterAddRows", ids);
+  compute_checks::checkScatterAddRows(Device::kCuda, grad, ids, table);
   const std::int64_t vocab = table.dim(0), h = table.dim(1), n = ids.numel();
-  TPSIM_CHECK(grad.rank() == 2 && grad.dim(0) == n && grad.dim(1) == h, "scatterAddRows: grad must be (n=", n,
-              ", h=", h, "), got ", grad.str());
-  checkHolds("scatterAddRows", "table", table, "grad", grad);
   enter();
   if (n == 0 || h == 0) return finish("scatterAddRows");
   std::vector<std::int64_t> flat(static_cast<std::size_t>(n));  // (n)

@@ -21,7 +21,7 @@ struct StreamOwner;  // the device and stream a tensor is freed on (gpu_compute.
 }
 
 // What GpuCompute adds to compute.h and to SimCompute's rules (sim/sim_compute.h), which it
-// follows with the same checks and messages:
+// follows with the same checks and messages (backends/compute_checks.h):
 //  - Views are CUDA memory (Device::kCuda). Every op is enqueued on the rank's own non-blocking
 //    stream and returns without waiting, except upload, download and the ops that must read
 //    device data on the host first (scatterAddRows reads ids; copy or fill into int64 or e8m0

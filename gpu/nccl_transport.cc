@@ -35,7 +35,7 @@ ncclDataType_t ncclTypeOf(DType dtype) {
 
 // The done events of one collective, one per member, on that member's NCCL stream.
 struct DoneEvents {
-  std::map<int, sim::TransportToken> byGlobalRank;
+  std::map<int, world::TransportToken> byGlobalRank;
 };
 
 // One ncclGroupStart/End. The group depth is per thread: an exception that left the group open
@@ -216,11 +216,11 @@ NcclTransport::Communicators& NcclTransport::communicatorsFor(const std::vector<
   return added;
 }
 
-sim::TransportToken NcclTransport::issued(int globalRank) {
+world::TransportToken NcclTransport::issued(int globalRank) {
   return recordEvent(deviceOf(globalRank), ranks_[globalRank]->stream());
 }
 
-sim::TransportToken NcclTransport::execute(const sim::Collective& c) {
+world::TransportToken NcclTransport::execute(const world::Collective& c) {
   TPSIM_CHECK(!aborted_, "NcclTransport: the communicators were aborted after an earlier failure");
   const int n = int(c.globalRanks.size());
   Communicators& set = communicatorsFor(c.globalRanks);
@@ -229,11 +229,11 @@ sim::TransportToken NcclTransport::execute(const sim::Collective& c) {
     streamWaitToken(deviceOf(g), streams_[g], c.issued[i]);
   }
   const ncclDataType_t type = ncclTypeOf(c.dtype);
-  const bool empty = c.inCount == 0 && c.outCount == 0 && c.kind != sim::OpKind::kBarrier;
+  const bool empty = c.inCount == 0 && c.outCount == 0 && c.kind != world::OpKind::kBarrier;
   // ncclAlltoAll is per-peer sends and receives, which may overwrite a block of an in-place
   // member's input before it was sent: stage those inputs (the simulator stages every exchange).
   std::vector<std::unique_ptr<StagedInput>> staged(static_cast<std::size_t>(n));  // by group rank
-  if (c.kind == sim::OpKind::kAllToAll && !empty)
+  if (c.kind == world::OpKind::kAllToAll && !empty)
     for (int i = 0; i < n; ++i)
       if (c.in[i].data() == c.out[i].data()) {
         const int g = c.globalRanks[i];
@@ -247,37 +247,37 @@ sim::TransportToken NcclTransport::execute(const sim::Collective& c) {
       const void* in = staged[i] ? staged[i]->data() : c.in[i].data();
       void* out = c.out[i].data();
       switch (c.kind) {
-        case sim::OpKind::kAllReduce:
+        case world::OpKind::kAllReduce:
           checkIssued(ncclAllReduce(in, out, std::size_t(c.inCount), type, ncclSum, set.comms[i], s), "ncclAllReduce");
           break;
-        case sim::OpKind::kReduceScatter:
+        case world::OpKind::kReduceScatter:
           checkIssued(ncclReduceScatter(in, out, std::size_t(c.outCount), type, ncclSum, set.comms[i], s),
                       "ncclReduceScatter");
           break;
-        case sim::OpKind::kAllGather:
+        case world::OpKind::kAllGather:
           checkIssued(ncclAllGather(in, out, std::size_t(c.inCount), type, set.comms[i], s), "ncclAllGather");
           break;
-        case sim::OpKind::kBroadcast:
+        case world::OpKind::kBroadcast:
           checkIssued(ncclBroadcast(in, out, std::size_t(c.outCount), type, c.root, set.comms[i], s), "ncclBroadcast");
           break;
-        case sim::OpKind::kAllToAll:
+        case world::OpKind::kAllToAll:
           checkIssued(ncclAlltoAll(in, out, std::size_t(c.inCount / n), type, set.comms[i], s), "ncclAlltoAll");
           break;
-        case sim::OpKind::kBarrier:
+        case world::OpKind::kBarrier:
           checkIssued(ncclAllReduce(set.barrierFloats[i], set.barrierFloats[i], 1, ncclFloat32, ncclSum, set.comms[i], s),
                       "ncclAllReduce (barrier)");
           break;
-        case sim::OpKind::kSplit: break;
+        case world::OpKind::kSplit: break;
       }
     }
     group.end("ncclGroupEnd");
-    awaitComms(set.comms, sim::opName(c.kind));
+    awaitComms(set.comms, world::opName(c.kind));
   }
   auto done = std::make_shared<DoneEvents>();
   for (int i = 0; i < n; ++i) {
     const int g = c.globalRanks[i];
     const bool mean = c.reduce == ReduceOp::kMean &&
-                      (c.kind == sim::OpKind::kAllReduce || c.kind == sim::OpKind::kReduceScatter);
+                      (c.kind == world::OpKind::kAllReduce || c.kind == world::OpKind::kReduceScatter);
     if (mean && !empty) {
       TPSIM_CUDA_CHECK(cudaSetDevice(deviceOf(g)));
       divideOnDevice(c.dtype, c.out[i].data(), c.outCount, n, streams_[g]);
@@ -287,7 +287,7 @@ sim::TransportToken NcclTransport::execute(const sim::Collective& c) {
   return done;
 }
 
-void NcclTransport::completed(int globalRank, const sim::TransportToken& done) {
+void NcclTransport::completed(int globalRank, const world::TransportToken& done) {
   const auto& events = static_cast<const DoneEvents*>(done.get())->byGlobalRank;
   streamWaitToken(deviceOf(globalRank), ranks_[globalRank]->stream(), events.at(globalRank));
 }

@@ -1,10 +1,10 @@
 // gpu::World: the same SPMD rank code as sim::World, on CUDA devices.
 //
 // Each rank gets a GpuCompute (its own stream, cuBLASLt handle and workspace) and a world
-// communicator from the simulator's rendezvous (sim/rendezvous.h), so matching, deadlocks,
-// timeouts, failed ranks and dropped Work behave and read exactly as on the simulator. Only the
-// data movement differs: DeviceFabric (every rank on one GPU) or NCCL (one GPU per rank). Not a
-// multi-process world: one process drives every rank.
+// communicator from the rendezvous both worlds share (backends/world/rendezvous.h), so matching,
+// deadlocks, timeouts, failed ranks and dropped Work behave and read exactly as on the simulator.
+// Only the data movement differs: DeviceFabric (every rank on one GPU) or NCCL (one GPU per
+// rank). Not a multi-process world: one process drives every rank.
 #pragma once
 
 #include <memory>
@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "backends/world.h"
-#include "sim/rendezvous.h"
+#include "backends/world/rendezvous.h"
 
 namespace tpsim::gpu {
 
@@ -63,7 +63,7 @@ class World final : public tpsim::World {
 
   std::shared_ptr<DeviceTransport> makeTransport();
 
-  sim::Rendezvous rendezvous_;
+  world::Rendezvous rendezvous_;
   TransportKind transport_;
   long long timeoutMs_;
   std::string deviceName_;

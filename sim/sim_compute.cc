@@ -122,15 +122,6 @@ bool denseFp32(const Views&... views) {
   return ((views.dtype() == DType::kFloat32 && views.isContiguous()) && ...);
 }
 
-// ---- Checks -------------------------------------------------------------------------------------
-
-using compute_checks::checkHolds;
-using compute_checks::checkSameShape;
-void checkHost(const char* op, const char* arg, ConstView v) { compute_checks::checkDevice(Device::kHost, op, arg, v); }
-void checkFloating(const char* op, const char* arg, ConstView v) {
-  compute_checks::checkFloating(Device::kHost, op, arg, v);
-}
-
 // ---- Element access -----------------------------------------------------------------------------
 
 template <typename T>
@@ -217,9 +208,8 @@ Strides rowBroadcast(ConstView v, std::int64_t inner) {
   return s;
 }
 
-std::vector<std::int64_t> flatIds(const char* op, ConstView ids) {
-  checkHost(op, "ids", ids);
-  TPSIM_CHECK(ids.dtype() == DType::kInt64, op, ": ids must be int64, got ", ids.str());
+// The int64 ids, in row-major order.
+std::vector<std::int64_t> flatIds(ConstView ids) {
   std::vector<std::int64_t> flat;  // (n)
   flat.reserve(std::size_t(ids.numel()));
   forEach<1>(ids.shape(), {ids.strides()},
@@ -358,23 +348,19 @@ Tensor SimCompute::empty(Shape shape, DType dtype) {
 }
 
 void SimCompute::upload(const void* host, View dst) {
-  checkHost("upload", "dst", dst);
-  TPSIM_CHECK(dst.isContiguous(), "upload: dst must be contiguous, got ", dst.str(),
-              "; upload into a contiguous tensor and copy() into the strided view");
+  compute_checks::checkUpload(Device::kHost, dst);
   if (dst.bytes() != 0) std::memcpy(dst.data(), host, dst.bytes());
 }
 
 void SimCompute::download(ConstView src, void* host) {
-  checkHost("download", "src", src);
-  TPSIM_CHECK(src.isContiguous(), "download: src must be contiguous, got ", src.str(),
-              "; copy() it into a contiguous tensor first");
+  compute_checks::checkDownload(Device::kHost, src);
   if (src.bytes() != 0) std::memcpy(host, src.data(), src.bytes());
 }
 
 // ---- Elementwise --------------------------------------------------------------------------------
 
 void SimCompute::fill(View y, double value) {
-  checkHost("fill", "y", y);
+  compute_checks::checkFill(Device::kHost, y);
   if (denseFp32(y)) {
     float* p = y.typed<float>();
     std::fill(p, p + y.numel(), float(value));
@@ -384,9 +370,7 @@ void SimCompute::fill(View y, double value) {
 }
 
 void SimCompute::copy(ConstView x, View y) {
-  checkHost("copy", "x", x);
-  checkHost("copy", "y", y);
-  checkSameShape("copy", "y", y, "x", x);
+  compute_checks::checkCopy(Device::kHost, x, y);
   if (x.dtype() == y.dtype() && x.isContiguous() && y.isContiguous()) {
     if (x.bytes() != 0 && x.data() != y.data()) std::memmove(y.data(), x.data(), x.bytes());
     return;
@@ -399,10 +383,7 @@ void SimCompute::copy(ConstView x, View y) {
 }
 
 void SimCompute::axpy(float alpha, ConstView x, View y) {
-  checkFloating("axpy", "x", x);
-  checkFloating("axpy", "y", y);
-  checkSameShape("axpy", "y", y, "x", x);
-  checkHolds("axpy", "y", y, "x", x);
+  compute_checks::checkAxpy(Device::kHost, x, y);
   if (denseFp32(x, y)) {
     const float* xp = x.typed<float>();
     float* yp = y.typed<float>();
@@ -419,7 +400,7 @@ void SimCompute::axpy(float alpha, ConstView x, View y) {
 }
 
 void SimCompute::scale(View y, float alpha) {
-  checkFloating("scale", "y", y);
+  compute_checks::checkScale(Device::kHost, y);
   withAccumType({y.dtype()}, [&](auto zero) {
     using T = decltype(zero);
     forEach<1>(y.shape(), {y.strides()}, [&](const auto& o) {
@@ -449,11 +430,7 @@ void SimCompute::gemm(ConstView a, ConstView b, View c, float alpha, float beta)
 // ---- Bias, reductions, activations ---------------------------------------------------------------
 
 void SimCompute::addBias(ConstView bias, View y) {
-  checkFloating("addBias", "bias", bias);
-  checkFloating("addBias", "y", y);
-  TPSIM_CHECK(bias.rank() == 1, "addBias: bias must be a vector (N), got ", bias.str());
-  TPSIM_CHECK(y.rank() >= 1 && y.dim(-1) == bias.dim(0), "addBias: y must be (..., N=", bias.dim(0),
-              "), got ", y.str());
+  compute_checks::checkAddBias(Device::kHost, bias, y);
   if (denseFp32(bias, y)) {
     const float* b = bias.typed<float>();
     float* yp = y.typed<float>();
@@ -472,11 +449,8 @@ void SimCompute::addBias(ConstView bias, View y) {
 }
 
 void SimCompute::sumRows(ConstView y, View out, float beta) {
-  checkFloating("sumRows", "y", y);
-  checkFloating("sumRows", "out", out);
-  TPSIM_CHECK(y.rank() >= 1, "sumRows: y must be (..., N), got a scalar ", y.str());
+  compute_checks::checkSumRows(Device::kHost, y, out);
   const std::int64_t n = y.dim(-1);
-  TPSIM_CHECK(out.rank() == 1 && out.dim(0) == n, "sumRows: out must be (N=", n, "), got ", out.str());
   if (denseFp32(y, out)) {
     std::vector<float> acc(std::size_t(n), 0.f);  // (N), rows added in increasing order
     const float* yp = y.typed<float>();
@@ -503,9 +477,7 @@ void SimCompute::sumRows(ConstView y, View out, float beta) {
 
 // Φ(x) and φ(x) as PyTorch writes them: erf of x·(1/√2), not x/√2.
 void SimCompute::gelu(ConstView x, View y) {
-  checkFloating("gelu", "x", x);
-  checkFloating("gelu", "y", y);
-  checkSameShape("gelu", "y", y, "x", x);
+  compute_checks::checkGelu(Device::kHost, x, y);
   if (denseFp32(x, y)) {
     const float* xp = x.typed<float>();
     float* yp = y.typed<float>();
@@ -523,11 +495,7 @@ void SimCompute::gelu(ConstView x, View y) {
 }
 
 void SimCompute::geluBackward(ConstView x, ConstView dy, View dx) {
-  checkFloating("geluBackward", "x", x);
-  checkFloating("geluBackward", "dy", dy);
-  checkFloating("geluBackward", "dx", dx);
-  checkSameShape("geluBackward", "dy", dy, "x", x);
-  checkSameShape("geluBackward", "dx", dx, "x", x);
+  compute_checks::checkGeluBackward(Device::kHost, x, dy, dx);
   if (denseFp32(x, dy, dx)) {
     const float *xp = x.typed<float>(), *dyp = dy.typed<float>();
     float* dxp = dx.typed<float>();
@@ -553,10 +521,7 @@ void SimCompute::geluBackward(ConstView x, ConstView dy, View dx) {
 // ---- MXFP8 --------------------------------------------------------------------------------------
 
 void SimCompute::quantizeMxfp8(ConstView x, View data, View scales, int axis) {
-  checkFloating("quantizeMxfp8", "x", x);
-  TPSIM_CHECK(x.rank() == 2, "quantizeMxfp8: x must be a matrix (R, C), got ", x.str());
-  checkSameShape("quantizeMxfp8", "data", data, "x", x);
-  compute_checks::checkMxfp8(Device::kHost, "quantizeMxfp8", data, scales, axis);
+  compute_checks::checkQuantizeMxfp8(Device::kHost, x, data, scales, axis);
   // Element k of the block (a, b): row-major (a, k) for rowwise blocks, (k, a) for columnwise ones.
   auto offset = [axis](ConstView v, std::int64_t a, std::int64_t k) {
     return axis == 1 ? a * v.stride(0) + k * v.stride(1) : k * v.stride(0) + a * v.stride(1);
@@ -586,10 +551,7 @@ void SimCompute::quantizeMxfp8(ConstView x, View data, View scales, int axis) {
 }
 
 void SimCompute::dequantizeMxfp8(ConstView data, ConstView scales, int axis, View y) {
-  checkFloating("dequantizeMxfp8", "y", y);
-  TPSIM_CHECK(data.rank() == 2, "dequantizeMxfp8: data must be a matrix (R, C), got ", data.str());
-  compute_checks::checkMxfp8(Device::kHost, "dequantizeMxfp8", data, scales, axis);
-  checkSameShape("dequantizeMxfp8", "y", y, "data", data);
+  compute_checks::checkDequantizeMxfp8(Device::kHost, data, scales, axis, y);
   // Both factors fit double exactly (4 significant bits times a power of two), so the product is
   // exact and the store below is the only rounding.
   for (std::int64_t r = 0; r < data.dim(0); ++r)
@@ -604,13 +566,9 @@ void SimCompute::dequantizeMxfp8(ConstView data, ConstView scales, int axis, Vie
 // ---- Embedding rows -----------------------------------------------------------------------------
 
 void SimCompute::gatherRows(ConstView table, ConstView ids, std::int64_t first, View out) {
-  checkFloating("gatherRows", "table", table);
-  checkFloating("gatherRows", "out", out);
-  TPSIM_CHECK(table.rank() == 2, "gatherRows: table must be (V, h), got ", table.str());
-  const std::vector<std::int64_t> flat = flatIds("gatherRows", ids);  // (n)
+  compute_checks::checkGatherRows(Device::kHost, table, ids, out);
+  const std::vector<std::int64_t> flat = flatIds(ids);  // (n)
   const std::int64_t vocab = table.dim(0), h = table.dim(1), n = ids.numel();
-  TPSIM_CHECK(out.rank() == 2 && out.dim(0) == n && out.dim(1) == h, "gatherRows: out must be (n=", n,
-              ", h=", h, "), got ", out.str());
   withAccumType({table.dtype(), out.dtype()}, [&](auto zero) {
     using T = decltype(zero);
     for (std::int64_t i = 0; i < n; ++i) {
@@ -628,14 +586,9 @@ void SimCompute::gatherRows(ConstView table, ConstView ids, std::int64_t first, 
 }
 
 void SimCompute::scatterAddRows(ConstView grad, ConstView ids, std::int64_t first, View table) {
-  checkFloating("scatterAddRows", "grad", grad);
-  checkFloating("scatterAddRows", "table", table);
-  TPSIM_CHECK(table.rank() == 2, "scatterAddRows: table must be (V, h), got ", table.str());
-  const std::vector<std::int64_t> flat = flatIds("scatterAddRows", ids);  // (n)
+  compute_checks::checkScatterAddRows(Device::kHost, grad, ids, table);
+  const std::vector<std::int64_t> flat = flatIds(ids);  // (n)
   const std::int64_t vocab = table.dim(0), h = table.dim(1), n = ids.numel();
-  TPSIM_CHECK(grad.rank() == 2 && grad.dim(0) == n && grad.dim(1) == h, "scatterAddRows: grad must be (n=", n,
-              ", h=", h, "), got ", grad.str());
-  checkHolds("scatterAddRows", "table", table, "grad", grad);
   withAccumType({grad.dtype(), table.dtype()}, [&](auto zero) {
     using T = decltype(zero);
     for (std::int64_t i = 0; i < n; ++i) {

@@ -11,13 +11,13 @@ namespace tpsim::sim {
 
 // Every member has issued and none may touch its buffers until wait() returns, so reading and
 // writing them here, under the rendezvous lock, is safe.
-TransportToken HostTransport::execute(const Collective& c) {
+world::TransportToken HostTransport::execute(const world::Collective& c) {
   const int n = int(c.globalRanks.size());
   const std::size_t esize = dtypeSize(c.dtype);
   if (c.inCount == 0 && c.outCount == 0) return nullptr;  // barrier, empty buffers
   switch (c.kind) {
-    case OpKind::kAllReduce:
-    case OpKind::kReduceScatter: {
+    case world::OpKind::kAllReduce:
+    case world::OpKind::kReduceScatter: {
       std::vector<const void*> inputs(n);
       for (int r = 0; r < n; ++r) inputs[r] = c.in[r].data();
       // The scratch buffer only grows: a fresh multi-megabyte buffer per collective would
@@ -27,12 +27,12 @@ TransportToken HostTransport::execute(const Collective& c) {
       reduceInRankOrder(c.dtype, c.reduce, inputs, c.inCount, sum);
       const std::size_t blockBytes = std::size_t(c.outCount) * esize;
       for (int r = 0; r < n; ++r) {
-        const char* src = sum + (c.kind == OpKind::kReduceScatter ? r * blockBytes : 0);
+        const char* src = sum + (c.kind == world::OpKind::kReduceScatter ? r * blockBytes : 0);
         std::memcpy(c.out[r].data(), src, blockBytes);
       }
       break;
     }
-    case OpKind::kAllGather: {
+    case world::OpKind::kAllGather: {
       const std::size_t blockBytes = std::size_t(c.inCount) * esize;
       for (int r = 0; r < n; ++r)
         for (int q = 0; q < n; ++q) {
@@ -41,13 +41,13 @@ TransportToken HostTransport::execute(const Collective& c) {
         }
       break;
     }
-    case OpKind::kBroadcast: {
+    case world::OpKind::kBroadcast: {
       const void* src = c.in[c.root].data();
       for (int r = 0; r < n; ++r)
         if (c.out[r].data() != src) std::memmove(c.out[r].data(), src, std::size_t(c.outCount) * esize);
       break;
     }
-    case OpKind::kAllToAll: {
+    case world::OpKind::kAllToAll: {
       // An in-place exchange overwrites blocks other ranks still need: stage the inputs first.
       const std::size_t blockBytes = std::size_t(c.inCount / n) * esize;
       bool inPlace = false;
@@ -66,8 +66,8 @@ TransportToken HostTransport::execute(const Collective& c) {
           std::memcpy(static_cast<char*>(c.out[r].data()) + q * blockBytes, src[q] + r * blockBytes, blockBytes);
       break;
     }
-    case OpKind::kBarrier:
-    case OpKind::kSplit: break;
+    case world::OpKind::kBarrier:
+    case world::OpKind::kSplit: break;
   }
   return nullptr;
 }

@@ -1,7 +1,7 @@
 // sim::World: N simulated ranks in one process, running one SPMD function to completion.
 //
 // Rank code is ordinary blocking code, the same a GPU rank runs: it sees a RankContext and waits
-// on Work handles. Ranks run on fibers (sim/rendezvous.h), so 64 ranks on 2 cores cost a stack
+// on Work handles. Ranks run on fibers (backends/world/rendezvous.h), so 64 ranks on 2 cores cost a stack
 // switch per wait, not an OS thread. Collectives are exact and deterministic: reductions sum in
 // rank order (sim/reduce.h), whatever the number of worker threads. Nothing hangs: a mismatch, a
 // deadlock, a failed rank, a timeout or a dropped Work becomes a CollectiveError on every rank and
@@ -13,16 +13,16 @@
 #include <vector>
 
 #include "backends/world.h"
+#include "backends/world/rendezvous.h"
 #include "sim/host_pool.h"
-#include "sim/rendezvous.h"
 
 namespace tpsim::sim {
 
 // Host memory, data moved under the rendezvous lock by the last member to arrive.
-class HostTransport final : public Transport {
+class HostTransport final : public world::Transport {
  public:
   Device device() const override { return Device::kHost; }
-  TransportToken execute(const Collective& c) override;
+  world::TransportToken execute(const world::Collective& c) override;
 
  private:
   std::vector<char> scratch_;  // staging of the collective being executed; guarded by the lock
@@ -38,10 +38,10 @@ class World final : public tpsim::World {
   const std::vector<std::vector<TraceEvent>>& trace() const override { return rendezvous_.trace(); }
 
  private:
-  Rendezvous rendezvous_;
+  world::Rendezvous rendezvous_;
   std::unique_ptr<HostPool> gemmPool_;  // the threads that run no rank; outlives computes_
   std::vector<std::shared_ptr<Compute>> computes_;
-  std::shared_ptr<Transport> transport_;
+  std::shared_ptr<world::Transport> transport_;
 };
 
 }  // namespace tpsim::sim

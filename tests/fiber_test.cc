@@ -1,6 +1,6 @@
 // Fiber: switching, values handed across, and exception state that stays with its fiber even
 // when several fibers are suspended inside catch blocks on one thread.
-#include "sim/fiber.h"
+#include "backends/world/fiber.h"
 
 #include <gtest/gtest.h>
 
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-namespace tpsim::sim {
+namespace tpsim::world {
 namespace {
 
 TEST(Fiber, RunsUntilSuspendAndHandsTheRequestOver) {
@@ -91,4 +91,4 @@ TEST(Fiber, DeepRecursionFitsTheDefaultStack) {
 }
 
 }  // namespace
-}  // namespace tpsim::sim
+}  // namespace tpsim::world

@@ -10,7 +10,7 @@
 #include <mutex>
 #include <vector>
 
-#include "sim/rendezvous.h"
+#include "backends/world/rendezvous.h"
 #include "sim/sim_compute.h"
 #include "sim/world.h"
 
@@ -20,28 +20,28 @@ namespace {
 using ::testing::HasSubstr;
 
 // A transport that records its calls and moves data with the host transport.
-class RecordingTransport final : public sim::Transport {
+class RecordingTransport final : public world::Transport {
  public:
   explicit RecordingTransport(int failAtExecute = -1) : failAtExecute_(failAtExecute) {}
   Device device() const override { return Device::kHost; }
-  sim::TransportToken issued(int globalRank) override {
+  world::TransportToken issued(int globalRank) override {
     std::lock_guard<std::mutex> lock(mu_);
     return std::make_shared<int>(globalRank * 1000 + int(issuedCount_++));
   }
-  sim::TransportToken execute(const sim::Collective& c) override {
+  world::TransportToken execute(const world::Collective& c) override {
     const int index = int(executed_.size());
     executed_.push_back(c);
     if (index == failAtExecute_) throw BackendError("device lost while executing");
     host_.execute(c);
     return std::make_shared<int>(index);
   }
-  void completed(int globalRank, const sim::TransportToken& done) override {
+  void completed(int globalRank, const world::TransportToken& done) override {
     std::lock_guard<std::mutex> lock(mu_);
     completed_.push_back({globalRank, *std::static_pointer_cast<int>(done)});
   }
   void abort() override { ++aborts_; }
 
-  std::vector<sim::Collective> executed_;          // under the rendezvous lock
+  std::vector<world::Collective> executed_;        // under the rendezvous lock
   std::vector<std::pair<int, int>> completed_;     // (rank, execute index)
   int aborts_ = 0;
 
@@ -69,7 +69,7 @@ class RendezvousTest : public ::testing::TestWithParam<int> {};  // worker threa
 
 TEST_P(RendezvousTest, TokensFlowFromIssueThroughExecuteToCompleted) {
   constexpr int kRanks = 3;
-  sim::Rendezvous rendezvous("sim", options(kRanks, GetParam()));
+  world::Rendezvous rendezvous("sim", options(kRanks, GetParam()));
   auto transport = std::make_shared<RecordingTransport>();
   rendezvous.run(
       [](RankContext& ctx) {
@@ -85,8 +85,8 @@ TEST_P(RendezvousTest, TokensFlowFromIssueThroughExecuteToCompleted) {
       computes(kRanks), transport);
   // The split moves no data: two collectives reach the transport, the allReduce and the barrier.
   ASSERT_EQ(transport->executed_.size(), 2u);
-  const sim::Collective& allReduce = transport->executed_[0];
-  EXPECT_EQ(allReduce.kind, sim::OpKind::kAllReduce);
+  const world::Collective& allReduce = transport->executed_[0];
+  EXPECT_EQ(allReduce.kind, world::OpKind::kAllReduce);
   EXPECT_EQ(allReduce.group, "world[0-2]");
   EXPECT_EQ(allReduce.globalRanks, (std::vector<int>{0, 1, 2}));
   ASSERT_EQ(allReduce.issued.size(), 3u);
@@ -94,7 +94,7 @@ TEST_P(RendezvousTest, TokensFlowFromIssueThroughExecuteToCompleted) {
     ASSERT_TRUE(allReduce.issued[r]) << "rank " << r;
     EXPECT_EQ(*std::static_pointer_cast<int>(allReduce.issued[r]) / 1000, r) << "token of another rank";
   }
-  EXPECT_EQ(transport->executed_[1].kind, sim::OpKind::kBarrier);
+  EXPECT_EQ(transport->executed_[1].kind, world::OpKind::kBarrier);
   EXPECT_EQ(transport->executed_[1].group, "pair[0,1]");
   // completed() ran once per member and collective, with that collective's token.
   std::vector<std::pair<int, int>> done = transport->completed_;
@@ -105,7 +105,7 @@ TEST_P(RendezvousTest, TokensFlowFromIssueThroughExecuteToCompleted) {
 
 TEST_P(RendezvousTest, ATransportErrorFailsEveryRankWithTheSameBackendError) {
   constexpr int kRanks = 4;
-  sim::Rendezvous rendezvous("gpu", options(kRanks, GetParam()));
+  world::Rendezvous rendezvous("gpu", options(kRanks, GetParam()));
   auto transport = std::make_shared<RecordingTransport>(/*failAtExecute=*/1);
   try {
     rendezvous.run(
@@ -130,7 +130,7 @@ TEST_P(RendezvousTest, ATransportErrorFailsEveryRankWithTheSameBackendError) {
 
 TEST_P(RendezvousTest, ARankUnwindingPastAnExecutedCollectiveStillOrdersItsWorkAfterIt) {
   constexpr int kRanks = 3;
-  sim::Rendezvous rendezvous("sim", options(kRanks, GetParam()));
+  world::Rendezvous rendezvous("sim", options(kRanks, GetParam()));
   auto transport = std::make_shared<RecordingTransport>();
   try {
     rendezvous.run(
@@ -161,7 +161,7 @@ INSTANTIATE_TEST_SUITE_P(Threads, RendezvousTest, ::testing::Values(1, 2),
 TEST(Rendezvous, OptionsErrorsNameTheWorld) {
   WorldOptions o;
   o.size = 0;
-  EXPECT_THAT([&] { sim::Rendezvous("gpu", o); },
+  EXPECT_THAT([&] { world::Rendezvous("gpu", o); },
               ::testing::ThrowsMessage<InvalidArgument>(HasSubstr("gpu::World: size must be >= 1, got 0")));
 }
 

@@ -1,6 +1,6 @@
 // Tests of fp32 gemm's kernels (sim/sgemm.h) through SimCompute, each kernel this core runs, of
-// their fp64 twins (dgemm) directly, and of the bounds' bf16 product (upperGemmBf16) against a
-// scalar model of its arithmetic, bit for bit.
+// their fp64 twins (sim/dgemm.h) directly, and of the bounds' bf16 product (sim/upper_gemm_bf16.h)
+// against a scalar model of its arithmetic, bit for bit.
 //
 // Every result is checked against a double-precision product of the stored values, within
 // (K + 2)·2^-24 of the sum of the magnitudes it adds: shapes around the micro-kernels' and the
@@ -19,7 +19,9 @@
 #include <utility>
 #include <vector>
 
+#include "sim/dgemm.h"
 #include "sim/sim_compute.h"
+#include "sim/upper_gemm_bf16.h"
 
 namespace tpsim::sim {
 namespace {
@@ -231,7 +233,7 @@ float bf16Up(float x) {
   return std::max(float(std::ldexp(std::ceil(std::ldexp(m, 8)), e - 8)), 0x1p-126f);
 }
 
-// upperGemmBf16's sums as sim/sgemm.h states them: per K block of 256, pairs of K steps odd first,
+// upperGemmBf16's sums as sim/upper_gemm_bf16.h states them: per K block of 256, pairs of K steps odd first,
 // each one fmaf with a result below 2^-126 flushed to 0; then the blocks added in order.
 float upperModel(const std::vector<float>& a, const std::vector<float>& b, std::int64_t k) {
   float c = 0;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds tpsim (installing missing dependencies) and runs the test suite with CTest.
-#   tools/test.sh                         every test: unit, sim, core and props labels
+#   tools/test.sh                         every test: unit, world, sim, core and props labels
 #   tools/test.sh --sanitize=thread -L sim   the sim tests under ThreadSanitizer
 #   tools/test.sh -- -DTPSIM_NATIVE=OFF       every test of a portable build (as CI runs it)
 # Arguments other than --sanitize go to ctest (-L LABEL, -R REGEX, ...); those after -- go to

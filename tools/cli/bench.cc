@@ -29,10 +29,12 @@
 #endif
 
 #include "backends/compute.h"
+#include "backends/world/fiber.h"
 #include "core/layers.h"
-#include "sim/fiber.h"
+#include "sim/dgemm.h"
 #include "sim/sgemm.h"
 #include "sim/sim_compute.h"
+#include "sim/upper_gemm_bf16.h"
 #include "sim/world.h"
 #include "tools/lib/backend.h"
 #include "tools/cli/bench_gpu.h"
@@ -138,7 +140,7 @@ void benchLatency(const BenchConfig& c) {
   std::printf("# baseline: one OS thread per rank, mutex + condition-variable barrier, same run\n");
   std::printf("# KiB/rank: resident memory the world adds per rank while every rank waits in a collective\n");
   std::printf("# (touched fiber stack pages, rank state; the world's fixed cost shows at few ranks); each fiber\n");
-  std::printf("# maps %zu KiB of stack, resident only as far as it is used\n", sim::Fiber::defaultStackBytes() >> 10);
+  std::printf("# maps %zu KiB of stack, resident only as far as it is used\n", world::Fiber::defaultStackBytes() >> 10);
   std::printf("#%6s %8s %12s %12s %14s %9s %10s\n", "ranks", "threads", "sim(us)", "sim/rank", "thread/rank",
               "speedup", "KiB/rank");
   for (int n : c.ranks) {

@@ -13,18 +13,20 @@
 #include <sys/mman.h>
 
 #include "backends/errors.h"
+#include "sim/dgemm.h"
 #include "sim/host_pool.h"
 #include "sim/sgemm.h"
+#include "sim/upper_gemm_bf16.h"
 #include "tools/lib/layer_kind.h"
 
 namespace tpsim::tools {
 namespace {
 
-// The products are sim/sgemm.h's packed kernels, their blocks spread over the cores (Eigen's
-// product in tiles on cores without AVX2 and FMA). Values are in double: their own rounding (about
-// K·2^-53 relative, whatever order the kernel sums in) stays far below the bounds' fp32 terms. The
-// bounds' magnitudes (the same computation on |values|) are in float, rounded so that they only
-// ever err upwards (upperProduct).
+// The products are the packed kernels of sim/sgemm.h and sim/dgemm.h, their blocks spread over the
+// cores (Eigen's product in tiles on cores without AVX2 and FMA). Values are in double: their own
+// rounding (about K·2^-53 relative, whatever order the kernel sums in) stays far below the bounds'
+// fp32 terms. The bounds' magnitudes (the same computation on |values|) are in float, rounded so
+// that they only ever err upwards (upperProduct).
 using Matrix = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 using MatrixView = Eigen::Map<const Matrix>;
 using FloatMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;

@@ -10,7 +10,7 @@
 #include <tuple>
 
 #include "backends/errors.h"
-#include "sim/rendezvous.h"
+#include "backends/world/rendezvous.h"
 #include "tools/lib/input_file.h"
 #include "tools/lib/output_files.h"
 
@@ -143,7 +143,7 @@ class RecordingCollectives final : public Collectives {
   RecordingCollectives(Collectives& inner, std::unique_ptr<Collectives> owned, RankRecord& record,
                        TraceClock::time_point t0)
       : inner_(inner), owned_(std::move(owned)), record_(record), t0_(t0),
-        name_(inner.label() + "[" + sim::rankList(inner.globalRanks()) + "]") {}
+        name_(inner.label() + "[" + world::rankList(inner.globalRanks()) + "]") {}
 
   using Collectives::allReduce;
   int rank() const override { return inner_.rank(); }

@@ -1,4 +1,4 @@
-#include "sim/fiber.h"
+#include "backends/world/fiber.h"
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -34,7 +34,7 @@
 #endif
 
 
-namespace tpsim::sim {
+namespace tpsim::world {
 namespace ctx = boost::context::detail;
 
 namespace {
@@ -147,4 +147,4 @@ void Fiber::entry(void* transfer) {
   TPSIM_INTERNAL_ASSERT(false, "a finished fiber was resumed");
 }
 
-}  // namespace tpsim::sim
+}  // namespace tpsim::world

@@ -1,18 +1,18 @@
-// Fiber: a stackful coroutine on its own guarded stack, for running one simulated rank.
+// Fiber: a stackful coroutine on its own guarded stack, for running one rank of a world.
 //
 // A worker thread resume()s a fiber; the fiber runs until it calls suspend() or its body returns.
 // Fibers never migrate: the world pins each one to a single worker thread, so thread-local state
 // (errno, the C++ runtime's exception bookkeeping) stays coherent; the exception state that
 // libstdc++ keeps per thread is swapped in and out with the fiber, so several fibers may be
 // suspended inside catch blocks on one thread. Stack switches are announced to AddressSanitizer
-// and ThreadSanitizer. This is not a scheduler (world.cc is).
+// and ThreadSanitizer. This is not a scheduler (rendezvous.cc is).
 #pragma once
 
 #include <cstddef>
 #include <exception>
 #include <functional>
 
-namespace tpsim::sim {
+namespace tpsim::world {
 
 class Fiber {
  public:
@@ -58,4 +58,4 @@ class Fiber {
   void* tsanCaller_ = nullptr;
 };
 
-}  // namespace tpsim::sim
+}  // namespace tpsim::world

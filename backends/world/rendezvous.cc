@@ -1,4 +1,4 @@
-#include "sim/rendezvous.h"
+#include "backends/world/rendezvous.h"
 
 #include <algorithm>
 #include <atomic>
@@ -12,9 +12,9 @@
 #include <unordered_map>
 #include <utility>
 
-#include "sim/fiber.h"
+#include "backends/world/fiber.h"
 
-namespace tpsim::sim {
+namespace tpsim::world {
 
 const char* opName(OpKind kind) {
   switch (kind) {
@@ -893,4 +893,4 @@ void Rendezvous::run(const std::function<void(RankContext&)>& fn,
                    fromCollective, run->failureKind);
 }
 
-}  // namespace tpsim::sim
+}  // namespace tpsim::world

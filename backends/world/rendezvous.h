@@ -18,7 +18,7 @@
 #include "backends/compute.h"
 #include "backends/world.h"
 
-namespace tpsim::sim {
+namespace tpsim::world {
 
 enum class OpKind : std::uint8_t { kAllReduce, kAllGather, kReduceScatter, kBroadcast, kAllToAll,
                                    kBarrier, kSplit };
@@ -97,4 +97,4 @@ class Rendezvous {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace tpsim::sim
+}  // namespace tpsim::world
