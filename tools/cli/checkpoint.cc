@@ -8,6 +8,7 @@
 #include <set>
 
 #include "backends/errors.h"
+#include "backends/world/rendezvous.h"
 #include "tools/lib/checkpoint_files.h"
 #include "tools/cli/cli.h"
 #include "tools/lib/output_files.h"
@@ -30,19 +31,6 @@ const char* kCheckpointExitCodes =
     "  0  done\n"
     "  2  bad input: arguments, a checkpoint that is missing, truncated, corrupt or incomplete, or a FILE\n"
     "     that cannot be written; the message names the file, the key and the expected and actual value\n";
-
-// "0-3,6": the ranks, runs of consecutive ones shortened.
-std::string rankList(const std::set<int>& ranks) {
-  std::string out;
-  for (auto it = ranks.begin(); it != ranks.end();) {
-    int last = *it;
-    auto next = std::next(it);
-    while (next != ranks.end() && *next == last + 1) last = *next++;
-    out += (out.empty() ? "" : ",") + std::to_string(*it) + (last > *it ? "-" + std::to_string(last) : "");
-    it = next;
-  }
-  return out;
-}
 
 std::string paddingText(const CheckpointKey& k) {
   const CheckpointChunk& c = k.chunks.front();
@@ -71,11 +59,13 @@ int inspect(const std::string& dir) {
     for (const auto& c : k.chunks) writers.insert(c.writer);
     std::printf("%-22s %-5s %-14s %-14s %6zu  %-10s %s\n", key.c_str(), safetensorsDtype(k.dtype),
                 shapeText(k.globalShape).c_str(), shapeText(k.savedGlobalShape).c_str(), k.chunks.size(),
-                rankList(writers).c_str(), paddingText(k).c_str());
+                world::rankList({writers.begin(), writers.end()}).c_str(), paddingText(k).c_str());
   }
-  for (const auto& [key, o] : reader.objects())
+  for (const auto& [key, o] : reader.objects()) {
+    const std::set<int> writers(o.writers.begin(), o.writers.end());
     std::printf("%-22s %-5s %-14s %-14s %6zu  %-10s %s\n", key.c_str(), "-", shapeText(o.globalShape).c_str(), "-",
-                o.writers.size(), rankList({o.writers.begin(), o.writers.end()}).c_str(), "(value None)");
+                o.writers.size(), world::rankList({writers.begin(), writers.end()}).c_str(), "(value None)");
+  }
   bool placed = false;
   for (const auto& [key, k] : reader.keys())
     if (!k.placement.empty()) {

@@ -46,7 +46,7 @@ struct TensorSpec {
   TensorRole role;                // kParameter, kInput, or kGradient (grad_output)
   std::vector<std::string> dims;  // size symbols: {"s", "b", "K"}
   double sigma = 1.0;             // generated data: normal(0, sigma), rounded to --dtype
-  std::string idRange;            // token ids: int64 in [0, that size) instead of floats
+  std::string idRange = "";       // token ids: int64 in [0, that size) instead of floats
 };
 
 // A weight that GTP_remat shards along its TP-local dim 0, and how a message names that extent.

@@ -12,7 +12,8 @@ namespace {
 // A setting of a RunConfig as a flag (without dashes) and its value ("" for a switch): the one
 // place a field becomes text. `unit` follows the value in the "flag=value" form only.
 struct Setting {
-  std::string flag, value, unit;
+  std::string flag, value;
+  std::string unit = "";
 };
 
 enum class Field {

@@ -8,8 +8,8 @@
 
 namespace tpsim::tools {
 
-const LayerKind& columnLayerKind();     // column.cc: ColumnParallelLinear
-const LayerKind& rowLayerKind();        // row.cc: RowParallelLinear
+const LayerKind& columnLayerKind();     // linear.cc: ColumnParallelLinear
+const LayerKind& rowLayerKind();        // linear.cc: RowParallelLinear
 const LayerKind& embeddingLayerKind();  // embedding.cc: VocabParallelEmbedding
 const LayerKind& mlpLayerKind();        // mlp.cc: fc1 column, exact GeLU, fc2 row
 

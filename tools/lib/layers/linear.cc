@@ -1,0 +1,140 @@
+// --layer column and --layer row: ColumnParallelLinear and RowParallelLinear on (s, b, K) input,
+// weight (N, K) cut over TP along N (column) or K (row).
+#include <algorithm>
+#include <cmath>
+
+#include "backends/errors.h"
+#include "core/checkpoint.h"
+#include "tools/lib/layers/kinds.h"
+#include "tools/lib/reference.h"
+
+namespace tpsim::tools {
+namespace {
+
+ColumnParallelOptions optionsOf(const ColumnParallelLinear*, const RunConfig& c) {
+  ColumnParallelOptions o;
+  o.bias = c.bias;
+  o.gatherOutput = c.gatherOutput;
+  o.stride = c.stride;
+  o.skipBiasAdd = c.skipBiasAdd;
+  o.outputDtype = c.outputDtype;
+  o.disableGradReduce = c.disableGradReduce;
+  o.name = "column";
+  return o;
+}
+
+RowParallelOptions optionsOf(const RowParallelLinear*, const RunConfig& c) {
+  RowParallelOptions o;
+  o.bias = c.bias;
+  o.inputIsParallel = c.inputIsParallel;
+  o.skipBiasAdd = c.skipBiasAdd;
+  o.stride = c.stride;
+  o.name = "row";
+  return o;
+}
+
+Parameter* weightOf(ColumnParallelLinear& layer) { return layer.weight(); }
+Parameter* weightOf(RowParallelLinear& layer) { return &layer.weight(); }
+
+template <class Linear>
+class LinearModules final : public LayerModules {
+ public:
+  LinearModules(const LayerContext& lc, const ModelParallelConfig& mp, const RunConfig& c)
+      : layer_(lc, mp, c.inFeatures, c.outFeatures, uninitialized(), optionsOf(&layer_, c)), dtype_(c.dtype) {}
+
+  std::vector<std::pair<std::string, Parameter*>> parameters() override {
+    return present({{"weight", weightOf(layer_)}, {"bias", layer_.bias()}});
+  }
+  std::vector<TensorPlacement> placements(std::int64_t seq, std::int64_t batch) override {
+    return layerPlacements(layer_, seq, batch);
+  }
+  ShardedStateDict stateDict(Collectives& tp, Collectives* dpCp) override {
+    return shardedStateDict(layer_, "", {}, tp, dpCp);
+  }
+  RankStep step(Compute& compute, ConstView x, ConstView dy) override {
+    return linearStep(compute, layer_, x, dy, dtype_);
+  }
+
+ private:
+  Linear layer_;
+  DType dtype_;
+};
+
+// What column and row share: the sizes and tensors of one linear layer. TP cuts N (column) or K
+// (row) in stride chunks.
+template <class Linear>
+class LinearKind : public LayerKind {
+ public:
+  LinearKind(const char* name, bool cutsOutput, std::vector<LayerOption> options, GtpWeightSpec gtpWeight)
+      : name_(name), options_(std::move(options)), gtpWeights_{std::move(gtpWeight)} {
+    using D = SizeSpec::Divisor;
+    sizes_ = {{"s", "seq", &RunConfig::seq, "the sequence length s", "input", 0, D::kSequenceSplit},
+              {"b", "batch", &RunConfig::batch, "the batch b", "input", 1, D::kGtpRemat},
+              {"K", "in-features", &RunConfig::inFeatures, "K", "weight", 1, cutsOutput ? D::kNone : D::kTpStride},
+              {"N", "out-features", &RunConfig::outFeatures, "N", "weight", 0, cutsOutput ? D::kTpStride : D::kNone}};
+  }
+
+  const char* name() const override { return name_; }
+  bool takes(LayerOption o) const override { return std::count(options_.begin(), options_.end(), o) > 0; }
+  const std::vector<SizeSpec>& sizes() const override { return sizes_; }
+  std::vector<TensorSpec> tensors(const RunConfig& c) const override {
+    std::vector<TensorSpec> t = {{"input", TensorRole::kInput, {"s", "b", "K"}, 1.0},
+                                 {"weight", TensorRole::kParameter, {"N", "K"}, 1.0 / std::sqrt(double(c.inFeatures))}};
+    if (c.bias) t.push_back({"bias", TensorRole::kParameter, {"N"}, 0.1});
+    t.push_back({"grad_output", TensorRole::kGradient, {"s", "b", "N"}, 1.0});
+    return t;
+  }
+  const std::vector<GtpWeightSpec>& gtpWeights() const override { return gtpWeights_; }
+  std::int64_t longestSum(const RunConfig& c) const override {
+    return std::max({c.inFeatures + 1, c.outFeatures, c.seq * c.batch});
+  }
+  std::unique_ptr<LayerModules> build(const LayerContext& lc, const ModelParallelConfig& mp,
+                                      const RunConfig& c) const override {
+    return std::make_unique<LinearModules<Linear>>(lc, mp, c);
+  }
+  std::map<std::string, Checked> reference(const ReferenceOptions& o, const TensorMap& in) const override {
+    return linearReference(o, in);
+  }
+
+ private:
+  const char* name_;
+  std::vector<LayerOption> options_;
+  std::vector<SizeSpec> sizes_;
+  std::vector<GtpWeightSpec> gtpWeights_;
+};
+
+using O = LayerOption;
+
+class RowKind final : public LinearKind<RowParallelLinear> {
+ public:
+  RowKind()
+      : LinearKind("row", false,
+                   {O::kSequenceParallel, O::kBias, O::kStride, O::kInputIsParallel, O::kSkipBiasAdd,
+                    O::kGradAccumulationFusion, O::kMxfp8Weights},
+                   {"weight", "N", false, "N (weight.npy dim 0)", "--out-features"}) {}
+  void validate(const RunConfig& c) const override {
+    TPSIM_CHECK(!(c.sequenceParallel && !c.inputIsParallel),
+                "--sequence-parallel: RowParallelLinear needs --input-is-parallel with it");
+    TPSIM_CHECK(!(c.stride > 1 && !c.inputIsParallel && c.tp > 1),
+                "--stride: RowParallelLinear with stride > 1 needs --input-is-parallel (its input scatter is "
+                "contiguous, its weight columns interleaved)");
+  }
+};
+
+}  // namespace
+
+const LayerKind& columnLayerKind() {
+  static const LinearKind<ColumnParallelLinear> kind(
+      "column", true,
+      {O::kSequenceParallel, O::kBias, O::kStride, O::kOutputDtype, O::kGatherOutput, O::kDisableGradReduce,
+       O::kSkipBiasAdd, O::kGradAccumulationFusion, O::kMxfp8Weights},
+      {"weight", "N", true, "the TP-local rows N / --tp", "--out-features / --tp"});
+  return kind;
+}
+
+const LayerKind& rowLayerKind() {
+  static const RowKind kind;
+  return kind;
+}
+
+}  // namespace tpsim::tools
