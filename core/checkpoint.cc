@@ -50,15 +50,28 @@ void checkData(const char* where, const Parameter& param, const std::string& key
               "' must hold data, got an undefined tensor");
 }
 
+// The TP axis a parameter is sharded along, from its own tensor_model_parallel and partition_dim
+// (what set_tensor_model_parallel_attributes stamped), or nullopt for a parameter TP replicates.
+std::optional<int> tpAxisOf(const Parameter& param) {
+  if (!param.attrs.tensorModelParallel.value_or(false)) return std::nullopt;
+  return param.attrs.partitionDim.value_or(0);
+}
+
+// A layer's weight, bias and extra state with Megatron's axis map ({weight: 0, bias: 0} for a column
+// layer, {weight: 1} for a row layer, SPEC 3.21), read off the parameters themselves.
 ShardedStateDict layerStateDict(const char* where, const Parameter* weight, const Parameter* bias,
-                                const AxisMap& axisMap, const std::string& prefix,
-                                const std::vector<RankOffset>& shardedOffsets, Collectives& tp, Collectives* dpCp) {
+                                const std::string& prefix, const std::vector<RankOffset>& shardedOffsets,
+                                Collectives& tp, Collectives* dpCp) {
   TPSIM_CHECK(dpCp != nullptr, where, ": metadata must provide dp_cp_group, got nullptr; pass the gtp-inclusive "
               "DP-CP group (there is no global group to fall back to)");
   // Module state-dict order: parameters as registered (absent ones omitted), then the extra state.
   std::vector<StateDictEntry> stateDict;
-  if (weight != nullptr) stateDict.push_back({"weight", weight});
-  if (bias != nullptr) stateDict.push_back({"bias", bias});
+  AxisMap axisMap;
+  for (const auto& [name, param] : {std::pair{"weight", weight}, {"bias", bias}}) {
+    if (param == nullptr) continue;
+    stateDict.push_back({name, param});
+    if (const std::optional<int> axis = tpAxisOf(*param)) axisMap[name] = *axis;
+  }
   stateDict.push_back({kExtraStateSuffix, nullptr});
   return makeShardedTensorsForCheckpoint(stateDict, prefix, axisMap, shardedOffsets, tp, *dpCp);
 }
@@ -241,16 +254,16 @@ ShardedStateDict makeShardedTensorsForCheckpoint(const std::vector<StateDictEntr
 
 ShardedStateDict shardedStateDict(ColumnParallelLinear& layer, const std::string& prefix,
                                   const std::vector<RankOffset>& shardedOffsets, Collectives& tp, Collectives* dpCp) {
-  ShardedStateDict sd = layerStateDict("shardedStateDict(ColumnParallelLinear)", layer.weight(), layer.bias(),
-                                       {{"weight", 0}, {"bias", 0}}, prefix, shardedOffsets, tp, dpCp);
+  ShardedStateDict sd = layerStateDict("shardedStateDict(ColumnParallelLinear)", layer.weight(), layer.bias(), prefix,
+                                       shardedOffsets, tp, dpCp);
   if (layer.weight() != nullptr) saveWeightAs(layer.weightFormat(), layer.compute(), *layer.weight(), sd);
   return sd;
 }
 
 ShardedStateDict shardedStateDict(RowParallelLinear& layer, const std::string& prefix,
                                   const std::vector<RankOffset>& shardedOffsets, Collectives& tp, Collectives* dpCp) {
-  ShardedStateDict sd = layerStateDict("shardedStateDict(RowParallelLinear)", &layer.weight(), layer.bias(),
-                                       {{"weight", 1}}, prefix, shardedOffsets, tp, dpCp);
+  ShardedStateDict sd = layerStateDict("shardedStateDict(RowParallelLinear)", &layer.weight(), layer.bias(), prefix,
+                                       shardedOffsets, tp, dpCp);
   saveWeightAs(layer.weightFormat(), layer.compute(), layer.weight(), sd);
   return sd;
 }
@@ -259,8 +272,9 @@ ShardedStateDict shardedStateDict(VocabParallelEmbedding& layer, const std::stri
                                   const std::vector<RankOffset>& shardedOffsets, Collectives& tp, Collectives* dpCp) {
   TPSIM_CHECK(dpCp != nullptr, "shardedStateDict(VocabParallelEmbedding): metadata must provide dp_cp_group, got "
               "nullptr; pass the gtp-inclusive DP-CP group (there is no global group to fall back to)");
-  ShardedTensor weight =
-      makeTpShardedTensorForCheckpoint(layer.weight(), prefix + "weight", 0, std::nullopt, shardedOffsets, tp, *dpCp);
+  ShardedTensor weight = makeTpShardedTensorForCheckpoint(layer.weight(), prefix + "weight",
+                                                          tpAxisOf(layer.weight()).value_or(0), std::nullopt,
+                                                          shardedOffsets, tp, *dpCp);
   weight.allowShapeMismatch = true;
   return {weight};
 }
@@ -297,15 +311,12 @@ ShardedStateDict shardedStateDict(GroupedParallelLinear& layer, const std::strin
                 "', the gtp-excluded expert DP (size ", stamped.size(), ", rank ", stamped.rank(), "), got size ",
                 expertDp->size(), ", rank ", expertDp->rank());
   }
-  const bool column = layer.parallelMode() == GroupedParallelMode::kColumn;
-  const AxisMap axisMap = column ? AxisMap{{"weight", 0}, {"bias", 0}} : AxisMap{{"weight", 1}};  // SPEC 3.21
   const int E = layer.numGemms();
   ShardedStateDict out;
   for (int i = 0; i < E; ++i) {
     std::vector<RankOffset> offsets = shardedOffsets;
     offsets.push_back({int(shardedOffsets.size()), std::int64_t(ep.rank()) * E + i, std::int64_t(ep.size()) * E});
-    for (ShardedEntry& e : layerStateDict(where, &layer.weight(i), layer.bias(i), axisMap, prefix, offsets, expertTp,
-                                          expertDp))
+    for (ShardedEntry& e : layerStateDict(where, &layer.weight(i), layer.bias(i), prefix, offsets, expertTp, expertDp))
       out.push_back(std::move(e));
   }
   return out;

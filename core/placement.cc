@@ -20,18 +20,6 @@ int slicesAlong(const TensorPlacement& p, int d) {
   return p.tp.kind == AxisKind::kShard && p.tp.dim == d ? p.tp.size : 1;
 }
 
-// Layout coordinate of global index i along the GTP_remat dim: shifted by the pad rows of every TP
-// slice that ends before it. Chunk c belongs to slice c mod T and is that slice's last one when
-// c >= (stride - 1)·T.
-std::int64_t layoutIndex(const TensorPlacement& p, std::int64_t i) {
-  const std::int64_t pad = p.gtp.kind == AxisKind::kShard ? p.gtp.padLength : 0;
-  if (pad == 0) return i;
-  if (slicesAlong(p, p.gtp.dim) == 1) return i;
-  const std::int64_t T = p.tp.size, chunk = p.shape[p.gtp.dim] / (T * p.tp.stride);
-  const std::int64_t c = i / chunk, lastRound = std::int64_t(p.tp.stride - 1) * T;
-  return i + pad * std::max<std::int64_t>(0, c - lastRound);
-}
-
 // Where TP slice t's pad rows start in layout coordinates.
 std::int64_t padStart(const TensorPlacement& p, int t) {
   const int d = p.gtp.dim;
@@ -176,7 +164,7 @@ std::vector<Block> blocksOf(const TensorPlacement& p, int t, int g) {
         b.layout.push_back({start, start + q.size});
       } else {
         b.global.push_back({q.global, q.global + q.size});
-        const std::int64_t start = d == p.gtp.dim ? layoutIndex(p, q.global) : q.global;
+        const std::int64_t start = d == p.gtp.dim ? layoutIndexOf(p, q.global) : q.global;
         b.layout.push_back({start, start + q.size});
       }
     }
@@ -186,6 +174,28 @@ std::vector<Block> blocksOf(const TensorPlacement& p, int t, int g) {
     if (d < 0) break;
   }
   return out;
+}
+
+// Chunk c of the dim belongs to TP slice c mod T and is that slice's last one when c >= (stride - 1)·T:
+// the layout holds every earlier chunk in order, then each slice's last chunk followed by its pad rows.
+std::int64_t layoutIndexOf(const TensorPlacement& p, std::int64_t i) {
+  const std::int64_t pad = p.gtp.kind == AxisKind::kShard ? p.gtp.padLength : 0;
+  if (pad == 0 || slicesAlong(p, p.gtp.dim) == 1) return i;
+  const std::int64_t T = p.tp.size, chunk = p.shape[p.gtp.dim] / (T * p.tp.stride);
+  const std::int64_t c = i / chunk, lastRound = std::int64_t(p.tp.stride - 1) * T;
+  return i + pad * std::max<std::int64_t>(0, c - lastRound);
+}
+
+std::optional<std::int64_t> logicalIndexOf(const TensorPlacement& p, std::int64_t at) {
+  const std::int64_t pad = p.gtp.kind == AxisKind::kShard ? p.gtp.padLength : 0;
+  const std::int64_t extent = p.shape[p.gtp.dim];
+  if (pad == 0 || slicesAlong(p, p.gtp.dim) == 1) return at < extent ? std::optional<std::int64_t>(at) : std::nullopt;
+  const std::int64_t T = p.tp.size, chunk = extent / (T * p.tp.stride);
+  const std::int64_t before = std::int64_t(p.tp.stride - 1) * T * chunk;  // the chunks no pad rows follow
+  if (at < before) return at;
+  const std::int64_t slice = (at - before) / (chunk + pad), row = (at - before) % (chunk + pad);
+  if (row >= chunk) return std::nullopt;
+  return before + slice * chunk + row;
 }
 
 std::vector<Holder> holdersOf(const TensorPlacement& p, const std::vector<std::int64_t>& at) {

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -90,6 +91,13 @@ struct Holder {
   bool pad = false;
 };
 std::vector<Holder> holdersOf(const TensorPlacement& placement, const std::vector<std::int64_t>& layoutIndex);
+
+// Along the GTP_remat dim of `placement` (kShard over GTP_remat): where logical index i sits in
+// layoutShape() (behind the pad rows of every TP slice that ends before it), and which logical
+// index a layout index holds (nullopt for a pad row). Row by row, what a checkpoint's saved global
+// tensor holds.
+std::int64_t layoutIndexOf(const TensorPlacement& placement, std::int64_t logical);
+std::optional<std::int64_t> logicalIndexOf(const TensorPlacement& placement, std::int64_t layout);
 
 // The rank's tensor shape: the extents of its blocks.
 std::vector<std::int64_t> localShape(const TensorPlacement& placement, int t, int g);

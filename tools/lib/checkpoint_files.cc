@@ -47,12 +47,13 @@ std::string hex64(std::uint64_t v) {
 }
 
 // Where a saved or target chunk's rows sit in the logical (unpadded) global tensor (checkpoint.h,
-// "Padding and resharding"). Global row R along `axis` is row R mod slicePad of TP slice
-// R div slicePad; it is real iff that index is below dLog, and then logical row slice·dLog + index.
+// "Padding and resharding"): the padded axis is laid out as core/placement.h lays out a GTP_remat
+// weight, the pad rows behind each TP slice when TP cuts that axis, at the tail otherwise.
 struct RowMap {
   int axis = 0;
   bool padded = false;
-  std::int64_t slicePad = 0, dLog = 0;
+  std::int64_t slicePad = 0;  // padded rows of one TP slice
+  TensorPlacement layout;     // shape: the logical tensor; layoutShape(): the saved one
 };
 
 // `where` names the chunk when the padding record cannot describe the global shape.
@@ -67,17 +68,17 @@ RowMap rowMap(const Ints& savedGlobalShape, int axis, const std::optional<GtpPad
               " equal slices, got a remainder");
   m.padded = true;
   m.slicePad = interleaved ? extent / pad->tpSize : extent;
-  m.dLog = m.slicePad - pad->padLength;
-  TPSIM_CHECK(m.dLog >= 0, where, ": expected pad_length ", pad->padLength, " <= the ", m.slicePad,
+  const std::int64_t dLog = m.slicePad - pad->padLength;
+  TPSIM_CHECK(dLog >= 0, where, ": expected pad_length ", pad->padLength, " <= the ", m.slicePad,
               " padded rows of a TP slice, got more");
+  m.layout.shape = savedGlobalShape;
+  m.layout.shape[std::size_t(axis)] = (interleaved ? pad->tpSize : 1) * dLog;
+  if (interleaved) m.layout.tp = {AxisKind::kShard, pad->tpSize, axis};
+  m.layout.gtp = {AxisKind::kShard, 1, axis, 1, pad->padLength};
   return m;
 }
 
-Ints logicalShape(const Ints& savedGlobalShape, const RowMap& m) {
-  Ints s = savedGlobalShape;
-  if (m.padded) s[m.axis] = s[m.axis] / m.slicePad * m.dLog;
-  return s;
-}
+Ints logicalShape(const Ints& savedGlobalShape, const RowMap& m) { return m.padded ? m.layout.shape : savedGlobalShape; }
 
 // A block of the logical tensor: begin and extent per axis.
 struct Box {
@@ -85,17 +86,19 @@ struct Box {
 };
 
 // The real rows of a chunk (offset, localShape) as a logical box: a prefix of its rows, since a chunk
-// never spans two TP slices. `where` names the chunk for the error.
+// never spans two TP slices and a slice's pad rows follow its last real row. `where` names the chunk
+// for the error.
 Box logicalBox(const Ints& offset, const Ints& localShape, const RowMap& m, const std::string& where) {
   Box b{offset, localShape};
   if (!m.padded) return b;
-  const std::int64_t o = offset[m.axis], rows = localShape[m.axis];
-  TPSIM_CHECK(m.slicePad > 0 && m.dLog >= 0 && o % m.slicePad + rows <= m.slicePad, where,
-              ": expected the chunk's rows [", o, ", ", o + rows, ") within one TP slice of ", m.slicePad,
-              " padded rows, got them across slices");
-  const std::int64_t index = o % m.slicePad;
-  b.begin[m.axis] = o / m.slicePad * m.dLog + index;
-  b.shape[m.axis] = std::clamp<std::int64_t>(m.dLog - index, 0, rows);
+  const std::size_t axis = std::size_t(m.axis);
+  const std::int64_t o = offset[axis], rows = localShape[axis];
+  TPSIM_CHECK(m.slicePad > 0 && o % m.slicePad + rows <= m.slicePad, where, ": expected the chunk's rows [", o, ", ",
+              o + rows, ") within one TP slice of ", m.slicePad, " padded rows, got them across slices");
+  std::int64_t real = 0;
+  while (real < rows && logicalIndexOf(m.layout, o + real)) ++real;
+  b.begin[axis] = real > 0 ? *logicalIndexOf(m.layout, o) : 0;
+  b.shape[axis] = real;
   return b;
 }
 
