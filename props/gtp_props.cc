@@ -33,6 +33,7 @@
 #include "core/grad_stats.h"
 #include "core/gtp.h"
 #include "core/init.h"
+#include "core/placement.h"
 #include "core/layers.h"
 #include "core/process_groups.h"
 #include "core/random.h"
@@ -54,6 +55,7 @@ using tools::HostTensor;
 // Default case budgets (README.md, "Budget and soak").
 constexpr int kReconstructionCases = 2000;
 constexpr int kLayerReconstructionCases = 1000;
+constexpr int kPaddingRuleCases = 1000;
 constexpr int kTransparencyCases = 1000;
 constexpr int kPadCountCases = 2000;
 constexpr int kTrainingCases = 500;
@@ -138,6 +140,78 @@ TPSIM_PROP(GtpLaws, MaterializeIsThePreWrapWeightBitwiseAndPadRowsAreZero, kReco
                      at + "materialize() " + str(rebuilt) + " is not the pre-wrap weight " + str(before));
       const std::string tail = padRowsNonZero(valuesOf(ctx.compute, m.gathered), geo.rows * G, dLog, "gathered");
       problems.check(tail.empty(), at + tail);
+    });
+    problems.assertNone();
+  }
+}
+
+// SPEC 4.2 stated again here instead of computed by the code under test (the laws around take
+// their expected values from gtpRematShardDim0, so a changed rule would change them too): with a > 0
+// each GTP_remat peer holds S rows, the smallest multiple of a with G·S >= Dlog; with a = 0,
+// S = Dlog / G; peer g holds TP-local rows [g·S, (g+1)·S), those from Dlog on zero padding, which a
+// column weight keeps behind each TP slice and a row weight at its tail. Checked on the shards
+// column and row layers built at T x G hold, and on what their placement says each rank holds.
+TPSIM_PROP(GtpLaws, ShardsFollowThePaddingRuleStatedIndependently, kPaddingRuleCases) {
+  const int T = *pick<int>({1, 2, 3, 4});
+  int G = *pick<int>({2, 3, 4, 5, 8});
+  while (T * G > 16) G = G % 2 == 0 ? G / 2 : G - 1;
+  const bool column = !*flag();
+  std::int64_t dLog = *pick<std::int64_t>({1, 2, 3, 5, 7, 16, 31, 40});
+  if (*flag()) dLog *= G;  // so that a = 0 is possible
+  const int a = *genPadForAlignment({dLog}, G);
+  const std::int64_t other = *pick<std::int64_t>({1, 2, 3});
+  std::int64_t S = (dLog + G - 1) / G;  // the fewest rows that hold Dlog, then up to a multiple of a
+  while (a > 0 && S % a != 0) ++S;
+  const std::int64_t pad = G * S - dLog;
+  RC_TAG(column ? "column" : "row", pad == 0 ? "no padding" : "padded");
+  RC_LOG() << (column ? "column" : "row") << " T=" << T << " G=" << G << " Dlog=" << dLog << " a=" << a
+           << " -> S=" << S << " pad=" << pad << "\n";
+  const ParallelLayout layout = gtpLayout(T, G);
+  for (const Backend* b : usableBackends()) {
+    Problems problems;
+    b->runRanks(layout.world(), [&](RankContext& ctx) {
+      ProcessGroups pg(ctx.comm, layout);
+      const int t = pg.tp().rank(), g = pg.gtpRemat().rank();
+      const std::string at = "rank (t " + std::to_string(t) + ", g " + std::to_string(g) + "): ";
+      GtpGradReducer reducer(ctx.compute, {});
+      ModelParallelConfig config;
+      config.tensorModelParallelSize = T;
+      config.gtpRematSize = G;
+      config.gtpPadForAlignment = a;
+      config.performInitialization = false;
+      const LayerContext lc{ctx.compute, pg.tp(), nullptr, nullptr, &pg.gtpRemat(), &pg.dpCp(), &reducer};
+      const InitMethod init = initMethodNormal(1.0);
+      std::optional<ColumnParallelLinear> col;
+      std::optional<RowParallelLinear> row;
+      if (column) col.emplace(lc, config, other, T * dLog, init);
+      else row.emplace(lc, config, T * other, dLog, init);
+      const Parameter& w = column ? *col->weight() : row->weight();
+      problems.check(w.data.shape()[0] == S, at + "the shard holds " + std::to_string(w.data.shape()[0]) +
+                                                 " rows, the rule gives S = " + std::to_string(S));
+      problems.check(w.attrs.padLength == std::optional<int>(int(pad)),
+                     at + "pad_length " + std::to_string(w.attrs.padLength.value_or(-1)) + ", the rule gives " +
+                         std::to_string(pad));
+      const TensorPlacement p = parameterPlacement(w, "weight", T, G);
+      const std::int64_t slices = column ? T : 1, cols = w.data.shape()[1];
+      problems.check(p.layoutShape()[0] == slices * G * S, at + "the placement lays out " +
+                                                               std::to_string(p.layoutShape()[0]) + " rows, expected " +
+                                                               std::to_string(slices * G * S));
+      // TP-local rows [g·S, g·S + real) in global rows: behind the slices of lower TP ranks for a column.
+      const std::int64_t real = std::clamp<std::int64_t>(dLog - g * S, 0, S), first = (column ? t * dLog : 0) + g * S;
+      std::int64_t held = 0;
+      for (const Block& blk : blocksOf(p, t, g)) {
+        if (blk.pad) continue;
+        problems.check(blk.global[0].begin >= first && blk.global[0].end <= first + real,
+                       at + "holds global rows [" + std::to_string(blk.global[0].begin) + ", " +
+                           std::to_string(blk.global[0].end) + "), outside [" + std::to_string(first) + ", " +
+                           std::to_string(first + real) + ")");
+        held += blk.global[0].size() * blk.global[1].size();
+      }
+      problems.check(held == real * cols, at + "holds " + std::to_string(held) + " real elements, the rule gives " +
+                                             std::to_string(real * cols));
+      problems.check(padZeroCount(p, t, g) == (S - real) * cols,
+                     at + "placement counts " + std::to_string(padZeroCount(p, t, g)) + " pad zeros, the rule gives " +
+                         std::to_string((S - real) * cols));
     });
     problems.assertNone();
   }
