@@ -380,6 +380,7 @@ ParallelSizes layerSizes(int tp, int gtpRemat) {
   sizes.world = tp * gtpRemat;
   sizes.tp = tp;
   sizes.gtpRemat = gtpRemat;
+  sizes.expertGtpRemat = gtpRemat;  // experts shard their weights over the same peers (EGTP_remat)
   return sizes;
 }
 

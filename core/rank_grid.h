@@ -146,8 +146,8 @@ class ParallelLayout {
   RankGrid expert_;
 };
 
-// The T x G world of one layer under GTP_remat, as the tools run it: ParallelLayout's dense grid
-// with TP and GTP_remat only. The one place the tools map a TP rank t and a GTP_remat rank g to a
+// The T x G world of one layer under GTP_remat, as the tools run it: ParallelLayout's grids with
+// TP and GTP_remat only (the expert grid's ET = T and EG = G: the same peers). The one place the tools map a TP rank t and a GTP_remat rank g to a
 // world rank and back.
 class LayerGrid {
  public:

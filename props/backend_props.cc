@@ -30,8 +30,7 @@ using tools::HostTensor;
 constexpr int kCrossBackendCases = 500;
 constexpr int kThreadCases = 1500;
 
-const std::vector<const LayerKind*> kAllKinds = {layerKind("column"), layerKind("row"), layerKind("embedding"),
-                                          layerKind("mlp")};
+const std::vector<const LayerKind*>& kAllKinds = tools::layerKinds();
 
 // The first element where two result maps differ beyond `slack(name, i)`, or "".
 std::string compareResults(const TensorMap& a, const std::string& aName, const TensorMap& b, const std::string& bName,
@@ -96,7 +95,7 @@ TEST(CrossBackend, ExactLayerCaseIsBitwiseEqualOnSimAndGpu) {
   TPSIM_REQUIRE_BACKEND("gpu");
   const Backend& sim = backendNamed("sim");
   checkProperty(kCrossBackendCases, [&] {
-    const RunConfig c = *genRunConfig({layerKind("column"), layerKind("row"), layerKind("embedding")}, genTp(),
+    const RunConfig c = *genRunConfig(exactKinds(), genTp(),
                                       GtpMode::kSometimes, Numerics::kExact);
     RC_TAG(c.gtpRemat > 1 ? "GTP_remat" : "no GTP_remat");
     const TensorMap inputs = *genExactInputs(c);

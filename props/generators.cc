@@ -84,6 +84,13 @@ rc::Gen<int> genTpAbove1() {
 }
 rc::Gen<DType> genFloatDtype() { return pick<DType>({DType::kFloat32, DType::kBFloat16, DType::kFloat16}); }
 
+std::vector<const LayerKind*> exactKinds() {
+  std::vector<const LayerKind*> out;
+  for (const LayerKind* k : tools::layerKinds())
+    if (k->exactOnSmallIntegers()) out.push_back(k);
+  return out;
+}
+
 rc::Gen<RunConfig> genRunConfig(const std::vector<const LayerKind*>& kinds, rc::Gen<int> tpGen, GtpMode gtp,
                                 Numerics numerics) {
   return rc::gen::exec([kinds, tpGen, gtp, numerics] {
@@ -146,7 +153,8 @@ rc::Gen<RunConfig> genWithGtp(RunConfig base, std::vector<int> gtpSizes, Numeric
     while (T * G > 32) G = (G & (G - 1)) == 0 || G % 2 == 0 ? G / 2 : G - 1;  // cost: at most 32 ranks
     c.gtpRemat = G;
     c.fp32AccumReduceScatter = *flag();
-    c.batch = G * *pick<std::int64_t>({1, 2});
+    for (const SizeSpec& size : c.layer->sizes())  // the peers split the batch (the experts' tokens)
+      if (size.divisor == SizeSpec::Divisor::kGtpRemat) c.*size.field = G * *pick<std::int64_t>({1, 2});
     if (G > 1 && *flag()) {  // make every GTP weight's TP-local dim 0 a multiple of G, so that a = 0 is valid
       std::set<std::string> scaled;
       for (const GtpWeightSpec& w : c.layer->gtpWeights())
@@ -488,7 +496,7 @@ rc::Gen<InvalidRunInputs> genInvalidRunInputs() {
         return {c, in, "tpsim run: " + gone + ".npy is missing"};
       }
       default: {  // a bias of the wrong length
-        RunConfig c = *genRunConfig(kindsTaking(LayerOption::kBias));
+        RunConfig c = *genRunConfig({layerKind("column"), layerKind("row")});
         c.bias = true;
         TensorMap in = realInputs(c);
         in["bias"] = makeHost({c.outFeatures + 1}, c.dtype, std::vector<double>(std::size_t(c.outFeatures + 1), 0.5));

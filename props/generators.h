@@ -76,6 +76,9 @@ rc::Gen<int> genTp();
 rc::Gen<int> genTpAbove1();
 rc::Gen<DType> genFloatDtype();  // fp32, bf16, fp16
 
+// The kinds with an exact mode (LayerKind::exactOnSmallIntegers): every kind but the MLP block.
+std::vector<const LayerKind*> exactKinds();
+
 // Whether genRunConfig draws GTP_remat: kOff keeps G = 1; kSometimes turns it on in about one case
 // in three; kAlways in every case (G >= 2).
 enum class GtpMode { kOff, kSometimes, kAlways };

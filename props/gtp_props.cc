@@ -343,11 +343,6 @@ double unitRoundoff(DType dtype) {
   }
 }
 
-// The wire dtype of a GTP weight's reduce-scatter in tools::runSharded (SPEC 4.5): main_grad's for
-// the linears (fp32 main_grad: the wider GEMM epilogue; otherwise it equals the input dtype), the
-// table dtype for the embedding.
-DType wireDtype(const RunConfig& c) { return c.layer == layerKind("embedding") ? c.dtype : c.mainGradDtype; }
-
 // With identical data on every peer (each peer's batch block is the whole G = 1 batch), tools::
 // runSharded at G gives: output and input.grad, the G = 1 ones repeated per peer, bitwise; every
 // parameter gradient the G = 1 one under MEAN and G times it under SUM, and SUM = G × MEAN bitwise
@@ -377,7 +372,7 @@ TPSIM_PROP(GtpLaws, IdenticalDataOnEveryPeerGivesTheGtpOffRun, kTransparencyCase
   const TensorMap inputs = repeatedOnEveryPeer(c, offInputs);
   const Numerics numerics = exact ? Numerics::kExact : Numerics::kReal;
   RC_TAG(kind->name(), powerOfTwo ? "G a power of two" : "other G");
-  const double u = unitRoundoff(wireDtype(c));
+  const double u = unitRoundoff(c.layer->gtpWireDtype(c));
   for (const Backend* b : usableBackends()) {
     TensorMap r1, rMean, rSum;
     try {
@@ -960,9 +955,7 @@ TPSIM_PROP(GtpLaws, Fp32AccumulationReduceScatterIsBypassedBitwiseAtTwoPeers, kB
 // The option through tools::runSharded at G in {1, 2}: every result is bitwise the same with and
 // without --fp32-accum-reduce-scatter, and every rank issues the same collectives (no all-to-all).
 TPSIM_PROP(GtpLaws, Fp32AccumulationFlagChangesNothingAtTwoPeersOrFewer, kRunnerBypassCases) {
-  const RunConfig base = *genWithGtp(*genRunConfig({layerKind("column"), layerKind("row"), layerKind("embedding"),
-                                                    layerKind("mlp")}),
-                                     {2, 2, 1});
+  const RunConfig base = *genWithGtp(*genRunConfig(tools::layerKinds()), {2, 2, 1});
   RunConfig with = base, without = base;
   with.fp32AccumReduceScatter = true;
   without.fp32AccumReduceScatter = false;

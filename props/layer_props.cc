@@ -33,7 +33,7 @@ constexpr int kRealCases = 10000;
 constexpr int kMlpCases = 5000;
 constexpr int kCrossTopologyCases = 5000;
 
-const std::vector<const LayerKind*> kLinearAndEmbedding = {layerKind("column"), layerKind("row"), layerKind("embedding")};
+const std::vector<const LayerKind*> kExactKinds = exactKinds();
 
 // "[1, 0, 5]": the multi-index of flat position i in `shape`.
 std::string indexOf(const std::vector<std::int64_t>& shape, std::int64_t i) {
@@ -135,7 +135,7 @@ void onEveryBackend(const RunConfig& c, Numerics numerics, const TensorMap& inpu
 // Exact data: every product and partial sum is an integer the dtypes hold, so sharded == unsharded
 // holds bitwise (as values: +0 == -0) for forward, dgrad, wgrad and bias grads of every option.
 TPSIM_PROP(LayerLaws, ShardedEqualsUnshardedBitwiseOnExactData, kExactCases) {
-  const RunConfig c = *genRunConfig(kLinearAndEmbedding, genTp(), GtpMode::kSometimes, Numerics::kExact);
+  const RunConfig c = *genRunConfig(kExactKinds, genTp(), GtpMode::kSometimes, Numerics::kExact);
   const TensorMap inputs = *genExactInputs(c);
   RC_TAG(c.layer->name(), dtypeName(c.dtype), c.gtpRemat > 1 ? "GTP_remat" : "no GTP_remat");
   onEveryBackend(c, Numerics::kExact, inputs,
@@ -147,7 +147,7 @@ TPSIM_PROP(LayerLaws, ShardedEqualsUnshardedBitwiseOnExactData, kExactCases) {
 // Real data: |sharded − unsharded| <= the bound tools/lib/reference.h derives from |X|·|W|, the
 // reduction length and the dtypes, for every element of every result.
 TPSIM_PROP(LayerLaws, ShardedEqualsUnshardedWithinTheDataDerivedBound, kRealCases) {
-  const RunConfig c = *genRunConfig(kLinearAndEmbedding, genTp(), GtpMode::kSometimes);
+  const RunConfig c = *genRunConfig(kExactKinds, genTp(), GtpMode::kSometimes);
   RC_TAG(c.layer->name(), c.tp > 4 ? "T > 4" : "T <= 4", c.gtpRemat > 1 ? "GTP_remat" : "no GTP_remat");
   const TensorMap inputs = realInputs(c);
   onEveryBackend(c, Numerics::kReal, inputs,
@@ -173,7 +173,7 @@ TPSIM_PROP(LayerLaws, MlpBlockEqualsTheDenseMlpWithinTheBound, kMlpCases) {
 // MEAN divides the parameter gradients by G. Under --disable-grad-reduce the k partial input
 // gradients add up to the T = 1 one.
 TPSIM_PROP(LayerLaws, ExactCaseGivesTheSameBitsAtAnyT, kCrossTopologyCases) {
-  const RunConfig c = *genRunConfig(kLinearAndEmbedding, genTpAbove1(), GtpMode::kSometimes, Numerics::kExact);
+  const RunConfig c = *genRunConfig(kExactKinds, genTpAbove1(), GtpMode::kSometimes, Numerics::kExact);
   const TensorMap inputs = *genExactInputs(c);
   RC_TAG(c.gtpRemat > 1 ? "GTP_remat" : "no GTP_remat");
   RunConfig single = c;

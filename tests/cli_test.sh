@@ -86,7 +86,8 @@ for args in "--layer mlp --tp 4 --gtp-remat 2 --sequence-parallel" "--layer row 
   check "layout-svg-tiles $args" 0 "panels tile exactly" -- /usr/bin/python3 "$(dirname "$0")/layout_svg_check.py" "$work/l.svg"
 done
 check layout-no-layer 2 "--layer is required" -- "$tpsim" layout --tp 2
-check layout-bad-layer 2 "--layer: expected column, row, embedding or mlp, got 'conv'" -- "$tpsim" layout --layer conv
+check layout-bad-layer 2 "--layer: expected column, row, embedding, mlp, grouped-column or grouped-row, got 'conv'" -- \
+  "$tpsim" layout --layer conv
 check layout-bad-flag 2 "unrecognised option '--frob'" -- "$tpsim" layout --layer column --frob
 check layout-bad-tp 2 "--tp: expected 1..64, got 0" -- "$tpsim" layout --layer column --tp 0
 check layout-indivisible 2 "--out-features = 10 must be divisible by --tp x --stride = 4" -- \

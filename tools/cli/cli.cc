@@ -64,7 +64,10 @@ void addSizeOptions(po::options_description& size, RunConfig& c) {
       ("in-features,k", po::value(&c.inFeatures)->default_value(c.inFeatures), "K (the MLP's hidden size h)")
       ("out-features,n", po::value(&c.outFeatures)->default_value(c.outFeatures), "N (the embedding's h)")
       ("ffn-hidden,f", po::value(&c.ffnHidden)->default_value(c.ffnHidden), "mlp: ffn hidden size F")
-      ("vocab,V", po::value(&c.vocab)->default_value(c.vocab), "embedding: vocabulary size V");
+      ("vocab,V", po::value(&c.vocab)->default_value(c.vocab), "embedding: vocabulary size V")
+      ("tokens", po::value(&c.tokens)->default_value(c.tokens), "grouped: routed tokens M, each to one expert")
+      ("experts", po::value(&c.experts)->default_value(c.experts),
+       "grouped: local experts E (also with --load: the weight<i>.npy files it reads)");
 }
 
 const LayerKind* parseLayer(const std::string& s) {

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <optional>
 #include <sstream>
 
@@ -101,20 +102,35 @@ TensorMap checkpointParams(RunConfig& c, const CheckpointReader& reader, const s
   TensorMap m;
   std::string held;
   for (const auto& [key, k] : reader.keys()) held += (held.empty() ? "" : ", ") + key;
+  std::map<std::string, std::vector<char>> consolidated;  // by key: the experts' parameters share one
+  std::map<std::string, std::int64_t> entries;              // parameters kept along a key's leading axis
+  for (const TensorSpec& t : parameters(c))
+    if (const LayerKind::CheckpointSlot slot = c.layer->checkpointSlot(t.name); slot.index >= 0) ++entries[slot.key];
   for (const TensorSpec& t : parameters(c)) {
-    const std::string& name = t.name;
-    TPSIM_CHECK(reader.keys().count(name), "--load-checkpoint: expected key '", name, "' in ", dir, " (--layer ",
-                c.layer->name(), c.bias ? " --bias" : "", " reads ", joinNames(parameters(c)), "), got only ",
-                held.empty() ? "no keys" : held);
-    const CheckpointKey& k = reader.key(name);
-    const std::size_t rank = t.dims.size();
-    TPSIM_CHECK(k.globalShape.size() == rank && isFloating(k.dtype), "--load-checkpoint: key '", name, "' in ", dir,
-                ": expected a floating tensor of rank ", rank, ", got ", dtypeName(k.dtype), " of shape ",
+    const LayerKind::CheckpointSlot slot = c.layer->checkpointSlot(t.name);
+    TPSIM_CHECK(reader.keys().count(slot.key), "--load-checkpoint: expected key '", slot.key, "' in ", dir,
+                " (--layer ", c.layer->name(), c.bias ? " --bias" : "", " reads ", joinNames(parameters(c)),
+                "), got only ", held.empty() ? "no keys" : held);
+    const CheckpointKey& k = reader.key(slot.key);
+    const std::size_t rank = t.dims.size() + (slot.index >= 0 ? 1 : 0);
+    TPSIM_CHECK(k.globalShape.size() == rank && isFloating(k.dtype), "--load-checkpoint: key '", slot.key, "' in ",
+                dir, ": expected a floating tensor of rank ", rank, ", got ", dtypeName(k.dtype), " of shape ",
                 shapeText(k.globalShape));
-    const std::vector<char> bytes = reader.consolidated(name);
-    std::vector<double> values(bytes.size() / dtypeSize(k.dtype));
-    for (std::size_t i = 0; i < values.size(); ++i) values[i] = loadAsDouble(k.dtype, bytes.data() + i * dtypeSize(k.dtype));
-    m[name] = makeHost(k.globalShape, c.dtype, std::move(values));
+    std::vector<std::int64_t> shape = k.globalShape;
+    if (slot.index >= 0) {
+      TPSIM_CHECK(shape[0] == entries.at(slot.key), "--load-checkpoint: key '", slot.key, "' in ", dir, ": expected ",
+                  entries.at(slot.key), " entries along its leading axis (one per parameter of --layer ",
+                  c.layer->name(), " kept there), got ", shape[0]);
+      shape.erase(shape.begin());
+    }
+    if (!consolidated.count(slot.key)) consolidated[slot.key] = reader.consolidated(slot.key);
+    const std::vector<char>& bytes = consolidated.at(slot.key);
+    std::size_t count = 1;
+    for (std::int64_t d : shape) count *= std::size_t(d);
+    const std::size_t first = slot.index >= 0 ? std::size_t(slot.index) * count : 0, size = dtypeSize(k.dtype);
+    std::vector<double> values(count);
+    for (std::size_t i = 0; i < count; ++i) values[i] = loadAsDouble(k.dtype, bytes.data() + (first + i) * size);
+    m[t.name] = makeHost(shape, c.dtype, std::move(values));
   }
   ShapeMap shapes;
   for (const auto& [name, t] : m) shapes[name] = t.shape;

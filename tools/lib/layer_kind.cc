@@ -44,8 +44,9 @@ const HostTensor& need(const TensorMap& m, const std::string& name) {
 }  // namespace
 
 const std::vector<const LayerKind*>& layerKinds() {
-  static const std::vector<const LayerKind*> table = {&columnLayerKind(), &rowLayerKind(), &embeddingLayerKind(),
-                                                      &mlpLayerKind()};
+  static const std::vector<const LayerKind*> table = {&columnLayerKind(),        &rowLayerKind(),
+                                                      &embeddingLayerKind(),     &mlpLayerKind(),
+                                                      &groupedColumnLayerKind(), &groupedRowLayerKind()};
   return table;
 }
 
@@ -72,6 +73,12 @@ std::string layerKindsTaking(LayerOption option) {
   for (const LayerKind* k : layerKinds())
     if (k->takes(option)) names.push_back(k->name());
   return joinKinds(names);
+}
+
+std::string LayerKind::placementOf(const std::string& name) const {
+  if (name == "input") return inputPlacement();
+  if (name == "grad_output") return outputPlacement() + ".grad";
+  return name;
 }
 
 const SizeSpec& sizeNamed(const RunConfig& c, const std::string& symbol) {

@@ -16,8 +16,10 @@
 #include <vector>
 
 #include "core/checkpoint.h"
+#include "core/gtp.h"
 #include "core/layers.h"
 #include "core/placement.h"
+#include "core/process_groups.h"
 #include "tools/lib/host_tensor.h"
 #include "tools/lib/run_config.h"
 
@@ -33,7 +35,7 @@ struct SizeSpec {
   std::string flag;         // without dashes: "seq"
   std::int64_t RunConfig::*field;
   std::string description;  // how a file-based message names it: "the sequence length s", "N"
-  std::string tensor;       // the input that holds it
+  std::string tensor;       // the input that holds it; "" for a size only its flag gives (--experts)
   int dim;
   // What it must divide by: nothing, T (TP cuts it; the sequence only when split), T·stride, or G
   // (the GTP_remat peers split the batch).
@@ -41,9 +43,10 @@ struct SizeSpec {
 };
 
 // One unsharded tensor a run reads, named as its .npy file: "input", "fc1.weight", "grad_output".
+// Every one but the parameters reaches each rank's step as its shard (LayerModules::step).
 struct TensorSpec {
   std::string name;
-  TensorRole role;                // kParameter, kInput, or kGradient (grad_output)
+  TensorRole role;                // kParameter, kInput (input, token ids), or kGradient (grad_output)
   std::vector<std::string> dims;  // size symbols: {"s", "b", "K"}
   double sigma = 1.0;             // generated data: normal(0, sigma), rounded to --dtype
   std::string idRange = "";       // token ids: int64 in [0, that size) instead of floats
@@ -51,7 +54,7 @@ struct TensorSpec {
 
 // A weight that GTP_remat shards along its TP-local dim 0, and how a message names that extent.
 struct GtpWeightSpec {
-  std::string name;             // "weight", "fc1.weight"
+  std::string name;             // "weight", "fc1.weight"; "weight<i>" for each of the experts
   std::string symbol;           // the size its dim 0 is
   bool tpCutsDim0 = false;      // its TP-local dim 0 is symbol / T
   std::string fileText, flagText;  // "the TP-local rows N / --tp", "--out-features / --tp"
@@ -68,6 +71,8 @@ enum class LayerOption {
 struct RankStep {
   Tensor output, inputGrad;
 };
+// A rank's shards of the run's tensors other than the parameters, by name: "input", "grad_output", ...
+using RankInputs = std::map<std::string, Tensor>;
 
 // The modules of one kind as one rank builds them (shapes from the config's sizes, parameters not
 // initialized: the run copies its tensors in).
@@ -76,13 +81,12 @@ class LayerModules {
   virtual ~LayerModules() = default;
   // Every parameter, named as the inputs name them ("weight", "fc1.bias").
   virtual std::vector<std::pair<std::string, Parameter*>> parameters() = 0;
-  // core/placement.h's description of every tensor on (seq, batch) tokens.
-  virtual std::vector<TensorPlacement> placements(std::int64_t seq, std::int64_t batch) = 0;
+  // core/placement.h's description of every tensor, on the config's tokens.
+  virtual std::vector<TensorPlacement> placements() = 0;
   // The rank's sharded_state_dict: what a checkpoint saves and loads.
-  virtual ShardedStateDict stateDict(Collectives& tp, Collectives* dpCp) = 0;
-  // Forward on the rank's input x, then backward from its output gradient dy. The caller keeps x
-  // and dy alive until the backward has returned.
-  virtual RankStep step(Compute& compute, ConstView x, ConstView dy) = 0;
+  virtual ShardedStateDict stateDict(ProcessGroups& groups) = 0;
+  // Forward on the rank's input, then backward from its grad_output.
+  virtual RankStep step(Compute& compute, const RankInputs& inputs) = 0;
 };
 
 class LayerKind {
@@ -105,8 +109,21 @@ class LayerKind {
   // The run's input and output among its placements ("fc1.input" and "fc2.output" for the MLP).
   virtual std::string inputPlacement() const { return "input"; }
   virtual std::string outputPlacement() const { return "output"; }
+  // The placement that says what each rank holds of the run's tensor `name`: inputPlacement() for
+  // "input", outputPlacement()'s gradient for "grad_output", the tensor's own name otherwise.
+  std::string placementOf(const std::string& name) const;
+  // Where a checkpoint keeps a parameter: under its own name, or as entry `index` along the leading
+  // axis of another key (the experts' "weight3" is "weight"[3]).
+  struct CheckpointSlot {
+    std::string key;
+    std::int64_t index = -1;  // -1: the whole key
+  };
+  virtual CheckpointSlot checkpointSlot(const std::string& parameter) const { return {parameter}; }
   // The dtype GTP_remat reduce-scatters a weight gradient in (SPEC 4.5): its main_grad's.
   virtual DType gtpWireDtype(const RunConfig& config) const { return config.mainGradDtype; }
+  // Whether small-integer inputs give results every step computes exactly (--verify exact, the
+  // property suite's exact mode): not through GeLU.
+  virtual bool exactOnSmallIntegers() const { return true; }
   // The most terms any result element sums (bias included): what keeps integer data exact.
   virtual std::int64_t longestSum(const RunConfig& config) const = 0;
   // Per-rank intermediates a step holds beyond its tensors, and what the reference holds at once
@@ -114,6 +131,11 @@ class LayerKind {
   virtual double stepIntermediates(const RunConfig&, const ShapeMap&) const { return 0; }
   virtual double referenceIntermediates(const RunConfig&, const ShapeMap&) const { return 0; }
 
+  // The groups a rank's modules run on: the dense TP, GTP_remat and DP-CP groups (the experts: the
+  // expert grid's).
+  virtual LayerContext context(Compute& compute, ProcessGroups& groups, GtpGradReducer& reducer) const {
+    return {compute, groups.tp(), nullptr, nullptr, &groups.gtpRemat(), &groups.dpCp(), &reducer};
+  }
   virtual std::unique_ptr<LayerModules> build(const LayerContext& context, const ModelParallelConfig& mp,
                                               const RunConfig& config) const = 0;
   // The dense results and their relative bounds (tools/lib/reference.h).

@@ -457,7 +457,10 @@ std::map<std::string, Checked> denseReference(const ReferenceOptions& o, const T
   const double gtpFactor = gtp ? 1.0 + o.gtpRemat * unitRoundoff(o.gtpWireDtype) / unitRoundoff(o.computeDtype) : 1.0;
   const double gtpUnderflow = gtp ? o.gtpRemat * halfSubnormal(o.gtpWireDtype) : 0.0;
   for (auto& [name, c] : out) {
-    const bool gtpWeight = gtp && name.find("weight.grad") != std::string::npos;
+    // A gradient GTP_remat reduce-scatters is one whose placement is a GTP_remat shard's.
+    const bool gtpWeight = gtp && std::any_of(o.placements.begin(), o.placements.end(), [&](const TensorPlacement& p) {
+                             return p.name == name && p.gtpShard;
+                           });
     for (double& b : c.bound) b = (gtpWeight ? b * gtpFactor + gtpUnderflow : b) + underflow;
   }
   return out;
@@ -626,6 +629,55 @@ std::map<std::string, Checked> mlpReference(const ReferenceOptions& o, const Ten
   out["fc2.weight.grad"] = {HostTensor{w2f.shape, c, std::move(dW2.v)}, std::move(boundW2.v)};
   out["fc2.bias.grad"] = checked(uAcc, b2.shape, c, Mat{1, h, columnSums(dY)}, Mat{1, h, absColumnSums(dY)}, tokens,
                                  stages + T, c);
+  return out;
+}
+
+std::map<std::string, Checked> groupedReference(const ReferenceOptions& o, const TensorMap& in, std::int64_t experts) {
+  const HostTensor &x = need(in, "input"), &ids = need(in, "expert_ids"), &dy = need(in, "grad_output");
+  const std::int64_t M = x.shape[0], K = x.shape[1], N = dy.shape[1];
+  // Each token's rows as one linear of its expert, then back in token order.
+  auto rowsOf = [](const HostTensor& t, const std::vector<std::int64_t>& rows) {
+    const std::int64_t width = t.shape[1];
+    HostTensor part{{std::int64_t(rows.size()), width}, t.dtype, {}};
+    for (std::int64_t r : rows) part.values.insert(part.values.end(), t.values.begin() + r * width, t.values.begin() + (r + 1) * width);
+    return part;
+  };
+  auto scatter = [](const Checked& part, const std::vector<std::int64_t>& rows, Checked& whole) {
+    const std::int64_t width = whole.value.shape[1];
+    for (std::size_t i = 0; i < rows.size(); ++i)
+      for (std::int64_t j = 0; j < width; ++j) {
+        whole.value.values[std::size_t(rows[i] * width + j)] = part.value.values[i * std::size_t(width) + std::size_t(j)];
+        whole.bound[std::size_t(rows[i] * width + j)] = part.bound[i * std::size_t(width) + std::size_t(j)];
+      }
+  };
+  auto zeros = [](std::vector<std::int64_t> shape, DType dtype) {
+    std::int64_t n = 1;
+    for (std::int64_t d : shape) n *= d;
+    return Checked{HostTensor{std::move(shape), dtype, std::vector<double>(std::size_t(n), 0.0)},
+                   std::vector<double>(std::size_t(n), 0.0)};
+  };
+  std::map<std::string, Checked> out;
+  out["output"] = zeros({M, N}, o.outputDtype);
+  out["input.grad"] = zeros({M, K}, o.computeDtype);
+  for (std::int64_t e = 0; e < experts; ++e) {
+    const std::string weight = detail::concat("weight", e), bias = detail::concat("bias", e);
+    const auto b = in.find(bias);
+    std::vector<std::int64_t> rows;
+    for (std::int64_t i = 0; i < M; ++i)
+      if (std::int64_t(ids.values[std::size_t(i)]) == e) rows.push_back(i);
+    if (rows.empty()) {  // an expert without tokens gets no gradient
+      out[weight + ".grad"] = zeros({N, K}, o.computeDtype);
+      if (b != in.end()) out[bias + ".grad"] = zeros({N}, o.computeDtype);
+      continue;
+    }
+    std::map<std::string, Checked> part;
+    const HostTensor& w = need(in, weight);
+    linearLayer(o, rowsOf(x, rows), w, w, b == in.end() ? nullptr : &b->second, rowsOf(dy, rows), "", part, 0);
+    scatter(part.at("output"), rows, out["output"]);
+    scatter(part.at("input.grad"), rows, out["input.grad"]);
+    out[weight + ".grad"] = std::move(part.at("weight.grad"));
+    if (b != in.end()) out[bias + ".grad"] = std::move(part.at("bias.grad"));
+  }
   return out;
 }
 

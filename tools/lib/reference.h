@@ -57,12 +57,16 @@ struct ReferenceOptions {
 std::map<std::string, Checked> denseReference(const ReferenceOptions& options, const TensorMap& inputs);
 
 // The kinds' references, as their descriptors name them. linearReference: one linear layer
-// (input, weight, bias, grad_output; the placement of "weight"); embeddingReference: the lookup
-// (ids input, weight, grad_output); mlpReference: fc1, exact GeLU, fc2 (the placements of
-// "fc1.weight" and "fc2.weight").
+// (input, weight, bias, grad_output; with MXFP8 weights or disable_grad_reduce the placement of
+// "weight"); embeddingReference: the lookup (ids input, weight, grad_output); mlpReference: fc1,
+// exact GeLU, fc2 (with MXFP8 weights the placements of "fc1.weight" and "fc2.weight").
 std::map<std::string, Checked> linearReference(const ReferenceOptions& options, const TensorMap& inputs);
 std::map<std::string, Checked> embeddingReference(const ReferenceOptions& options, const TensorMap& inputs);
 std::map<std::string, Checked> mlpReference(const ReferenceOptions& options, const TensorMap& inputs);
+// The experts' grouped linear: token i (input, grad_output rows) goes through expert
+// expert_ids[i]'s weight<e> and bias<e>.
+std::map<std::string, Checked> groupedReference(const ReferenceOptions& options, const TensorMap& inputs,
+                                                std::int64_t experts);
 
 // deq(Q(w)) of an MXFP8 weight as the ranks quantize it: w (N, K) unsharded, cut over the TP ranks
 // as `placement` says, each rank's TP-local weight quantized on its own with blocks of 32 along

@@ -53,6 +53,7 @@ struct RunConfig {
   // Shapes of generated data (ignored for tensors loaded from files); which of them a layer reads
   // is its kind's (LayerKind::sizes).
   std::int64_t seq = 8, batch = 2, inFeatures = 16, outFeatures = 16, ffnHidden = 64, vocab = 32;
+  std::int64_t tokens = 16, experts = 4;  // routed tokens and local experts of the grouped layers
 
   // Throws InvalidArgument naming the flag for combinations Megatron rejects or cannot express,
   // and for values out of range.

@@ -45,7 +45,7 @@ struct RankLayer {
       : pg(ctx.comm, grid.layout()),
         mp(layerConfig(c)),
         reducer(ctx.compute, GtpReduceOptions::fromConfig(mp, asyncReduce)),
-        modules(c.layer->build({ctx.compute, pg.tp(), nullptr, nullptr, &pg.gtpRemat(), &pg.dpCp(), &reducer}, mp, c)) {}
+        modules(c.layer->build(c.layer->context(ctx.compute, pg, reducer), mp, c)) {}
 
   ProcessGroups pg;
   ModelParallelConfig mp;
@@ -65,7 +65,7 @@ std::vector<TensorPlacement> placementsOf(const RunConfig& config) {
   std::vector<TensorPlacement> out;
   makeWorld("sim", wo)->run([&](RankContext& ctx) {
     RankLayer layer(ctx, grid, c, false);
-    std::vector<TensorPlacement> ps = layer.modules->placements(c.seq, c.batch);
+    std::vector<TensorPlacement> ps = layer.modules->placements();
     if (ctx.comm.rank() == 0) {
       std::lock_guard<std::mutex> lock(mu);
       out = std::move(ps);
@@ -108,7 +108,7 @@ RunResult runSharded(const RunConfig& config, const TensorMap& in, const Checkpo
     const int r = ctx.comm.rank();
     RankLayer layer(ctx, grid, c, true);
     const int t = layer.pg.tp().rank(), g = layer.pg.gtpRemat().rank();
-    const std::vector<TensorPlacement> placements = layer.modules->placements(c.seq, c.batch);
+    const std::vector<TensorPlacement> placements = layer.modules->placements();
     if (r == 0) {
       per.placements = placements;
       if (hooks.save)
@@ -122,23 +122,27 @@ RunResult runSharded(const RunConfig& config, const TensorMap& in, const Checkpo
     for (const auto& [name, param] : params) setShard(compute, *param, shardOfInput(name, name), c);
     // Once the parameters are set: this rank's chunks read from, or added to, the checkpoint.
     if (hooks.load || hooks.save) {
-      const ShardedStateDict sd = layer.modules->stateDict(layer.pg.tp(), &layer.pg.dpCpGtp());
+      const ShardedStateDict sd = layer.modules->stateDict(layer.pg);
       if (hooks.load)
         for (const ShardedEntry& e : sd) {
           if (const auto* o = std::get_if<ShardedObject>(&e)) {
             hooks.load->checkObject(*o);
           } else {
+            // An entry describes a parameter's own memory.
             const auto& st = std::get<ShardedTensor>(e);
-            const auto it = std::find_if(params.begin(), params.end(), [&](const auto& p) { return p.first == st.key; });
-            TPSIM_INTERNAL_ASSERT(it != params.end(), "checkpoint key ", st.key, " is no parameter of the layer");
+            const auto it = std::find_if(params.begin(), params.end(),
+                                         [&](const auto& p) { return p.second->data.data() == st.data.data(); });
+            TPSIM_INTERNAL_ASSERT(it != params.end(), "checkpoint key ", st.key, " holds no parameter of the layer");
             hooks.load->load(st, it->second->data, compute);
           }
         }
       if (hooks.save) hooks.save->add(r, sd, compute);
     }
-    const Tensor x = toBackend(compute, shardOfInput(kind.inputPlacement(), "input"));
-    const Tensor dy = toBackend(compute, shardOfInput(kind.outputPlacement() + ".grad", "grad_output"));
-    RankStep step = layer.modules->step(compute, x, dy);
+    RankInputs inputs;
+    for (const TensorSpec& spec : kind.tensors(c))
+      if (spec.role != TensorRole::kParameter)
+        inputs[spec.name] = toBackend(compute, shardOfInput(kind.placementOf(spec.name), spec.name));
+    RankStep step = layer.modules->step(compute, inputs);
     layer.reducer.drain();
     // finalize_model_grads' TP step: the parameters' sequence_parallel tags decide what it sums.
     std::vector<Parameter*> finalized;
@@ -179,8 +183,9 @@ RunResult runSharded(const RunConfig& config, const TensorMap& in, const Checkpo
   r.results["output"] = assemble(placement(kind.outputPlacement()), local("output"));
   if (per.results.front().count("input.grad")) {
     const TensorPlacement dx = placement(kind.inputPlacement() + ".grad");
-    if (dx.tp.kind == AxisKind::kPartial) {
-      // Left partial for its caller (disable_grad_reduce): every TP rank's partial sum, stacked.
+    if (dx.tp.kind == AxisKind::kPartial && c.disableGradReduce) {
+      // Left partial for its caller: every TP rank's partial sum, stacked. A partial sum the layer
+      // leaves to its token dispatcher (the experts) the run completes, as the dispatcher would.
       for (TensorMap& rank : per.results) {
         HostTensor& partial = rank.at("input.grad");
         partial.shape.insert(partial.shape.begin(), 1);

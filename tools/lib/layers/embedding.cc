@@ -12,18 +12,20 @@ namespace {
 class EmbeddingModules final : public LayerModules {
  public:
   EmbeddingModules(const LayerContext& lc, const ModelParallelConfig& mp, const RunConfig& c)
-      : layer_(lc, withoutSequenceParallel(mp), c.vocab, c.outFeatures, uninitialized(), options(c)) {}
+      : layer_(lc, withoutSequenceParallel(mp), c.vocab, c.outFeatures, uninitialized(), options(c)),
+        seq_(c.seq),
+        batch_(c.batch) {}
 
   std::vector<std::pair<std::string, Parameter*>> parameters() override { return {{"weight", &layer_.weight()}}; }
-  std::vector<TensorPlacement> placements(std::int64_t seq, std::int64_t batch) override {
-    return layerPlacements(layer_, seq, batch);
+  std::vector<TensorPlacement> placements() override {
+    return layerPlacements(layer_, seq_, batch_);
   }
-  ShardedStateDict stateDict(Collectives& tp, Collectives* dpCp) override {
-    return shardedStateDict(layer_, "", {}, tp, dpCp);
+  ShardedStateDict stateDict(ProcessGroups& pg) override {
+    return shardedStateDict(layer_, "", {}, pg.tp(), &pg.dpCpGtp());
   }
-  RankStep step(Compute&, ConstView ids, ConstView dy) override {
-    Tensor y = layer_.forward(ids);
-    layer_.backward(dy);
+  RankStep step(Compute&, const RankInputs& in) override {
+    Tensor y = layer_.forward(in.at("input"));  // token ids
+    layer_.backward(in.at("grad_output"));
     return {std::move(y), Tensor()};  // token ids have no gradient
   }
 
@@ -40,6 +42,7 @@ class EmbeddingModules final : public LayerModules {
   }
 
   VocabParallelEmbedding layer_;
+  std::int64_t seq_, batch_;
 };
 
 class EmbeddingKind final : public LayerKind {

@@ -12,6 +12,8 @@ const LayerKind& columnLayerKind();     // linear.cc: ColumnParallelLinear
 const LayerKind& rowLayerKind();        // linear.cc: RowParallelLinear
 const LayerKind& embeddingLayerKind();  // embedding.cc: VocabParallelEmbedding
 const LayerKind& mlpLayerKind();        // mlp.cc: fc1 column, exact GeLU, fc2 row
+const LayerKind& groupedColumnLayerKind();  // grouped.cc: the experts' GroupedParallelLinear, column mode
+const LayerKind& groupedRowLayerKind();     // grouped.cc: the same in row mode
 
 // The initializer a run's layers are built with: never called, as initialization is off (the run
 // copies its tensors in).

@@ -40,24 +40,28 @@ template <class Linear>
 class LinearModules final : public LayerModules {
  public:
   LinearModules(const LayerContext& lc, const ModelParallelConfig& mp, const RunConfig& c)
-      : layer_(lc, mp, c.inFeatures, c.outFeatures, uninitialized(), optionsOf(&layer_, c)), dtype_(c.dtype) {}
+      : layer_(lc, mp, c.inFeatures, c.outFeatures, uninitialized(), optionsOf(&layer_, c)),
+        dtype_(c.dtype),
+        seq_(c.seq),
+        batch_(c.batch) {}
 
   std::vector<std::pair<std::string, Parameter*>> parameters() override {
     return present({{"weight", weightOf(layer_)}, {"bias", layer_.bias()}});
   }
-  std::vector<TensorPlacement> placements(std::int64_t seq, std::int64_t batch) override {
-    return layerPlacements(layer_, seq, batch);
+  std::vector<TensorPlacement> placements() override {
+    return layerPlacements(layer_, seq_, batch_);
   }
-  ShardedStateDict stateDict(Collectives& tp, Collectives* dpCp) override {
-    return shardedStateDict(layer_, "", {}, tp, dpCp);
+  ShardedStateDict stateDict(ProcessGroups& pg) override {
+    return shardedStateDict(layer_, "", {}, pg.tp(), &pg.dpCpGtp());
   }
-  RankStep step(Compute& compute, ConstView x, ConstView dy) override {
-    return linearStep(compute, layer_, x, dy, dtype_);
+  RankStep step(Compute& compute, const RankInputs& in) override {
+    return linearStep(compute, layer_, in.at("input"), in.at("grad_output"), dtype_);
   }
 
  private:
   Linear layer_;
   DType dtype_;
+  std::int64_t seq_, batch_;
 };
 
 // What column and row share: the sizes and tensors of one linear layer. TP cuts N (column) or K

@@ -14,23 +14,26 @@ class MlpModules final : public LayerModules {
  public:
   MlpModules(const LayerContext& lc, const ModelParallelConfig& mp, const RunConfig& c)
       : fc1_(lc, mp, c.inFeatures, c.ffnHidden, uninitialized(), fc1Options()),
-        fc2_(lc, mp, c.ffnHidden, c.inFeatures, uninitialized(), fc2Options()) {}
+        fc2_(lc, mp, c.ffnHidden, c.inFeatures, uninitialized(), fc2Options()),
+        seq_(c.seq),
+        batch_(c.batch) {}
 
   std::vector<std::pair<std::string, Parameter*>> parameters() override {
     return present({{"fc1.weight", fc1_.weight()}, {"fc1.bias", fc1_.bias()}, {"fc2.weight", &fc2_.weight()},
                     {"fc2.bias", fc2_.bias()}});
   }
-  std::vector<TensorPlacement> placements(std::int64_t seq, std::int64_t batch) override {
-    std::vector<TensorPlacement> out = layerPlacements(fc1_, seq, batch, "fc1.");
-    for (TensorPlacement& p : layerPlacements(fc2_, seq, batch, "fc2.")) out.push_back(std::move(p));
+  std::vector<TensorPlacement> placements() override {
+    std::vector<TensorPlacement> out = layerPlacements(fc1_, seq_, batch_, "fc1.");
+    for (TensorPlacement& p : layerPlacements(fc2_, seq_, batch_, "fc2.")) out.push_back(std::move(p));
     return out;
   }
-  ShardedStateDict stateDict(Collectives& tp, Collectives* dpCp) override {
-    ShardedStateDict out = shardedStateDict(fc1_, "fc1.", {}, tp, dpCp);
-    for (ShardedEntry& e : shardedStateDict(fc2_, "fc2.", {}, tp, dpCp)) out.push_back(std::move(e));
+  ShardedStateDict stateDict(ProcessGroups& pg) override {
+    ShardedStateDict out = shardedStateDict(fc1_, "fc1.", {}, pg.tp(), &pg.dpCpGtp());
+    for (ShardedEntry& e : shardedStateDict(fc2_, "fc2.", {}, pg.tp(), &pg.dpCpGtp())) out.push_back(std::move(e));
     return out;
   }
-  RankStep step(Compute& compute, ConstView x, ConstView dy) override {
+  RankStep step(Compute& compute, const RankInputs& in) override {
+    const ConstView x = in.at("input"), dy = in.at("grad_output");
     Tensor h = fc1_.forward(x).output;  // (s, b, F/T)
     Tensor a = compute.empty(h.shape(), h.dtype());
     compute.gelu(h, a);
@@ -56,6 +59,7 @@ class MlpModules final : public LayerModules {
 
   ColumnParallelLinear fc1_;
   RowParallelLinear fc2_;
+  std::int64_t seq_, batch_;
 };
 
 // tokens x F: the elements of each (tokens, F) intermediate, from the shapes of input and fc1.weight.
@@ -99,6 +103,7 @@ class MlpKind final : public LayerKind {
         {"fc2.weight", "h", false, "fc2's rows h (fc2.weight.npy dim 0)", "--in-features (fc2's rows)"}};
     return w;
   }
+  bool exactOnSmallIntegers() const override { return false; }  // GeLU
   std::string inputPlacement() const override { return "fc1.input"; }
   std::string outputPlacement() const override { return "fc2.output"; }
   std::int64_t longestSum(const RunConfig& c) const override {

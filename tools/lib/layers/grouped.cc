@@ -1,0 +1,172 @@
+// --layer grouped-column and --layer grouped-row: the routed experts' grouped linear
+// (GroupedParallelLinear, Transformer Engine's GroupedLinear as TEColumnParallelGroupedLinear and
+// TERowParallelGroupedLinear use it): E expert weights weight<i> (N, K), cut over the expert TP group
+// along N (column) or K (row), and M tokens (M, K), token m going to expert expert_ids[m].
+//
+// The layer wants its tokens sorted by expert; each rank sorts its own (stable, so a token keeps its
+// place among its expert's), runs the grouped GEMMs and puts the results back in token order: the
+// token dispatcher's permute and unpermute. The partial sums over TP that the layer leaves to its
+// dispatcher (the row output, the column input gradient) the run completes. Under GTP_remat the
+// peers split the tokens and the E weights are one EGTP_remat batch.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "backends/errors.h"
+#include "core/checkpoint.h"
+#include "core/grouped_linear.h"
+#include "tools/lib/layers/kinds.h"
+#include "tools/lib/reference.h"
+
+namespace tpsim::tools {
+namespace {
+
+class GroupedModules final : public LayerModules {
+ public:
+  GroupedModules(const LayerContext& lc, const ModelParallelConfig& mp, const RunConfig& c, GroupedParallelMode mode)
+      : layer_(lc, withExpertGtp(mp), c.inFeatures, c.outFeatures, uninitialized(), options(c, mode)),
+        tokens_(c.tokens) {}
+
+  std::vector<std::pair<std::string, Parameter*>> parameters() override {
+    std::vector<std::pair<std::string, Parameter*>> out;
+    for (int i = 0; i < layer_.numGemms(); ++i) out.push_back({detail::concat("weight", i), &layer_.weight(i)});
+    for (int i = 0; i < layer_.numGemms(); ++i) out.push_back({detail::concat("bias", i), layer_.bias(i)});
+    return present(std::move(out));
+  }
+  // The layer's own placements, and the token ids, which the dispatcher holds as the tokens.
+  std::vector<TensorPlacement> placements() override {
+    std::vector<TensorPlacement> out = layerPlacements(layer_, tokens_);
+    TensorPlacement ids = placementNamed(out, "input");
+    ids.name = "expert_ids";
+    ids.shape.resize(1);
+    ids.tp = {AxisKind::kReplicate, ids.tp.size};
+    out.insert(out.begin() + 1, ids);
+    return out;
+  }
+  ShardedStateDict stateDict(ProcessGroups& pg) override {
+    return shardedStateDict(layer_, "", {}, pg.expertTp(), pg.ep(), &pg.expertDp());
+  }
+  RankStep step(Compute& compute, const RankInputs& in) override {
+    const ConstView x = in.at("input"), dy = in.at("grad_output");
+    // The tokens sorted by expert: row i of the sorted tokens is token order[i].
+    const std::vector<double> ids = idsOf(compute, in.at("expert_ids"));
+    std::vector<std::int64_t> order(ids.size()), splits(std::size_t(layer_.numGemms()), 0);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) { return ids[a] < ids[b]; });
+    std::vector<std::int64_t> back(order.size());
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      back[std::size_t(order[i])] = std::int64_t(i);
+      ++splits[std::size_t(ids[i])];
+    }
+    const Tensor sort = indexTensor(compute, order), unsort = indexTensor(compute, back);
+    const Tensor xs = rowsBy(compute, x, sort);
+    Tensor ys = layer_.forward(xs, splits);
+    Tensor y = rowsBy(compute, ys, unsort);
+    const Tensor dys = rowsBy(compute, dy, sort);
+    Tensor dxs = layer_.backward(dys);
+    return {std::move(y), rowsBy(compute, dxs, unsort)};
+  }
+
+ private:
+  static ModelParallelConfig withExpertGtp(ModelParallelConfig mp) {  // the experts' GTP_remat is EGTP_remat
+    mp.expertGtpRematSize = mp.gtpRematSize;
+    return mp;
+  }
+  static GroupedLinearOptions options(const RunConfig& c, GroupedParallelMode mode) {
+    GroupedLinearOptions o;
+    o.numGemms = int(c.experts);
+    o.parallelMode = mode;
+    o.bias = c.bias;
+    o.name = "experts";
+    return o;
+  }
+  static std::vector<double> idsOf(Compute& compute, ConstView ids) {
+    const HostTensor host = fromBackend(compute, ids);
+    return host.values;
+  }
+  static Tensor indexTensor(Compute& compute, const std::vector<std::int64_t>& index) {
+    return toBackend(compute, makeHost({std::int64_t(index.size())}, DType::kInt64,
+                                       std::vector<double>(index.begin(), index.end())));
+  }
+  // out[i] = rows[index[i]]: the gather a dispatcher's permutation is.
+  static Tensor rowsBy(Compute& compute, ConstView rows, const Tensor& index) {
+    Tensor out = compute.empty({index.shape()[0], rows.dim(1)}, rows.dtype());
+    compute.gatherRows(rows, index, 0, out);
+    return out;
+  }
+
+  GroupedParallelLinear layer_;
+  std::int64_t tokens_;
+};
+
+using O = LayerOption;
+
+class GroupedKind final : public LayerKind {
+ public:
+  GroupedKind(const char* name, GroupedParallelMode mode) : name_(name), mode_(mode) {
+    using D = SizeSpec::Divisor;
+    const bool column = mode == GroupedParallelMode::kColumn;
+    sizes_ = {{"M", "tokens", &RunConfig::tokens, "the tokens M", "input", 0, D::kGtpRemat},
+              {"K", "in-features", &RunConfig::inFeatures, "K", "weight0", 1, column ? D::kNone : D::kTp},
+              {"N", "out-features", &RunConfig::outFeatures, "N", "weight0", 0, column ? D::kTp : D::kNone},
+              {"E", "experts", &RunConfig::experts, "the experts E", "", 0, D::kNone}};
+    gtpWeights_ = {column ? GtpWeightSpec{"weight<i>", "N", true, "the TP-local rows N / --tp", "--out-features / --tp"}
+                          : GtpWeightSpec{"weight<i>", "N", false, "N (weight0.npy dim 0)", "--out-features"}};
+  }
+
+  const char* name() const override { return name_; }
+  bool takes(LayerOption o) const override { return o == O::kBias || o == O::kGradAccumulationFusion; }
+  const std::vector<SizeSpec>& sizes() const override { return sizes_; }
+  std::vector<TensorSpec> tensors(const RunConfig& c) const override {
+    std::vector<TensorSpec> t = {{"input", TensorRole::kInput, {"M", "K"}, 1.0},
+                                 {"expert_ids", TensorRole::kInput, {"M"}, 0.0, "E"}};
+    for (std::int64_t i = 0; i < c.experts; ++i)
+      t.push_back({detail::concat("weight", i), TensorRole::kParameter, {"N", "K"}, 1.0 / std::sqrt(double(c.inFeatures))});
+    if (c.bias)
+      for (std::int64_t i = 0; i < c.experts; ++i) t.push_back({detail::concat("bias", i), TensorRole::kParameter, {"N"}, 0.1});
+    t.push_back({"grad_output", TensorRole::kGradient, {"M", "N"}, 1.0});
+    return t;
+  }
+  const std::vector<GtpWeightSpec>& gtpWeights() const override { return gtpWeights_; }
+  // The experts' weights and biases are saved as one key each, expert i at index i of its leading axis.
+  CheckpointSlot checkpointSlot(const std::string& parameter) const override {
+    const std::size_t digits = parameter.find_first_of("0123456789");
+    return {parameter.substr(0, digits), std::stoll(parameter.substr(digits))};
+  }
+  // A weight gradient sums its expert's tokens, up to all M.
+  std::int64_t longestSum(const RunConfig& c) const override {
+    return std::max({c.inFeatures + 1, c.outFeatures, c.tokens});
+  }
+  LayerContext context(Compute& compute, ProcessGroups& groups, GtpGradReducer& reducer) const override {
+    return {compute, groups.expertTp(), nullptr, nullptr, &groups.expertGtpRemat(), &groups.expertDp(), &reducer};
+  }
+  std::unique_ptr<LayerModules> build(const LayerContext& lc, const ModelParallelConfig& mp,
+                                      const RunConfig& c) const override {
+    return std::make_unique<GroupedModules>(lc, mp, c, mode_);
+  }
+  std::map<std::string, Checked> reference(const ReferenceOptions& o, const TensorMap& in) const override {
+    std::int64_t experts = 0;
+    while (in.count(detail::concat("weight", experts))) ++experts;
+    return groupedReference(o, in, experts);
+  }
+
+ private:
+  const char* name_;
+  GroupedParallelMode mode_;
+  std::vector<SizeSpec> sizes_;
+  std::vector<GtpWeightSpec> gtpWeights_;
+};
+
+}  // namespace
+
+const LayerKind& groupedColumnLayerKind() {
+  static const GroupedKind kind("grouped-column", GroupedParallelMode::kColumn);
+  return kind;
+}
+
+const LayerKind& groupedRowLayerKind() {
+  static const GroupedKind kind("grouped-row", GroupedParallelMode::kRow);
+  return kind;
+}
+
+}  // namespace tpsim::tools
