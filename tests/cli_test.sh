@@ -27,7 +27,7 @@ check() {  # check NAME EXPECTED_EXIT EXPECTED_TEXT -- command...
 
 check demo 0 "every output and gradient agrees with the unsharded MLP" -- "$tpsim" demo
 check demo-bf16 0 "every output and gradient agrees" -- "$tpsim" demo --dtype bf16 --tp 2
-for layer in column row embedding mlp; do
+for layer in column row embedding mlp grouped-column grouped-row; do
   check "run-$layer" 0 "sharded results agree" -- "$tpsim" run --layer "$layer" --tp 4
 done
 check run-options 0 "sharded results agree" -- "$tpsim" run --layer column --tp 2 --bias --gather-output \
@@ -80,11 +80,30 @@ check layout-svg-tiles 0 "panels tile exactly" -- /usr/bin/python3 "$(dirname "$
   weight bias output input.grad.partial weight.grad
 for args in "--layer mlp --tp 4 --gtp-remat 2 --sequence-parallel" "--layer row --tp 4 --stride 2 --input-is-parallel --bias" \
   "--layer embedding --tp 2 --gtp-remat 2 --reduce-scatter-embeddings --vocab 40" \
-  "--layer column --tp 4 --gtp-remat 2 --stride 2 --out-features 4096 --in-features 1000 --pad-for-alignment 64"; do
+  "--layer column --tp 4 --gtp-remat 2 --stride 2 --out-features 4096 --in-features 1000 --pad-for-alignment 64" \
+  "--layer grouped-column --tp 2 --gtp-remat 2 --experts 3 --bias" "--layer grouped-row --tp 4 --experts 2 --tokens 8"; do
   # shellcheck disable=SC2086
   "$tpsim" layout $args --svg "$work/l.svg" >/dev/null 2>&1
   check "layout-svg-tiles $args" 0 "panels tile exactly" -- /usr/bin/python3 "$(dirname "$0")/layout_svg_check.py" "$work/l.svg"
 done
+# The experts: a --save/--load replay, token ids out of range named by file, a checkpoint loaded at
+# another topology and mode, and one of another expert count refused before the run.
+check grouped-save 0 "saved to $work/g" -- "$tpsim" run --layer grouped-row --tp 2 --gtp-remat 2 --experts 3 --bias \
+  --save "$work/g" --save-checkpoint "$work/g-ck"
+check grouped-load 0 "sharded results agree" -- "$tpsim" run --layer grouped-row --tp 4 --experts 3 --bias --load "$work/g"
+/usr/bin/python3 - "$work/g/expert_ids.npy" <<'PY'
+import sys
+path = sys.argv[1]
+data = bytearray(open(path, "rb").read())
+data[-8:] = (7).to_bytes(8, "little", signed=True)  # the last token's expert: 7 of 3
+open(path, "wb").write(bytes(data))
+PY
+check grouped-bad-id 2 "expert_ids.npy holds id 7 at flat position 15, outside [0, E=3)" -- \
+  "$tpsim" run --layer grouped-row --tp 2 --experts 3 --bias --load "$work/g"
+check grouped-ckpt 0 "parameters from checkpoint $work/g-ck" -- "$tpsim" run --layer grouped-column --tp 4 --experts 3 \
+  --bias --load-checkpoint "$work/g-ck"
+check grouped-ckpt-experts 2 "key 'weight' in $work/g-ck: expected 2 entries along its leading axis" -- \
+  "$tpsim" run --layer grouped-column --experts 2 --bias --load-checkpoint "$work/g-ck"
 check layout-no-layer 2 "--layer is required" -- "$tpsim" layout --tp 2
 check layout-bad-layer 2 "--layer: expected column, row, embedding, mlp, grouped-column or grouped-row, got 'conv'" -- \
   "$tpsim" layout --layer conv

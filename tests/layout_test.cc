@@ -52,27 +52,30 @@ void expectShardingRoundTrips(const RunConfig& c) {
 }
 
 TEST(Layout, ShardingByThePlacementsRoundTripsEveryTensor) {
-  for (const LayerKind* kind : {layerKind("column"), layerKind("row"), layerKind("embedding"), layerKind("mlp")})
+  for (const LayerKind* kind : layerKinds())
     for (int tp : {1, 2, 4})
       for (int gtp : {1, 2})
         for (int stride : {1, 2})
           for (int pad : {0, 16}) {
-            if (stride > 1 && (kind == layerKind("embedding") || kind == layerKind("mlp"))) continue;
+            if (stride > 1 && !kind->takes(LayerOption::kStride)) continue;
             RunConfig c;
             c.layer = kind;
             c.tp = tp;
             c.gtpRemat = gtp;
             c.stride = stride;
             c.padForAlignment = pad;
-            c.inputIsParallel = kind == layerKind("row") && stride > 1;
-            c.sequenceParallel = tp > 1 && kind != layerKind("embedding") && (kind != layerKind("row") || c.inputIsParallel);
-            c.bias = kind != layerKind("embedding");
+            c.inputIsParallel = kind->takes(LayerOption::kInputIsParallel) && stride > 1;
+            c.sequenceParallel = tp > 1 && kind->takes(LayerOption::kSequenceParallel) &&
+                                 (!kind->takes(LayerOption::kInputIsParallel) || c.inputIsParallel);
+            c.bias = kind->takes(LayerOption::kBias);
             c.batch = 2 * gtp;
+            c.tokens = 6 * gtp;
             c.seq = 4;
             c.inFeatures = 8 * tp * stride;
             c.outFeatures = 4 * tp * stride;
             c.ffnHidden = 8 * tp;
             c.vocab = 8 * tp;
+            c.experts = 3;
             expectShardingRoundTrips(c);
           }
 }
