@@ -81,14 +81,15 @@ TPSIM_PROP(GroupedLinearLaws, IdenticalDataOnEveryPeerGivesTheExpertsWithoutGtpB
            << geo.padLength << ", " << dtypeName(dtype) << " main_grad " << dtypeName(mainGradDtype)
            << (mean ? " MEAN" : " SUM") << (fp32Accum ? " fp32-accum" : "") << (async ? " async" : " sync")
            << (bias ? " bias" : "") << ", integers up to " << amplitude << "\n";
+  const LayerGrid grid(T, G);
   for (const Backend* b : usableBackends()) {
     Problems problems;
     std::mutex mu;
     // (t, e) -> the wgrad of the layer without GTP_remat on TP rank t; (t, e, g) -> main_grad shard g.
     std::map<std::pair<int, int>, Values> wgrads;
     std::map<std::tuple<int, int, int>, Values> shards;
-    b->runRanks(T * G, [&](RankContext& ctx) {
-      const int r = ctx.comm.rank(), t = r % T, g = r / T;
+    b->runRanks(grid.size(), [&](RankContext& ctx) {
+      const int r = ctx.comm.rank(), t = grid.t(r), g = grid.g(r);
       const std::string at =
           "rank " + std::to_string(r) + " (t " + std::to_string(t) + ", g " + std::to_string(g) + "): ";
       Compute& compute = ctx.compute;

@@ -143,10 +143,11 @@ TPSIM_PROP(Mxfp8Laws, GtpLayersGiveTheOutputAndDgradOfTheLayerWithoutGtpBitwise,
     initMethodNormal(0.5)(gen, master);
     addSpikes(master, seed + 3, spikes, maxSpikeExponent(dtype), false);
   };
+  const LayerGrid grid(T, G);
   for (const Backend* b : usableBackends()) {
     Problems problems;
-    b->runRanks(T * G, [&](RankContext& ctx) {
-      const int r = ctx.comm.rank(), t = r % T, g = r / T;
+    b->runRanks(grid.size(), [&](RankContext& ctx) {
+      const int r = ctx.comm.rank(), t = grid.t(r), g = grid.g(r);
       const std::string at =
           "rank " + std::to_string(r) + " (t " + std::to_string(t) + ", g " + std::to_string(g) + "): ";
       Compute& compute = ctx.compute;

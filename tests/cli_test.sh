@@ -102,6 +102,9 @@ check grouped-bad-id 2 "expert_ids.npy holds id 7 at flat position 15, outside [
   "$tpsim" run --layer grouped-row --tp 2 --experts 3 --bias --load "$work/g"
 check grouped-ckpt 0 "parameters from checkpoint $work/g-ck" -- "$tpsim" run --layer grouped-column --tp 4 --experts 3 \
   --bias --load-checkpoint "$work/g-ck"
+check grouped-many-experts 2 "--experts: expected 1..4096 (one weight file and one GEMM per expert), got 99999999999" -- \
+  "$tpsim" run --layer grouped-column --experts 99999999999
+check grouped-no-experts 2 "--experts: expected >= 1, got 0" -- "$tpsim" layout --layer grouped-row --experts 0
 check grouped-ckpt-experts 2 "key 'weight' in $work/g-ck: expected 2 entries along its leading axis" -- \
   "$tpsim" run --layer grouped-column --experts 2 --bias --load-checkpoint "$work/g-ck"
 check layout-no-layer 2 "--layer is required" -- "$tpsim" layout --tp 2

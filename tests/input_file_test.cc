@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "backends/errors.h"
+#include "tests/scratch_dir.h"
 
 namespace tpsim::tools {
 namespace {
@@ -27,30 +28,7 @@ namespace {
 namespace fs = std::filesystem;
 using namespace std::chrono_literals;
 
-// A fresh directory under ::testing::TempDir() for one test, removed afterwards.
-class ScratchDir {
- public:
-  ScratchDir() {
-    path_ = fs::path(::testing::TempDir()) /
-            ("tpsim_input_file_test_" + std::to_string(getpid()) + "_" +
-             ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~ScratchDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-  std::string write(const std::string& name, const std::string& bytes) const {
-    const std::string path = file(name);
-    std::ofstream(path, std::ios::binary) << bytes;
-    return path;
-  }
-
- private:
-  fs::path path_;
-};
+using testing::ScratchDir;
 
 InputFile openInput(const std::string& path) {
   return InputFile(path, "test '" + path + "'", "a test file",

@@ -20,6 +20,7 @@
 
 #include "backends/dims.h"
 #include "backends/errors.h"
+#include "tests/scratch_dir.h"
 
 namespace tpsim::tools {
 namespace {
@@ -27,32 +28,7 @@ namespace {
 namespace fs = std::filesystem;
 using namespace std::string_literals;
 
-// A fresh directory under ::testing::TempDir() for one test, removed afterwards.
-class ScratchDir {
- public:
-  ScratchDir() {
-    std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
-    for (char& c : name)
-      if (c == '/') c = '_';
-    path_ = fs::path(::testing::TempDir()) /
-            ("tpsim_npy_test_" + std::to_string(getpid()) + "_" + name);
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~ScratchDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-  std::string write(const std::string& name, const std::string& bytes) const {
-    const std::string path = file(name);
-    std::ofstream(path, std::ios::binary) << bytes;
-    return path;
-  }
-
- private:
-  fs::path path_;
-};
+using testing::ScratchDir;
 
 std::string readBytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

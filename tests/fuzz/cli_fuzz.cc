@@ -23,13 +23,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     if (data[0] % 3 == 0) {
       const RunArgs a = parseRunArgs(args);
       if (a.help.empty() && a.loadDir.empty()) {
-        (void)bytesText(estimateRunBytes(a.config, generatedShapes(a.config), a.verify));
+        (void)bytesText(estimateRunBytes(a.config, tensorShapes(a.config), a.verify));
         (void)a.config.str();
         (void)commandLine(a.config);
       }
     } else if (data[0] % 3 == 1) {
       const DemoArgs a = parseDemoArgs(args);
-      if (a.help.empty()) (void)generatedShapes(a.config);
+      if (a.help.empty()) (void)tensorShapes(a.config);
     } else {
       (void)parseBenchArgs(args);
     }

@@ -100,6 +100,7 @@ class GroupedModules final : public LayerModules {
 };
 
 using O = LayerOption;
+constexpr std::int64_t kMaxExperts = 4096;
 
 class GroupedKind final : public LayerKind {
  public:
@@ -116,6 +117,11 @@ class GroupedKind final : public LayerKind {
 
   const char* name() const override { return name_; }
   bool takes(LayerOption o) const override { return o == O::kBias || o == O::kGradAccumulationFusion; }
+  // Each expert is a file, a weight and a GEMM of its own.
+  void validate(const RunConfig& c) const override {
+    TPSIM_CHECK(c.experts <= kMaxExperts, "--experts: expected 1..", kMaxExperts, " (one weight file and one GEMM "
+                "per expert), got ", c.experts);
+  }
   const std::vector<SizeSpec>& sizes() const override { return sizes_; }
   std::vector<TensorSpec> tensors(const RunConfig& c) const override {
     std::vector<TensorSpec> t = {{"input", TensorRole::kInput, {"M", "K"}, 1.0},
