@@ -147,7 +147,8 @@ void save(const std::string& dir, const TensorMap& tensors) {
     output.checkTarget(files.back());
   }
   auto file = files.begin();
-  for (const auto& [name, t] : tensors) {
+  for (const auto& entry : tensors) {
+    const HostTensor& t = entry.second;
     const std::string& path = *file++;
     output.write(path, [&](std::FILE* f) {
       const std::string where = "--save: " + path;

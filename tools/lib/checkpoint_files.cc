@@ -237,7 +237,7 @@ std::string safetensorsBytes(const std::vector<SafetensorsEntry>& tensors,
   for (const auto& t : tensors) {
     TPSIM_INTERNAL_ASSERT(std::int64_t(t.bytes.size()) == volume(t.shape) * std::int64_t(dtypeSize(t.dtype)),
                           t.name, ": ", t.bytes.size(), " bytes for ", shapeText(t.shape));
-    TPSIM_CHECK(!header.contains(t.name), "writeSafetensors: tensor names must be unique, got '", t.name, "' twice");
+    TPSIM_CHECK(!header.contains(t.name), "safetensorsBytes: tensor names must be unique, got '", t.name, "' twice");
     header[t.name] = {{"dtype", safetensorsDtype(t.dtype)}, {"shape", t.shape}, {"data_offsets", {at, at + t.bytes.size()}}};
     at += t.bytes.size();
   }

@@ -458,8 +458,9 @@ std::map<std::string, Checked> denseReference(const ReferenceOptions& o, const T
   const double gtpUnderflow = gtp ? o.gtpRemat * halfSubnormal(o.gtpWireDtype) : 0.0;
   for (auto& [name, c] : out) {
     // A gradient GTP_remat reduce-scatters is one whose placement is a GTP_remat shard's.
+    const std::string& result = name;
     const bool gtpWeight = gtp && std::any_of(o.placements.begin(), o.placements.end(), [&](const TensorPlacement& p) {
-                             return p.name == name && p.gtpShard;
+                             return p.name == result && p.gtpShard;
                            });
     for (double& b : c.bound) b = (gtpWeight ? b * gtpFactor + gtpUnderflow : b) + underflow;
   }
