@@ -5,6 +5,7 @@
 #include <exception>
 
 #include "backends/errors.h"
+#include "backends/threads.h"
 
 namespace tpsim::sim {
 
@@ -20,7 +21,7 @@ struct HostPool::Job {
 
 HostPool::HostPool(int helpers) {
   TPSIM_CHECK(helpers >= 0, "HostPool: helpers must be >= 0, got ", helpers);
-  for (int i = 0; i < helpers; ++i) threads_.emplace_back([this] { helperLoop(); });
+  threads_ = startThreads(helpers, [this](int) { helperLoop(); }, "helper threads for large GEMMs (--threads)");
 }
 
 HostPool::~HostPool() {

@@ -112,6 +112,32 @@ check layout-bad-layer 2 "--layer: expected column, row, embedding, mlp, grouped
   "$tpsim" layout --layer conv
 check layout-bad-flag 2 "unrecognised option '--frob'" -- "$tpsim" layout --layer column --frob
 check layout-bad-tp 2 "--tp: expected 1..64, got 0" -- "$tpsim" layout --layer column --tp 0
+# Past 36 ranks or 26 sets of copies a cell takes two characters, so that no two share a code.
+"$tpsim" layout --layer column --tp 2 --gtp-remat 32 --batch 32 >"$work/wide.txt" 2>&1
+check layout-wide-legend 0 "every code stands for one rank or set" -- /usr/bin/python3 - "$work/wide.txt" <<'PY'
+import re, sys
+section = open(sys.argv[1]).read().split("\n\n")[1]  # the input: replicated over TP, 32 GTP_remat blocks
+sets = re.findall(r"^  ([A-Z]+) = the same elements on (.*)$", section, re.M)
+rows = [l for l in section.splitlines() if re.match(r"^ *[0-9]*[-|]", l)]
+codes = [code for code, _ in sets]
+if len(sets) < 27 or len(set(codes)) != len(codes) or len(set(w for _, w in sets)) != len(sets):
+    sys.exit("a code stands for two sets: %s" % sets)
+if any("*" in r or "?" in r for r in rows):
+    sys.exit("a cell has no code of its own")
+print("every code stands for one rank or set")
+PY
+# --threads is bounded, and threads the system refuses are an error (exit 2), never std::terminate.
+for cmd in "run --layer column" demo "bench -W latency --ranks 2"; do
+  # shellcheck disable=SC2086
+  check "threads-bound $cmd" 2 "--threads: expected 0..1024 (0 = every core), got 100000" -- "$tpsim" $cmd --threads 100000
+done
+if ldd "$tpsim" 2>/dev/null | grep -q 'libasan\|libtsan'; then
+  echo "skip threads-refused: a sanitizer's shadow memory does not start under ulimit -v"
+else
+  check threads-refused 2 "; ask for fewer" -- bash -c "ulimit -v 600000; exec \"\$0\" bench -W latency --ranks 1024 --iters 10" "$tpsim"
+fi
+check bench-empty-mlp 2 "--mlp-tp: expected TP sizes in 1..64 that divide --tokens and --ffn, got 3" -- \
+  "$tpsim" bench -W mlp --mlp-tp 3
 check layout-indivisible 2 "--out-features = 10 must be divisible by --tp x --stride = 4" -- \
   "$tpsim" layout --layer column --tp 4 --out-features 10
 check layout-svg-dir 2 "--svg: " -- "$tpsim" layout --layer column --svg "$work/no/such/dir/x.svg"
@@ -301,6 +327,9 @@ check load-link-to-device 2 "weight.npy': expected a regular file, got a device 
 # A weight of 0 rows divides by any --stride: it used to run for minutes.
 check stride-zero-rows 2 "expected every dim >= 1" -- \
   timeout 20 "$tpsim" run --layer column --stride 100000000 --load "$work/zero"
+# The estimate counts GTP_remat's pad rows, which every rank holds, gathers and reduces.
+check estimate-pad-rows 2 "got an estimated peak of 3.0 GiB for --layer column --tp 2 --gtp-remat 2" -- \
+  "$tpsim" run --layer column --gtp-remat 2 --pad-for-alignment 524288 --max-memory 256M
 check stride-too-large 2 "N (weight.npy dim 0) = 16 must be divisible by --tp x --stride = 200000000" -- \
   "$tpsim" run --layer column --stride 100000000
 

@@ -80,8 +80,9 @@ Fiber::Fiber(std::size_t stackBytes, std::function<void()> body) : body_(std::mo
                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, -1, 0);
   if (stack_ == MAP_FAILED) {
     stack_ = nullptr;
-    throw Error(detail::concat("sim: cannot map a fiber stack of ", mappedBytes_, " bytes: ",
-                               std::strerror(errno)));
+    // The machine cannot hold the ranks asked for: bad input (exit 2 in the CLI), like too large a size.
+    throw InvalidArgument(detail::concat("sim: cannot map a fiber stack of ", mappedBytes_, " bytes: ",
+                                         std::strerror(errno), "; ask for fewer ranks"));
   }
   // Guard page: a stack overflow faults instead of silently corrupting the neighbour's memory.
   mprotect(stack_, page, PROT_NONE);

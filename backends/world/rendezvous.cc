@@ -12,6 +12,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "backends/threads.h"
 #include "backends/world/fiber.h"
 
 namespace tpsim::world {
@@ -837,8 +838,8 @@ void Rendezvous::run(const std::function<void(RankContext&)>& fn,
   }
   run->unfinished = run->readyCount = o.size;
 
-  std::vector<std::thread> threads;
-  for (int w = 0; w < o.threads; ++w) threads.emplace_back(workerLoop, run, w);
+  std::vector<std::thread> threads =
+      startThreads(o.threads, [run](int w) { workerLoop(run, w); }, "worker threads for the world's ranks (--threads)");
 
   bool abandoned = false;
   {

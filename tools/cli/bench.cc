@@ -29,6 +29,7 @@
 #endif
 
 #include "backends/compute.h"
+#include "backends/threads.h"
 #include "backends/world/fiber.h"
 #include "core/layers.h"
 #include "sim/dgemm.h"
@@ -115,9 +116,7 @@ double threadTinyAllReduce(int n, int iters) {
     }
   };
   const auto start = Clock::now();
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
+  std::vector<std::thread> threads = startThreads(n, [&](int r) {
       float x = 0;
       for (int i = 0; i < iters; ++i) {
         std::unique_lock<std::mutex> lock(mu);
@@ -130,7 +129,7 @@ double threadTinyAllReduce(int n, int iters) {
         barrier(lock);
         x = sum;
       }
-    });
+    }, "OS threads, one per rank (--ranks)");
   for (auto& t : threads) t.join();
   return secondsSince(start) / iters;
 }
@@ -567,6 +566,9 @@ BenchArgs parseBenchArgs(const std::vector<std::string>& args) {
     return out;
   }
   if (!isBackendName(backend)) throw UsageError{"--backend: expected sim or gpu, got '" + backend + "'"};
+  if (c.threads < 0 || c.threads > kMaxThreads)
+    throw UsageError{"--threads: expected 0.." + std::to_string(kMaxThreads) + " (0 = every core), got " +
+                     std::to_string(c.threads)};
   out.gpuBackend = backend == "gpu";
   if (out.gpuBackend) {
     auto given = [&](const char* name) { return !vm[name].defaulted(); };
@@ -619,6 +621,12 @@ BenchArgs parseBenchArgs(const std::vector<std::string>& args) {
     throw UsageError{"--min-bytes/--max-bytes: expected 4·bw-ranks <= min <= max, got " + minBytes + " and " +
                      maxBytes};
   if (c.bwIters < 1 || c.gemmReps < 1) throw UsageError{"--bw-iters and --gemm-reps must be >= 1"};
+  // A TP size that cannot split the block would leave its row out: refused, not an empty table.
+  for (int T : c.mlpTp)
+    if (T < 1 || T > 64 || c.tokens % T || c.ffn % T)
+      throw UsageError{"--mlp-tp: expected TP sizes in 1..64 that divide --tokens and --ffn, got " +
+                       std::to_string(T) + " for tokens " + std::to_string(c.tokens) + " and ffn " +
+                       std::to_string(c.ffn)};
   return out;
 }
 

@@ -81,6 +81,17 @@ std::string LayerKind::placementOf(const std::string& name) const {
   return name;
 }
 
+const GtpWeightSpec* gtpWeightOf(const RunConfig& c, const std::string& name) {
+  for (const GtpWeightSpec& w : c.layer->gtpWeights()) {
+    if (w.name == name) return &w;
+    const std::size_t each = w.name.find("<i>");
+    if (each != std::string::npos && name.size() > each && name.compare(0, each, w.name, 0, each) == 0 &&
+        name.find_first_not_of("0123456789", each) == std::string::npos)
+      return &w;
+  }
+  return nullptr;
+}
+
 const SizeSpec& sizeNamed(const RunConfig& c, const std::string& symbol) {
   const std::vector<SizeSpec>& sizes = c.layer->sizes();
   for (const SizeSpec& s : sizes)

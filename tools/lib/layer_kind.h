@@ -152,6 +152,10 @@ const LayerKind* layerKind(const std::string& name);
 std::string layerKindNames();
 std::string layerKindsTaking(LayerOption option);
 
+// The spec of config's GTP_remat-sharded weights that tensor `name` is ("weight<i>" stands for
+// weight0, weight1, ...), or nullptr.
+const GtpWeightSpec* gtpWeightOf(const RunConfig& config, const std::string& name);
+
 // The size named `symbol` of config's layer (its value in config).
 const SizeSpec& sizeNamed(const RunConfig& config, const std::string& symbol);
 std::int64_t sizeValue(const RunConfig& config, const std::string& symbol);

@@ -142,7 +142,8 @@ const int kPalette[] = {75, 209, 114, 221, 177, 80, 203, 150, 111, 215, 156, 183
 const char* kSvgPalette[] = {"#4e79a7", "#f28e2b", "#59a14f", "#edc948", "#b07aa1", "#76b7b2", "#e15759", "#9c755f",
                              "#86bcb6", "#ff9da7", "#8cd17d", "#d4a6c8", "#499894", "#f1ce63", "#79706e", "#d37295"};
 
-char rankChar(int r) { return r < 10 ? char('0' + r) : r < 36 ? char('a' + r - 10) : '*'; }
+// A rank in one character: 0-9, then a-z (layouts of more than 36 ranks draw two digits instead).
+char rankChar(int r) { return r < 10 ? char('0' + r) : char('a' + r - 10); }
 
 std::string drawText(const TensorPlacement& p, bool colour, const std::set<std::string>& params) {
   const std::int64_t R = rowsOf(p), C = colsOf(p);
@@ -156,61 +157,79 @@ std::string drawText(const TensorPlacement& p, bool colour, const std::set<std::
                           "; row labels count drawn rows, the rank lines global rows\n");
   if (p.shape.size() == 3) out += "  columns: dims 1 and 2 flattened (dim 1 major)\n";
   const int margin = int(std::to_string(R).size()) + 1;
+  // The ranks holding each drawn cell, and the distinct sets of more than one rank.
+  std::vector<std::vector<std::vector<int>>> cells(std::size_t(rp.back()), std::vector<std::vector<int>>(std::size_t(cp.back())));
+  std::vector<std::vector<char>> padded(std::size_t(rp.back()), std::vector<char>(std::size_t(cp.back()), 0));
+  std::map<std::vector<int>, int> sets;  // holders of more than one rank -> their index, in order met
+  for (int row = 0, seg = 0; row < rp.back(); ++row) {
+    while (seg + 1 < int(rp.size()) && rp[std::size_t(seg) + 1] <= row) ++seg;
+    for (int col = 0, cseg = 0; col < cp.back(); ++col) {
+      while (cseg + 1 < int(cp.size()) && cp[std::size_t(cseg) + 1] <= col) ++cseg;
+      std::vector<int>& holders = cells[std::size_t(row)][std::size_t(col)];
+      for (const Holder& x : holdersOf(p, indexAt(p, rb[std::size_t(seg)], cb[std::size_t(cseg)]))) {
+        holders.push_back(grid.rank(x.t, x.g));
+        padded[std::size_t(row)][std::size_t(col)] |= x.pad;
+      }
+      if (holders.size() > 1) sets.emplace(holders, int(sets.size()));
+    }
+  }
+  // One character a cell while every rank and every set has its own (ranks 0-9 and a-z, sets A-Z);
+  // beyond that two: a rank's number, a set's pair of capitals.
+  const bool wide = grid.size() > 36 || sets.size() > 26;
+  const int width = wide ? 2 : 1;
+  auto setCode = [&](int k) {
+    return wide ? std::string{char('A' + k / 26), char('A' + k % 26)} : std::string(1, char('A' + k));
+  };
   // Column boundary labels where they do not overlap the previous one.
-  std::string labels(std::size_t(margin + 1 + cp.back() + 8), ' ');
+  std::string labels(std::size_t(margin + 1 + width * cp.back() + 8), ' ');
   int free = 0;
   for (std::size_t i = 0; i < cb.size(); ++i) {
     const std::string text = std::to_string(cb[i]);
-    const int at = margin + 1 + cp[i];
+    const int at = margin + 1 + width * cp[i];
     if (at < free) continue;
     labels.replace(std::size_t(at), text.size(), text);
     free = at + int(text.size()) + 1;
   }
   while (!labels.empty() && labels.back() == ' ') labels.pop_back();
   out += labels + "\n";
-  std::map<std::vector<int>, char> sets;  // holders of more than one rank -> 'A', 'B', ...
   std::vector<std::string> legend;
+  std::set<int> described;
   std::size_t seg = 0;
   for (int row = 0; row < rp.back(); ++row) {
     while (seg + 1 < rp.size() && rp[seg + 1] <= row) ++seg;
     const bool boundary = rp[seg] == row;
     std::string line = boundary ? std::to_string(rb[seg]) : "";
     line = std::string(std::size_t(margin) - line.size(), ' ') + line + (boundary ? "-" : "|");
-    std::size_t cseg = 0;
     int lastBg = -1;
     for (int col = 0; col < cp.back(); ++col) {
-      while (cseg + 1 < cp.size() && cp[cseg + 1] <= col) ++cseg;
-      const std::int64_t r = rb[seg], c = cb[cseg];
-      std::vector<int> holders;
-      bool pad = false;
-      for (const Holder& x : holdersOf(p, indexAt(p, r, c))) {
-        holders.push_back(grid.rank(x.t, x.g));
-        pad = pad || x.pad;
-      }
-      char ch = '?';
+      const std::vector<int>& holders = cells[std::size_t(row)][std::size_t(col)];
+      std::string code(std::size_t(width), '?');
       int bg = 250;
       if (holders.size() == 1) {
-        ch = pad && (row + col) % 2 ? '/' : rankChar(holders[0]);  // pad rows hatched, their holder shown
+        const bool hatch = padded[std::size_t(row)][std::size_t(col)] && (row + col) % 2;  // pad rows hatched
+        code = hatch ? std::string(std::size_t(width), '/') : wide ? detail::concat(holders[0] / 10, holders[0] % 10)
+                                                                   : std::string(1, rankChar(holders[0]));
         bg = kPalette[holders[0] % 16];
       } else if (!holders.empty()) {
-        auto [it, added] = sets.emplace(holders, char('A' + sets.size() % 26));
-        if (added) {
+        const int k = sets.at(holders);
+        if (described.insert(k).second) {
           std::string who;
           for (int h : holders) who += detail::concat(who.empty() ? "" : " ", "r", h);
-          legend.push_back(detail::concat("  ", it->second, " = the same elements on ", who,
+          legend.push_back(detail::concat("  ", setCode(k), " = the same elements on ", who,
                                           p.tp.kind == AxisKind::kPartial ? " (each a partial sum)" : ""));
         }
-        ch = it->second;
-        bg = it->second % 2 ? 252 : 246;
+        code = setCode(k);
+        bg = k % 2 ? 252 : 246;
       }
       if (colour && bg != lastBg) line += detail::concat("\033[30;48;5;", bg, "m");  // one escape per run
       lastBg = bg;
-      line += ch;
+      line += code;
     }
     out += line + (colour ? "\033[0m\n" : "\n");
   }
   out += std::string(std::size_t(margin) - std::to_string(R).size(), ' ') + std::to_string(R) + "\n";
-  out += "  digits and letters a-z: the rank r = t + T*g holding the cells; '/' hatches GTP_remat pad rows\n";
+  out += wide ? "  two digits: the rank r = t + T*g holding the cells; '//' hatches GTP_remat pad rows\n"
+              : "  digits and letters a-z: the rank r = t + T*g holding the cells; '/' hatches GTP_remat pad rows\n";
   for (const auto& l : legend) out += l + "\n";
   for (const auto& l : rankLines(p, isParameterOrItsGradient(p, params))) out += "  " + l + "\n";
   return out;

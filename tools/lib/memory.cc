@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "backends/errors.h"
+#include "core/gtp.h"
 
 namespace tpsim::tools {
 namespace {
@@ -33,7 +34,8 @@ std::optional<double> readNumber(const std::string& file) {
 // peers:
 //   run:    8(X + Y)  the inputs, the per-rank results as doubles, their reassembly
 //         + T(2X + Y) each rank's own copy of the full input and output gradient, and of x
-//         + (8 + 4(G - 1))W  shards, backend copies, gradients, main_grad, GTP_remat gathers
+//         + (8 + 4(G - 1))Wp shards, backend copies, gradients, main_grad, GTP_remat gathers, with
+//                     Wp the parameters' elements with GTP_remat's pad rows
 //         + S         the kind's per-rank intermediates (LayerKind::stepIntermediates: the MLP's
 //                     H, GeLU(H), dA, dH in fp32, 2H)
 //   verify: 4W + R    the reference's |W| copies and products, and what the kind's reference holds
@@ -53,10 +55,24 @@ std::optional<double> readNumber(const std::string& file) {
 double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode verify) {
   const double T = c.tp, G = c.gtpRemat;
   const double x = numel(shapes, "input"), y = numel(shapes, "grad_output");
-  double w = 0;
-  for (const TensorSpec& t : c.layer->tensors(c))
-    if (t.role == TensorRole::kParameter) w += numel(shapes, t.name);
-  double doubles = 8 * (x + y) + T * (2 * x + y) + (8 + 4 * (G - 1)) * w + c.layer->stepIntermediates(c, shapes);
+  // W as the run's tensors hold it, and as the ranks hold it: GTP_remat pads the TP-local rows of
+  // each weight it shards, in every copy the ranks make.
+  double w = 0, held = 0;
+  for (const TensorSpec& t : c.layer->tensors(c)) {
+    if (t.role != TensorRole::kParameter) continue;
+    const double n = numel(shapes, t.name);
+    w += n;
+    held += n;
+    const GtpWeightSpec* gtp = c.gtpRemat > 1 ? gtpWeightOf(c, t.name) : nullptr;
+    const auto shape = shapes.find(t.name);
+    if (gtp == nullptr || c.padForAlignment == 0 || shape == shapes.end() || shape->second.empty() ||
+        shape->second[0] < 1)
+      continue;
+    const std::int64_t slices = gtp->tpCutsDim0 ? c.tp : 1, rows = shape->second[0];
+    const double padRows = double(slices) * double(gtpRematShardDim0(rows / slices, c.gtpRemat, c.padForAlignment).padLength);
+    held += padRows * (n / double(rows));
+  }
+  double doubles = 8 * (x + y) + T * (2 * x + y) + (8 + 4 * (G - 1)) * held + c.layer->stepIntermediates(c, shapes);
   if (c.disableGradReduce) doubles += 3 * T * x;  // input.grad is (T, s, b, K): results and reference
   if (verify != VerifyMode::kNone) doubles += 4 * w + c.layer->referenceIntermediates(c, shapes);
   const double base = 16.0 * (1 << 20) + 256.0 * 1024 * T * G;  // the program, threads, fiber stacks

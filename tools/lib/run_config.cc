@@ -169,7 +169,8 @@ void RunConfig::validate() const {
                   "rank and collective, got '", f.str(), "' and '", g.str(), "'");
   }
   TPSIM_CHECK(timeout.count() > 0, "--timeout: expected a positive number of seconds, got ", timeout.count(), " ms");
-  TPSIM_CHECK(threads >= 0, "--threads: expected >= 0 (0 = every core), got ", threads);
+  TPSIM_CHECK(threads >= 0 && threads <= kMaxThreads, "--threads: expected 0..", kMaxThreads,
+              " (0 = every core), got ", threads);
   for (auto [flag, v] : {std::pair{"seq", seq}, {"batch", batch}, {"in-features", inFeatures},
                          {"out-features", outFeatures}, {"ffn-hidden", ffnHidden}, {"vocab", vocab},
                          {"tokens", tokens}, {"experts", experts}})

@@ -18,6 +18,9 @@ namespace tpsim::tools {
 
 class LayerKind;  // tools/lib/layer_kind.h
 
+// The most --threads a command takes: worker and GEMM threads beyond the ranks and cores only wait.
+inline constexpr int kMaxThreads = 1024;
+
 struct RunConfig {
   RunConfig();
 
