@@ -58,6 +58,20 @@ std::string printable(const std::string& text) {
   return out;
 }
 
+// What needed more memory than the machine has, and where the command's sizes come from.
+std::string sizeSources(const std::string& command) {
+  const std::string shapes = "--seq, --batch, --in-features, --out-features, --ffn-hidden, --vocab, --tokens, --experts";
+  if (command == "bench")
+    return "the benchmark needs more than this machine has; its sizes come from --ranks, --bw-ranks, --max-bytes, "
+           "--tokens, --hidden, --ffn and --mlp-tp";
+  if (command == "layout")
+    return "the layout's layers need more than this machine has; their sizes come from " + shapes +
+           ", --tp, --gtp-remat and --pad-for-alignment";
+  if (command == "checkpoint") return "the checkpoint's tensors need more than this machine has";
+  return "the run needs more than this machine has; its size comes from " + shapes +
+         ", --tp, --gtp-remat and --pad-for-alignment, or from the --load files";
+}
+
 int fail(const std::string& command, const std::string& kind, std::string message, int code) {
   const std::string prefix = "tpsim " + command + ": ";
   if (message.compare(0, prefix.size(), prefix) == 0) message.erase(0, prefix.size());
@@ -134,9 +148,7 @@ int main(int argc, char** argv) {
   } catch (const std::filesystem::filesystem_error& e) {
     return fail(command, "", "'" + e.path1().string() + "': expected a usable path, got '" + e.code().message() + "'", 2);
   } catch (const std::bad_alloc&) {
-    return fail(command, "", "out of memory: the run needs more than this machine has; its size comes from --seq, "
-                "--batch, --in-features, --out-features, --ffn-hidden, --vocab, --tp, --gtp-remat and "
-                "--pad-for-alignment, or from the --load files", 2);
+    return fail(command, "", "out of memory: " + sizeSources(command), 2);
   } catch (const std::exception& e) {
     return fail(command, "", e.what(), 3);
   }

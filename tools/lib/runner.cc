@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <functional>
 #include <mutex>
 
 #include "backends/errors.h"
@@ -39,6 +40,25 @@ HostTensor gradOf(Compute& compute, const Parameter& p) {
   return fromBackend(compute, p.mainGrad.defined() ? ConstView(p.mainGrad) : ConstView(p.grad));
 }
 
+// world.run(fn), with a rank out of memory reported as what it is, an allocation failure (exit 2 in
+// the CLI: too large a size), not as a failure of the simulated world.
+void runWorld(World& world, const std::function<void(RankContext&)>& fn) {
+  std::atomic<bool> outOfMemory{false};
+  try {
+    world.run([&](RankContext& ctx) {
+      try {
+        fn(ctx);
+      } catch (const std::bad_alloc&) {
+        outOfMemory = true;
+        throw;
+      }
+    });
+  } catch (const WorldError&) {
+    if (outOfMemory) throw std::bad_alloc();
+    throw;
+  }
+}
+
 // Process groups, the GTP_remat reducer and the modules of config's layer on one rank.
 struct RankLayer {
   RankLayer(RankContext& ctx, const LayerGrid& grid, const RunConfig& c, bool asyncReduce)
@@ -63,7 +83,7 @@ std::vector<TensorPlacement> placementsOf(const RunConfig& config) {
   wo.size = grid.size();
   std::mutex mu;
   std::vector<TensorPlacement> out;
-  makeWorld("sim", wo)->run([&](RankContext& ctx) {
+  runWorld(*makeWorld("sim", wo), [&](RankContext& ctx) {
     RankLayer layer(ctx, grid, c, false);
     std::vector<TensorPlacement> ps = layer.modules->placements();
     if (ctx.comm.rank() == 0) {
@@ -152,22 +172,7 @@ RunResult runSharded(const RunConfig& config, const TensorMap& in, const Checkpo
     if (step.inputGrad.defined()) per.put(r, "input.grad", fromBackend(compute, step.inputGrad));
     for (const auto& [name, param] : params) per.put(r, name + ".grad", gradOf(compute, *param));
   };
-  // A rank out of memory fails the world like any rank error; it is reported as what it is, an
-  // allocation failure (exit 2 in the CLI), not as a failure of the simulated world.
-  std::atomic<bool> outOfMemory{false};
-  try {
-    world->run([&](RankContext& ctx) {
-      try {
-        rankMain(ctx);
-      } catch (const std::bad_alloc&) {
-        outOfMemory = true;
-        throw;
-      }
-    });
-  } catch (const WorldError&) {
-    if (outOfMemory) throw std::bad_alloc();
-    throw;
-  }
+  runWorld(*world, rankMain);
 
   // Back to the unsharded layout, each result through its placement.
   RunResult r;
