@@ -450,6 +450,14 @@ printf 'tflops.fp32 = 20\ntflops.bf16 = 300\ntflops.fp16 = 300\ntflops.fp64 = 10
 check trace-run-file 0 "trace (clock model ($work/device.txt)) written" -- "$tpsim" run --layer row --tp 2 \
   --input-is-parallel --gtp-remat 2 --batch 4 --trace "$work/file.json" --clock model --device-model "$work/device.txt"
 check trace-run-file-json 0 "trace_check: ok, 4 ranks" -- python3 "$trace_check" "$work/file.json" model
+# A device model that would make a time infinite is refused; a path that is not UTF-8 still gives JSON.
+sed 's/tflops.fp32 = 20/tflops.fp32 = 1e-300/' "$work/device.txt" >"$work/slow.txt"
+check trace-device-infinite 2 "--device-model $work/slow.txt:1: expected tflops.fp32 in [1e-06, 1e+09], got '1e-300'" -- \
+  "$tpsim" run --layer row --trace "$work/slow.json" --clock model --device-model "$work/slow.txt"
+odd="$work/$(printf 'dev\xff.txt')"
+cp "$work/device.txt" "$odd"
+"$tpsim" run --layer row --trace "$work/odd.json" --clock model --device-model "$odd" >/dev/null 2>&1
+check trace-path-not-utf8 0 "trace_check: ok, 2 ranks" -- python3 "$trace_check" "$work/odd.json" model
 if diff <("$tpsim" run --layer row --tp 2) <("$tpsim" run --layer row --tp 2 --trace "$work/same.json") | grep '^[<>]' \
   | grep -qv "^> trace (clock measured) written to $work/same.json\|^> \$"; then
   echo "FAIL trace-output: --trace changed run's output beyond its one line"

@@ -244,6 +244,10 @@ DeviceModel preset(const std::string& name) {
 constexpr std::uint64_t kMaxDeviceModelBytes = 1 << 20;
 constexpr std::size_t kMaxDeviceModelLine = 4096;
 
+// What a device model file may say: TFLOP/s and GB/s from a millionth to a billion, link latencies
+// up to a thousand seconds.
+constexpr double kSlowestRate = 1e-6, kFastestRate = 1e9, kLongestLatencyUs = 1e9;
+
 DeviceModel fromFile(const std::string& path) {
   const std::string where = "--device-model " + path;
   InputFile file(path, where, "a key=value file", [&](int) {
@@ -283,6 +287,10 @@ DeviceModel fromFile(const std::string& path) {
     const bool latency = key == "link_latency_us";
     TPSIM_CHECK(used != 0 && used == text.size() && std::isfinite(v) && (latency ? v >= 0 : v > 0), where, ":",
                 number, ": expected ", key, latency ? " >= 0" : " > 0", ", got '", text, "'");
+    // Rates and latencies a machine can have: any op or collective then costs a finite time.
+    const double lowest = latency ? 0 : kSlowestRate, highest = latency ? kLongestLatencyUs : kFastestRate;
+    TPSIM_CHECK(v >= lowest && v <= highest, where, ":", number, ": expected ", key, " in [", lowest, ", ", highest,
+                "], got '", text, "'");
     *keys[key] = v;
     seen[key] = true;
   }
@@ -327,17 +335,44 @@ double intersection(const std::vector<std::pair<double, double>>& a, const std::
   return total;
 }
 
+// The length of the UTF-8 sequence starting at s[i], or 0 when the bytes there are not one.
+std::size_t utf8Length(const std::string& s, std::size_t i) {
+  const unsigned char lead = static_cast<unsigned char>(s[i]);
+  const std::size_t n = lead < 0x80 ? 1 : (lead >> 5) == 0x6 ? 2 : (lead >> 4) == 0xe ? 3 : (lead >> 3) == 0x1e ? 4 : 0;
+  if (n == 0 || i + n > s.size()) return 0;
+  std::uint32_t code = n == 1 ? lead : lead & (0x7f >> n);
+  for (std::size_t k = 1; k < n; ++k) {
+    const unsigned char next = static_cast<unsigned char>(s[i + k]);
+    if ((next >> 6) != 0x2) return 0;
+    code = (code << 6) | (next & 0x3f);
+  }
+  // Overlong forms, surrogates and code points past U+10FFFF are not UTF-8 either.
+  const std::uint32_t least[] = {0, 0, 0x80, 0x800, 0x10000};
+  if (code < least[n] || (code >= 0xd800 && code <= 0xdfff) || code > 0x10ffff) return 0;
+  return n;
+}
+
+// A JSON string of s: quotes, backslashes and control characters escaped, and any byte that is no
+// part of a UTF-8 character (a path's, say) replaced by U+FFFD, so the file stays valid JSON.
 std::string jsonString(const std::string& s) {
   std::string out = "\"";
-  for (char ch : s) {
+  for (std::size_t i = 0; i < s.size();) {
+    const unsigned char ch = static_cast<unsigned char>(s[i]);
+    const std::size_t n = utf8Length(s, i);
+    if (n == 0) {
+      out += "\\ufffd";
+      ++i;
+      continue;
+    }
     if (ch == '"' || ch == '\\') out += '\\';
-    if (static_cast<unsigned char>(ch) < 0x20) {
+    if (ch < 0x20) {
       char buf[8];
       std::snprintf(buf, sizeof buf, "\\u%04x", ch);
       out += buf;
-      continue;
+    } else {
+      out.append(s, i, n);
     }
-    out += ch;
+    i += n;
   }
   return out + "\"";
 }
@@ -346,6 +381,7 @@ std::string jsonString(const std::string& s) {
 // duration as the difference, so touching spans on one track never overlap after rounding.
 double toNs(double v) { return std::round(v * 1000) / 1000; }
 std::string us(double v) {
+  TPSIM_INTERNAL_ASSERT(std::isfinite(v), "a trace time of ", v, " µs");  // the device model's ranges keep it finite
   char buf[40];
   std::snprintf(buf, sizeof buf, "%.3f", toNs(v));
   return buf;
