@@ -454,6 +454,9 @@ check trace-run-file-json 0 "trace_check: ok, 4 ranks" -- python3 "$trace_check"
 sed 's/tflops.fp32 = 20/tflops.fp32 = 1e-300/' "$work/device.txt" >"$work/slow.txt"
 check trace-device-infinite 2 "--device-model $work/slow.txt:1: expected tflops.fp32 in [1e-06, 1e+09], got '1e-300'" -- \
   "$tpsim" run --layer row --trace "$work/slow.json" --clock model --device-model "$work/slow.txt"
+printf 'tflops.fp32 = 20\ntflops.fp32 = 21\n' >"$work/twice.txt"
+check trace-device-twice 2 "--device-model $work/twice.txt:2: expected each key once, got tflops.fp32 again" -- \
+  "$tpsim" run --layer row --trace "$work/twice.json" --clock model --device-model "$work/twice.txt"
 odd="$work/$(printf 'dev\xff.txt')"
 cp "$work/device.txt" "$odd"
 "$tpsim" run --layer row --trace "$work/odd.json" --clock model --device-model "$odd" >/dev/null 2>&1

@@ -13,7 +13,7 @@ tools/install_deps.sh
 cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER="$cxx" -DTPSIM_FUZZ=ON \
   -DTPSIM_SANITIZE=address,undefined -DTPSIM_TESTS=OFF -DTPSIM_GPU=OFF -DTPSIM_NATIVE=OFF \
   >build-fuzz.configure.log 2>&1 || { cat build-fuzz.configure.log; exit 1; }
-targets=(npy parse cli)
+targets=(npy parse cli device_model)
 cmake --build build-fuzz -j "$(nproc)" --target "${targets[@]/#/tpsim_fuzz_}"
 
 export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1}"

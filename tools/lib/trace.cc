@@ -277,6 +277,7 @@ DeviceModel fromFile(const std::string& path) {
     TPSIM_CHECK(eq != std::string::npos && keys.count(key), where, ":", number,
                 ": expected key = value with a key of tflops.fp32, tflops.bf16, tflops.fp16, tflops.fp64, "
                 "memory_gbps, link_latency_us, link_gbps, got '", trim(line), "'");
+    TPSIM_CHECK(!seen.count(key), where, ":", number, ": expected each key once, got ", key, " again");
     std::size_t used = 0;
     double v = -1;
     try {
