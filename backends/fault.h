@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <string>
 
+#include "backends/dtype.h"
+
 namespace tpsim {
 
 enum class FaultKind : std::uint8_t {
@@ -20,6 +22,9 @@ enum class FaultKind : std::uint8_t {
   kGroup,  // issues it on another group (the world group, or for a world collective its last split)
   kThrow,  // throws instead of issuing it
   kStall,  // blocks before issuing it until the world's timeout fails the run
+  // Issues it as asked, then flips one bit of one element of the result it receives: a silent data
+  // corruption, which no peer notices and only a check of the results can.
+  kCorrupt,
 };
 const char* faultKindName(FaultKind kind);  // "skip", "op", ...
 
@@ -27,11 +32,21 @@ struct Fault {
   int rank = 0;                // global rank, in [0, world size)
   std::int64_t collective = 1; // the rank's K-th collective, K >= 1
   FaultKind kind = FaultKind::kSkip;
-  std::string str() const;     // "1:3:skip", the form parseFault reads
+  // kCorrupt: the flat index of the element of the result, and the bit flipped in its storage
+  // (-1: the top bit of the exponent, which changes a value's magnitude the most).
+  std::int64_t element = 0;
+  int bit = -1;
+  std::string str() const;     // "1:3:skip", "1:2:corrupt:5:3": the form parseFault reads
 };
 
-// "RANK:K:FAULT" -> Fault, RANK >= 0 and K >= 1 decimal integers. Throws InvalidArgument saying
-// what was expected and what it got. The rank's upper bound is the world's business.
+// The bit of a value of `dtype` that kCorrupt flips by default: the top bit of the exponent (for
+// int64, the top bit below the sign).
+int topExponentBit(DType dtype);
+
+// "RANK:K:FAULT" -> Fault, RANK >= 0 and K >= 1 decimal integers; "RANK:K:corrupt:ELEMENT:BIT" names
+// the element and bit to flip (ELEMENT >= 0, BIT in 0..63). Throws InvalidArgument saying what was
+// expected and what it got. The rank's upper bound, and whether the element and bit fit the result,
+// are the world's business.
 Fault parseFault(const std::string& spec);
 
 }  // namespace tpsim

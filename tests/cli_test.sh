@@ -425,7 +425,34 @@ check inject-rank 2 "--inject: expected RANK in [0, 8) (the world's --tp x --gtp
   -- "$tpsim" demo --inject 8:1:skip
 check inject-k 2 "--inject: expected K >= 1 (the rank's K-th collective, counted from 1), got '0'" \
   -- "$tpsim" run --layer row --inject 1:0:skip
-check inject-kind 2 "--inject: expected FAULT to be skip, op, count, dtype, group, throw or stall, got 'crash'" \
+# corrupt: a silent flip of one bit of one element of a collective's result on one rank. No peer
+# notices; the check against the unsharded computation must, for an all-gather, a reduce-scatter
+# and an all-reduce of every layer kind, whichever rank's copy is wrong.
+while read -r name args; do
+  # shellcheck disable=SC2086
+  check "corrupt-$name" 1 "outside the bound, the first at flat index" -- "$tpsim" run $args
+done <<'CASES'
+column-allgather --layer column --tp 2 --sequence-parallel --inject 1:1:corrupt
+column-reducescatter --layer column --tp 2 --sequence-parallel --inject 1:3:corrupt
+column-allreduce --layer column --tp 2 --inject 1:1:corrupt
+row-reducescatter --layer row --tp 2 --input-is-parallel --sequence-parallel --inject 1:1:corrupt
+row-allgather --layer row --tp 2 --input-is-parallel --sequence-parallel --inject 1:2:corrupt
+row-allreduce --layer row --tp 2 --inject 1:1:corrupt
+embedding-allreduce --layer embedding --tp 2 --inject 1:1:corrupt
+embedding-reducescatter --layer embedding --tp 2 --sequence-parallel --inject 1:1:corrupt
+embedding-allgather --layer embedding --tp 2 --sequence-parallel --inject 1:2:corrupt
+mlp-allgather --layer mlp --tp 2 --sequence-parallel --inject 1:1:corrupt
+mlp-reducescatter --layer mlp --tp 2 --sequence-parallel --inject 1:2:corrupt
+mlp-allreduce --layer mlp --tp 2 --inject 1:1:corrupt
+grouped-allgather --layer grouped-column --tp 1 --gtp-remat 2 --inject 1:1:corrupt
+grouped-reducescatter --layer grouped-row --tp 1 --gtp-remat 2 --inject 1:2:corrupt
+rank0-allreduce --layer row --tp 2 --inject 0:1:corrupt
+CASES
+# The lowest mantissa bit of a bf16 result is within its bound: not a mismatch (docs/simulator.md).
+check corrupt-hidden 0 "sharded results agree" -- "$tpsim" run --layer column --tp 2 --dtype bf16 --inject 1:1:corrupt:0:0
+check corrupt-bit-range 2 "sim: injected fault 1:1:corrupt:0:20: expected an element below 256 and a bit below 16 of the result" -- \
+  "$tpsim" run --layer column --tp 2 --dtype bf16 --inject 1:1:corrupt:0:20
+check inject-kind 2 "--inject: expected FAULT to be skip, op, count, dtype, group, throw, stall or corrupt, got 'crash'" \
   -- "$tpsim" run --layer row --inject 1:1:crash
 check inject-form 2 "--inject: expected RANK:K:FAULT (three fields separated by ':'), got '1-1-skip'" \
   -- "$tpsim" demo --inject 1-1-skip

@@ -4,6 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdint>
+#include <tuple>
+#include <vector>
 
 #include "backends/fault.h"
 #include "sim/world.h"
@@ -22,8 +25,13 @@ TEST(ParseFault, ReadsRankCollectiveAndKind) {
   EXPECT_EQ(f.rank, 3);
   EXPECT_EQ(f.collective, 12);
   EXPECT_EQ(f.kind, FaultKind::kStall);
-  for (const char* kind : {"skip", "op", "count", "dtype", "group", "throw", "stall"})
+  for (const char* kind : {"skip", "op", "count", "dtype", "group", "throw", "stall", "corrupt"})
     EXPECT_EQ(parseFault(std::string("0:1:") + kind).str(), std::string("0:1:") + kind);
+  const Fault corrupt = parseFault("3:2:corrupt:17:5");
+  EXPECT_EQ(corrupt.kind, FaultKind::kCorrupt);
+  EXPECT_EQ(corrupt.element, 17);
+  EXPECT_EQ(corrupt.bit, 5);
+  EXPECT_EQ(corrupt.str(), "3:2:corrupt:17:5");
 }
 
 TEST(ParseFault, BadSpecsSayWhatWasExpectedAndWhatCame) {
@@ -34,7 +42,10 @@ TEST(ParseFault, BadSpecsSayWhatWasExpectedAndWhatCame) {
       {"-1:2:skip", "expected RANK to be a rank number >= 0, got '-1'"},
       {"1:0:skip", "expected K >= 1 (the rank's K-th collective, counted from 1), got '0'"},
       {"1::skip", "expected K >= 1 (the rank's K-th collective, counted from 1), got ''"},
-      {"1:2:explode", "expected FAULT to be skip, op, count, dtype, group, throw or stall, got 'explode'"},
+      {"1:2:explode", "expected FAULT to be skip, op, count, dtype, group, throw, stall or corrupt, got 'explode'"},
+      {"1:2:skip:0:3", "expected RANK:K:FAULT (three fields separated by ':'), got '1:2:skip:0:3'"},
+      {"1:2:corrupt:x:3", "expected ELEMENT to be a flat index >= 0, got 'x'"},
+      {"1:2:corrupt:0:64", "expected BIT in 0..63, got '64'"},
   };
   for (const auto& [spec, message] : cases) {
     try {
@@ -157,6 +168,37 @@ TEST_P(FaultKinds, StallEndsWithTheTimeout) {
                               "collective 2, allGather(fp32 x4 -> x8) on tp[0,1] (seq 1)")));
   EXPECT_GE(o.elapsed, milliseconds(300));
   EXPECT_LT(o.elapsed, milliseconds(3000));
+}
+
+// corrupt flips exactly the bit it names in the faulty rank's result only, after the collective:
+// every peer keeps the true sum, and the run itself does not fail.
+TEST_P(FaultKinds, CorruptFlipsOneBitOfOneRanksResult) {
+  for (const auto& [spec, element, bit] : {std::tuple{"1:1:corrupt", 0, 30}, std::tuple{"1:1:corrupt:3:5", 3, 5}}) {
+    WorldOptions o;
+    o.size = 2;
+    o.threads = GetParam();
+    o.faults = {parseFault(spec)};
+    std::vector<std::uint32_t> bits[2];
+    sim::World(o).run([&](RankContext& ctx) {
+      const std::vector<float> mine = {1.5f, -2.f, 0.25f, 3.f};
+      Tensor x = ctx.compute.empty({4}, DType::kFloat32);
+      ctx.compute.upload(mine.data(), x);
+      ctx.comm.allReduce(x)->wait();
+      bits[ctx.comm.rank()].resize(4);
+      ctx.compute.download(x, bits[ctx.comm.rank()].data());
+    });
+    for (int i = 0; i < 4; ++i)
+      EXPECT_EQ(bits[1][i] ^ bits[0][i], i == element ? std::uint32_t(1) << bit : 0u) << spec << " element " << i;
+  }
+  WorldOptions o;
+  o.size = 2;
+  o.faults = {parseFault("0:1:corrupt:4:0")};  // a result of 4 elements has no element 4: bad input
+  try {
+    sim::World(o).run([](RankContext& ctx) { ctx.comm.allReduce(ctx.compute.zeros({4}, DType::kFloat32))->wait(); });
+    ADD_FAILURE() << "a corrupt fault past the result was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("injected fault 0:1:corrupt:4:0: expected an element below 4 and a bit below 32"));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Threads, FaultKinds, ::testing::Values(1, 2),

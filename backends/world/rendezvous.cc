@@ -213,6 +213,7 @@ struct RunState {
   int parked = 0;
   int stalled = 0;
   std::vector<std::string> injected;  // each injected fault that fired, for the failure's message
+  std::vector<std::string> misplaced;  // corrupt faults that name no bit of their result, under mu
   // The first failure; after it every collective throws on every rank.
   bool failed = false;
   CollectiveFailure failureKind = CollectiveFailure::kPeerFailed;
@@ -440,6 +441,44 @@ class SkippedWork final : public Work {
   bool isCompleted() override { return true; }
 };
 
+// A collective whose result an injected fault corrupts on one rank: once it has completed, one bit
+// of one element of the rank's output flips, through the rank's own Compute (any backend's memory).
+class CorruptedWork final : public Work {
+ public:
+  CorruptedWork(std::unique_ptr<Work> inner, View out, Compute& compute, const Fault& fault, std::string what,
+                RunState& run)
+      : inner_(std::move(inner)), out_(out), compute_(compute), fault_(fault), what_(std::move(what)), run_(run) {}
+
+  void wait() override {
+    inner_->wait();
+    if (flipped_) return;
+    flipped_ = true;
+    const int bit = fault_.bit >= 0 ? fault_.bit : topExponentBit(out_.dtype());
+    const std::size_t size = dtypeSize(out_.dtype());
+    if (fault_.element >= out_.numel() || std::size_t(bit) >= 8 * size) {  // bad input: run() reports it (exit 2)
+      std::lock_guard<std::mutex> lock(run_.mu);
+      run_.misplaced.push_back(detail::concat("injected fault ", fault_.str(), ": expected an element below ",
+                                              out_.numel(), " and a bit below ", 8 * size, " of the result of ",
+                                              what_, ", got element ", fault_.element, ", bit ", bit));
+      return;
+    }
+    std::vector<unsigned char> bytes(std::size_t(out_.numel()) * size);
+    compute_.download(out_, bytes.data());
+    bytes[std::size_t(fault_.element) * size + std::size_t(bit / 8)] ^= static_cast<unsigned char>(1u << (bit % 8));
+    compute_.upload(bytes.data(), out_);
+  }
+  bool isCompleted() override { return inner_->isCompleted(); }
+
+ private:
+  std::unique_ptr<Work> inner_;
+  View out_;
+  Compute& compute_;
+  Fault fault_;
+  std::string what_;
+  RunState& run_;
+  bool flipped_ = false;
+};
+
 class SimCollectives final : public Collectives {
  public:
   // Valid only inside the run() that made it: the run's state owns every rank's communicators.
@@ -596,6 +635,9 @@ class SimCollectives final : public Collectives {
           throw Error(detail::concat("injected fault: rank ", self_->rank, " is in no group but ", group_->name(),
                                      " to issue ", what, " on"));
         return issueOn(*other, fp, true, in, out, timeout);
+      case FaultKind::kCorrupt:  // issued as asked: only the result the rank receives is wrong
+        return std::make_unique<CorruptedWork>(issueOn(*membership_, fp, false, in, out, timeout), out,
+                                               *self_->compute, *fault, what, run);
       default: return issueOn(*membership_, tampered(fp, fault->kind, size()), true, in, out, timeout);
     }
   }
@@ -873,6 +915,7 @@ void Rendezvous::run(const std::function<void(RankContext&)>& fn,
     if (!rankErrors[r->rank].empty()) byMessage[rankErrors[r->rank]].push_back(r->rank);
   }
   if (!run->failed) {
+    TPSIM_CHECK(run->misplaced.empty(), impl_->name, ": ", run->misplaced.empty() ? "" : run->misplaced.front());
     for (const Fault& f : o.faults)
       TPSIM_CHECK(run->ranks[f.rank]->collectives >= f.collective, impl_->name, ": injected fault ", f.str(),
                   " never fired: rank ", f.rank, " issued ", run->ranks[f.rank]->collectives,

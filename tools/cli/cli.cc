@@ -99,8 +99,10 @@ std::uint64_t parseSeed(const std::string& text) {
 const char kInjectHelp[] =
     "RANK:K:FAULT, repeatable: rank RANK, at its K-th collective (counted from 1 over all its groups, "
     "group splits not counted: the order `tpsim demo` lists), does FAULT: skip (does not issue it), op, count, "
-    "dtype or group (issues another one), throw (the rank throws), stall (blocks until --timeout). The run "
-    "ends with every rank's diagnostic and exit 3";
+    "dtype or group (issues another one), throw (the rank throws), stall (blocks until --timeout): the run "
+    "ends with every rank's diagnostic and exit 3; corrupt[:ELEMENT:BIT] (flips BIT, default the top exponent "
+    "bit, of ELEMENT, default 0, of the rank's result of that collective): the run completes and the "
+    "verification must catch it (exit 1)";
 const char kTimeoutHelp[] =
     "seconds a collective may wait for its members before the world fails (exit 3); a positive number";
 

@@ -124,11 +124,11 @@ int demoMain(const std::vector<std::string>& args) {
   std::printf("%-18s %-14s %12s %12s %9s  %s\n", "tensor", "shape", "max|err|", "bound", "#outside", "result");
   bool ok = true;
   std::string notes;
-  for (const Verdict& v : verify(c, inputs, r.results, VerifyMode::kBound, r.placements)) {
+  for (const Verdict& v : verify(c, inputs, r)) {
     ok = ok && v.outside == 0;
     std::printf("%-18s %-14s %12.3e %12.3e %9lld  %s\n", v.name.c_str(), v.shape.c_str(), v.maxError, v.maxBound,
                 (long long)v.outside, verdictResult(v).c_str());
-    notes += nonFiniteNote(v);
+    notes += outsideNote(v) + nonFiniteNote(v);
   }
   if (!notes.empty()) std::printf("\n%s", notes.c_str());
   if (c.record) {

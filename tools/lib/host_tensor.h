@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -55,6 +56,13 @@ HostTensor shardOf(const TensorPlacement& placement, const HostTensor& full, int
 // element from its one holder, a replicate axis from its rank 0, and a partial axis adds its ranks'
 // copies in rank order (the first assigned, so -0 stays -0); pad rows are dropped.
 HostTensor assemble(const TensorPlacement& placement, const std::function<const HostTensor&(int t, int g)>& local);
+
+// Where the ranks' copies of a tensor disagree with `assembled` (assemble's result): `assembled`
+// with each such element replaced by the copy farthest from it (a NaN farthest of all), or nullopt
+// when every copy equals it. Copies of a partial axis differ by design and are not compared, nor are
+// pad rows. A replicated result a rank holds wrongly is then seen, whichever rank assemble read.
+std::optional<HostTensor> farthestCopies(const TensorPlacement& placement, const HostTensor& assembled,
+                                         const std::function<const HostTensor&(int t, int g)>& local);
 
 Tensor toBackend(Compute& compute, const HostTensor& t);
 HostTensor fromBackend(Compute& compute, ConstView v);

@@ -31,6 +31,9 @@ struct RunResult {
   std::vector<TensorPlacement> placements;    // of every tensor of the layer (LayerModules::placements)
   std::vector<std::vector<TraceEvent>> trace; // per rank: every collective it issued
   std::vector<RankRecord> records;            // per rank, with RunConfig::record: its ops in order
+  // Results whose ranks' copies disagree, each with the copy of every element farthest from the
+  // result (farthestCopies): verify checks them as well, so no rank's wrong copy goes unseen.
+  std::map<std::string, HostTensor> otherCopies;
 };
 
 // A run's checkpoint hooks. Every rank builds its modules' sharded state dict (keys as the inputs
@@ -58,6 +61,8 @@ struct Verdict {
   double maxError = 0;
   double maxBound = 0;
   std::int64_t outside = 0;  // elements beyond their bound
+  std::int64_t firstOutside = -1;  // flat index of the first, with its error and bound
+  double firstOutsideError = 0, firstOutsideBound = 0;
   // NaN or Inf in the sharded result, counted apart.
   std::int64_t nonFinite = 0;
   std::int64_t firstNonFinite = -1;  // flat index
@@ -69,12 +74,19 @@ struct Verdict {
 // sharding moves every element to the right place with nothing lost. kNone: nothing is checked.
 enum class VerifyMode { kBound, kExact, kNone };
 // One verdict per result; none for kNone (the reference is not computed). `placements` are the
-// run's (RunResult::placements); without them they are built again (placementsOf).
+// run's (RunResult::placements); without them they are built again (placementsOf). An element whose
+// copy in `otherCopies` (RunResult::otherCopies) is outside its bound is outside.
 std::vector<Verdict> verify(const RunConfig& config, const TensorMap& inputs, const TensorMap& results,
-                            VerifyMode mode = VerifyMode::kBound, const std::vector<TensorPlacement>& placements = {});
-// The table's result column ("OK", "FAIL", "NON-FINITE"), and for a result holding NaN or Inf the
-// line that says how many and where the first is ("" otherwise).
+                            VerifyMode mode = VerifyMode::kBound, const std::vector<TensorPlacement>& placements = {},
+                            const std::map<std::string, HostTensor>& otherCopies = {});
+// The same for a run's result.
+std::vector<Verdict> verify(const RunConfig& config, const TensorMap& inputs, const RunResult& result,
+                            VerifyMode mode = VerifyMode::kBound);
+// The table's result column ("OK", "FAIL", "NON-FINITE"), and the lines under the table: for a
+// result outside its bound, how many elements and where the first is; for one holding NaN or Inf,
+// how many and where the first is ("" otherwise).
 std::string verdictResult(const Verdict& v);
+std::string outsideNote(const Verdict& v);
 std::string nonFiniteNote(const Verdict& v);
 
 // The reference options of `config`'s run, and its dense reference as verify() checks it: under
