@@ -569,6 +569,13 @@ truncate -s 1T "$work/ck-odd/shard-huge/rank-00001.safetensors"
 check ckpt-shard-huge 2 "rank-00001.safetensors: expected $shard_size bytes (the index's size), got 1099511627776; the file is truncated or was replaced" -- \
   timeout 10 "$tpsim" run --layer column --load-checkpoint "$work/ck-odd/shard-huge"
 
+# What a command prints is part of its result: stdout that cannot be written fails it.
+if [ -w /dev/full ]; then
+  check stdout-full 2 "tpsim run: standard output: expected every line written, got 'No space left on device'" -- \
+    bash -c '"$0" run --layer column >/dev/full' "$tpsim"
+  check stdout-full-help 2 "tpsim: standard output: expected every line written" -- bash -c '"$0" --help >/dev/full' "$tpsim"
+fi
+
 # Megatron's usual embedding setup: sequence parallelism is reduce_scatter_embeddings.
 check embedding-sp 0 "reduce-scatter-embeddings" -- "$tpsim" run --layer embedding --tp 2 --sequence-parallel
 # A header's bytes are shown, never sent to the terminal: control bytes come out as \xNN.
