@@ -80,7 +80,9 @@ class CheckpointWriter {
   void describe(const TensorPlacement& placement);
   // Writes the files and the index into `dir`, which must exist. Throws InvalidArgument, writing
   // nothing, when a chunk is written twice, a key's chunks leave rows uncovered or disagree on dtype
-  // or shape. Files go to temporary names first, the index last: a failed save leaves no index.
+  // or shape. Every file is written to a temporary first; then, under the directory's lock, the
+  // old index is removed, the files are renamed into place and the index last (docs/checkpoints.md,
+  // "Saving"): an index there always names the files written with it.
   void commit(const std::string& dir) const;
 
  private:
