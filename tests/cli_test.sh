@@ -569,12 +569,37 @@ truncate -s 1T "$work/ck-odd/shard-huge/rank-00001.safetensors"
 check ckpt-shard-huge 2 "rank-00001.safetensors: expected $shard_size bytes (the index's size), got 1099511627776; the file is truncated or was replaced" -- \
   timeout 10 "$tpsim" run --layer column --load-checkpoint "$work/ck-odd/shard-huge"
 
-# The writer's rules (tools/lib/output_files.h): short temporaries, none left after a failure or a
-# signal, one writer of a directory at a time, lost stdout reported, and a checkpoint save cut short
-# leaving the old checkpoint.
+# The writer's rules (tools/lib/output_files.h): no output over one of the command's inputs or
+# other outputs, short temporaries, none left after a failure or a signal, one writer of a directory
+# at a time, lost stdout reported, and a checkpoint save cut short leaving the old checkpoint.
 w="$work/w"
-mkdir -p "$w"
+mkdir -p "$w/save" "$w/in"
 cp -r "$work/ck-small" "$w/ck"
+"$tpsim" run --layer column --save "$w/in" >/dev/null
+before=$(cat "$w/ck/"* "$w/in/"* "$work/device.txt" | cksum)
+check same-trace-save 2 "--trace: expected a file other than --save's output.npy, got the same file $w/save/output.npy" -- \
+  "$tpsim" run --layer column --save "$w/save" --trace "$w/save/output.npy"
+ln -s "$w/save" "$w/save-link"
+check same-trace-save-link 2 "--trace: expected a file other than --save's output.npy, got the same file $w/save-link/output.npy" -- \
+  "$tpsim" run --layer column --save "$w/save" --trace "$w/save-link/output.npy"
+[ -z "$(ls -A "$w/save")" ] || { echo "FAIL same-trace-save: wrote $(ls -A "$w/save")"; failures=$((failures + 1)); }
+check same-trace-index 2 "--trace: expected a file other than --save-checkpoint's index.json, got the same file $w/ck/index.json" -- \
+  "$tpsim" run --layer column --save-checkpoint "$w/ck" --trace "$w/ck/index.json"
+check same-trace-shard 2 "--trace: expected a file other than --load-checkpoint's rank-00000.safetensors, got the same file $w/ck/rank-00000.safetensors" -- \
+  "$tpsim" run --layer column --load-checkpoint "$w/ck" --trace "$w/ck/rank-00000.safetensors"
+check same-trace-load 2 "--trace: expected a file other than --load's input.npy, got the same file $w/in/input.npy" -- \
+  "$tpsim" run --layer column --load "$w/in" --trace "$w/in/input.npy"
+check same-trace-device 2 "--trace: expected a file other than --device-model, got the same file $work/device.txt" -- \
+  "$tpsim" run --layer column --trace "$work/device.txt" --clock model --device-model "$work/device.txt"
+check same-demo-device 2 "--trace: expected a file other than --device-model, got the same file $work/./device.txt" -- \
+  "$tpsim" demo --trace "$work/./device.txt" --clock model --device-model "$work/device.txt"
+check same-checkpoint 2 "--save-checkpoint: expected a file other than --load-checkpoint's index.json, got the same file $w/ck/index.json" -- \
+  "$tpsim" run --layer column --load-checkpoint "$w/ck" --save-checkpoint "$w/ck"
+check same-consolidate 2 "consolidate: FILE: expected a file other than DIR's rank-00000.safetensors, got the same file $w/ck/rank-00000.safetensors" -- \
+  "$tpsim" checkpoint consolidate "$w/ck" "$w/ck/rank-00000.safetensors"
+if [ "$(cat "$w/ck/"* "$w/in/"* "$work/device.txt" | cksum)" != "$before" ]; then
+  echo "FAIL same-*: an input changed"; failures=$((failures + 1))
+fi
 # A 255-byte name (NAME_MAX) is an output like any other: its temporary's name does not grow with it.
 long_name=$(printf 'n%.0s' {1..240})
 check name-max-trace 0 "trace (clock measured) written to $w/${long_name}nnnnnnnnnn.json" -- \

@@ -1,6 +1,7 @@
 // Unit tests of tools/lib/output_files.h: a set lands whole or not at all, its temporaries are
 // short and unique and go away on failure, on a signal and (left by a killed process) under the
-// next lock; and a second writer of a directory waits for the first.
+// next lock; a second writer of a directory waits for the first; and FileUses finds one file under
+// two spellings (./, .., a symlinked directory) while a symlink or hard link at an output is another.
 #include "tools/lib/output_files.h"
 
 #include <fcntl.h>
@@ -245,6 +246,68 @@ TEST(OutputFilesDeathTest, ASignalRemovesTheTemporaries) {
         ::testing::KilledBySignal(signal), "");
     EXPECT_EQ(names(dir.file("")), std::vector<std::string>{}) << "signal " << signal;
   }
+}
+
+TEST(FileUses, OneFileUnderTwoSpellingsIsRefused) {
+  ScratchDir dir;
+  fs::create_directories(dir.file("out"));
+  fs::create_directory_symlink(dir.file("out"), dir.file("link"));
+  dir.write("out/input.npy", "input");
+  FileUses uses;
+  uses.read({"--load", "input.npy"}, dir.file("out/input.npy"));
+  uses.write({"--save", "output.npy"}, dir.file("out/output.npy"));
+  EXPECT_EQ(errorOf([&] { uses.write({"--trace"}, dir.file("link/../out/./output.npy")); }),
+            "--trace: expected a file other than --save's output.npy, got the same file " +
+                dir.file("link/../out/./output.npy"));
+  EXPECT_EQ(errorOf([&] { uses.write({"--trace"}, dir.file("link/output.npy")); }),
+            "--trace: expected a file other than --save's output.npy, got the same file " + dir.file("link/output.npy"));
+  EXPECT_EQ(errorOf([&] { uses.write({"--trace"}, dir.file("link/input.npy")); }),
+            "--trace: expected a file other than --load's input.npy, got the same file " + dir.file("link/input.npy"));
+}
+
+TEST(FileUses, AnInputRegisteredAfterItsOutputIsNamedByTheOutput) {
+  ScratchDir dir;
+  dir.write("ck/rank-00000.safetensors", "");
+  FileUses uses;
+  uses.write({"consolidate: FILE"}, dir.file("ck/rank-00000.safetensors"));
+  EXPECT_EQ(errorOf([&] { uses.read({"DIR", "rank-00000.safetensors"}, dir.file("ck/rank-00000.safetensors")); }),
+            "consolidate: FILE: expected a file other than DIR's rank-00000.safetensors, got the same file " +
+                dir.file("ck/rank-00000.safetensors"));
+}
+
+TEST(FileUses, OutputsInADirectoryNotYetMadeAreComparedByPath) {
+  ScratchDir dir;
+  FileUses uses;
+  uses.write({"--save", "output.npy"}, dir.file("new/output.npy"));
+  uses.write({"--save-checkpoint", "index.json"}, dir.file("new/index.json"));
+  EXPECT_THAT(errorOf([&] { uses.write({"--trace"}, dir.file("new/sub/../output.npy")); }),
+              HasSubstr("--trace: expected a file other than --save's output.npy"));
+}
+
+TEST(FileUses, SymlinksAndHardLinksAtAnOutputAreOtherEntries) {
+  ScratchDir dir;
+  dir.write("input.npy", "input");
+  fs::create_symlink(dir.file("input.npy"), dir.file("symlink.json"));
+  fs::create_hard_link(dir.file("input.npy"), dir.file("hardlink.json"));
+  FileUses uses;
+  uses.read({"--load", "input.npy"}, dir.file("input.npy"));
+  uses.read({"--device-model"}, dir.file("input.npy"));  // two reads of one file are fine
+  // Each output replaces its own directory entry, leaving the input as it is.
+  uses.write({"--trace"}, dir.file("symlink.json"));
+  uses.write({"--svg"}, dir.file("hardlink.json"));
+  // An input read through a symlink is the file it names.
+  FileUses through;
+  through.read({"--device-model"}, dir.file("symlink.json"));
+  EXPECT_THAT(errorOf([&] { through.write({"--trace"}, dir.file("input.npy")); }),
+              HasSubstr("--trace: expected a file other than --device-model, got the same file"));
+}
+
+TEST(FileUses, ChecksEachOutputAsAWriteWould) {
+  ScratchDir dir;
+  fs::create_directories(dir.file("output.npy"));
+  FileUses uses;
+  EXPECT_EQ(errorOf([&] { uses.write({"--save", "output.npy"}, dir.file("output.npy")); }),
+            "--save: expected " + dir.file("output.npy") + " to be absent or a regular file, got another kind of file");
 }
 
 }  // namespace

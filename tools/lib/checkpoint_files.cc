@@ -444,6 +444,16 @@ void CheckpointWriter::commit(const std::string& dir) const {
   output.commit();
 }
 
+std::vector<std::string> checkpointOutputs(const std::string& dir, int ranks) {
+  const fs::path root(dir);
+  std::set<std::string> paths{(root / kIndexName).string()};
+  for (int r = 0; r < ranks; ++r) paths.insert((root / fileName(r)).string());
+  std::error_code ec;
+  for (fs::directory_iterator e(root, ec), end; !ec && e != end; e.increment(ec))
+    if (isRankFile(e->path())) paths.insert(e->path().string());
+  return {paths.begin(), paths.end()};
+}
+
 // ---- Load ----------------------------------------------------------------------------------------
 
 CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPath_((fs::path(dir) / kIndexName).string()) {
@@ -459,6 +469,7 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
   };
   const std::vector<char> indexText =
       openFile(indexPath_, "an index", "index (written last by a complete save)").readAll(kMaxIndexBytes);
+  paths_.push_back(indexPath_);
   const std::string& where = indexPath_;
   const json index = parsing(where, [&] { return json::parse(indexText.begin(), indexText.end()); });
   parsing(where, [&] {
@@ -472,6 +483,7 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
                   ": expected plain file names, got '", file, "'");
       const std::string fw = (fs::path(dir) / file).string();
       tools::InputFile input = openFile(fw, "a safetensors file", "safetensors file named in the index");
+      paths_.push_back(fw);
       const auto size = rec.at("size").get<std::uint64_t>();
       // Before reading: a file of another size, however large, is never read.
       TPSIM_CHECK(input.size() == size, fw, ": expected ", size, " bytes (the index's size), got ", input.size(),

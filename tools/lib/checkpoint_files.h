@@ -99,6 +99,11 @@ class CheckpointWriter {
   std::map<std::string, TensorPlacement> placements_;
 };
 
+// Every file a save into `dir` by a world of `ranks` ranks may replace or remove: the index, a file
+// per rank, and the rank files of an earlier save there. A command registers them as its outputs
+// (tools/lib/output_files.h's FileUses) before it writes anything.
+std::vector<std::string> checkpointOutputs(const std::string& dir, int ranks);
+
 // A checkpoint read and checked whole at construction: the index, every file's header against it,
 // every checksum, and that each key's chunks cover its logical tensor exactly once. Afterwards
 // const and safe to share between rank threads.
@@ -121,9 +126,12 @@ class CheckpointReader {
   void checkObject(const ShardedObject& target) const;
   // The whole logical tensor of `key` (no pad rows) in the saved dtype, row-major.
   std::vector<char> consolidated(const std::string& key) const;
+  // Every file it read: the index, then each file the index names.
+  const std::vector<std::string>& paths() const { return paths_; }
 
  private:
   std::string dir_, indexPath_;
+  std::vector<std::string> paths_;
   std::map<std::string, CheckpointKey> keys_;
   std::map<std::string, CheckpointObject> objects_;
   std::map<std::string, std::vector<char>> files_;  // file -> its whole contents

@@ -194,6 +194,57 @@ void checkWritable(const std::string& flag, const std::string& path) {
 
 }  // namespace
 
+// ---- FileUses
+
+std::string FileUse::text() const { return file.empty() ? flag : flag + "'s " + file; }
+
+bool FileUses::Entry::operator==(const Entry& other) const {
+  return exists == other.exists && name == other.name &&
+         (exists ? dev == other.dev && ino == other.ino : dir == other.dir);
+}
+
+FileUses::Entry FileUses::entryIn(const std::string& dir, std::string name) {
+  Entry e;
+  e.name = std::move(name);
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) == 0) {
+    e.exists = true, e.dev = st.st_dev, e.ino = st.st_ino;
+  } else {
+    std::error_code ec;
+    fs::path normal = fs::weakly_canonical(fs::absolute(dir), ec);
+    if (ec) normal = fs::absolute(dir).lexically_normal();
+    if (normal.has_relative_path() && normal.filename().empty()) normal = normal.parent_path();  // "a/b/.." is "a/"
+    e.dir = normal.string();
+  }
+  return e;
+}
+
+void FileUses::read(const FileUse& use, const std::string& path) {
+  // Resolved as reading resolves it. A path that cannot be is left to its reader to name.
+  std::error_code ec;
+  fs::path real = fs::canonical(path, ec);
+  if (ec) real = fs::absolute(path).lexically_normal();
+  add(use, path, entryIn(directoryOf(real), real.filename().string()), false);
+}
+
+void FileUses::write(const FileUse& use, const std::string& path) {
+  checkWritable(use.flag, path);
+  const fs::path p(path);
+  add(use, path, entryIn(directoryOf(p), p.filename().string()), true);
+}
+
+void FileUses::add(const FileUse& use, const std::string& path, Entry entry, bool output) {
+  for (const Registered& r : files_) {
+    if (!(output || r.output) || !(r.entry == entry)) continue;
+    // Named by the output (the later one when both are): its flag is the one to change.
+    const FileUse& written = output ? use : r.use;
+    const FileUse& other = output ? r.use : use;
+    throw InvalidArgument(detail::concat(written.flag, ": expected a file other than ", other.text(),
+                                         ", got the same file ", output ? path : r.path));
+  }
+  files_.push_back({use, path, std::move(entry), output});
+}
+
 // ---- OutputFiles
 
 OutputFiles::OutputFiles(std::string flag) : flag_(std::move(flag)) {}
@@ -205,8 +256,6 @@ OutputFiles::~OutputFiles() {
   }
   release();
 }
-
-void OutputFiles::checkTarget(const std::string& path) const { checkWritable(flag_, path); }
 
 void OutputFiles::setStepHook(std::function<void(Step, const std::string& path)> hook) { stepHook() = std::move(hook); }
 

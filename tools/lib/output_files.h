@@ -1,5 +1,5 @@
 // OutputFiles: every file a tpsim command writes goes through it, so that all of them follow one
-// set of rules.
+// set of rules; FileUses: every file one command reads or writes, checked before it writes any.
 //
 // - Whole or not at all: each file of a set is written to a temporary beside its target,
 //   ".tpsim-PID-N.partial" (unique in the process, short whatever the target's name), and only
@@ -14,6 +14,8 @@
 //   nothing outside the target's directory is written; a temporary is created exclusively.
 // - Only over a regular file: any other kind of file at a target (a directory, a FIFO, a device)
 //   is refused before a byte is written.
+// - No output over another use's file: FileUses refuses, before anything is written, a command
+//   whose output is one of its inputs or another of its outputs.
 // Sets are made and used on one thread at a time.
 #pragma once
 
@@ -28,6 +30,51 @@
 
 namespace tpsim::tools {
 
+// One use of a file by a command: a flag naming a file ("--trace") or a file in a flag's directory
+// ("--save", "output.npy").
+struct FileUse {
+  FileUse(std::string flag, std::string file = "") : flag(std::move(flag)), file(std::move(file)) {}
+  std::string flag;  // "--save", "--device-model", "consolidate: FILE"
+  std::string file;  // the file's name in the flag's directory; empty when the flag names the file
+  std::string text() const;  // "--save's output.npy", "--trace"
+};
+
+// The files one command reads and writes. A command registers all of them before it writes any
+// output; the first output that is the same file as an input or as another output is refused.
+//
+// Two paths are the same file when they are the same directory entry: the same name in the same
+// directory, directories compared by device and inode where they exist and by their normalised
+// absolute path where they do not yet. An input's path is resolved through its symlinks, as
+// reading it does; an output's last component is not, as the rename replaces a symlink there. A
+// hard link to an input is another entry: replacing it leaves the input as it was.
+class FileUses {
+ public:
+  // Throws InvalidArgument "<output flag>: expected a file other than <other use>, got the same
+  // file <output path>" when the path is the same file as an output registered before (or, for an
+  // output, as any file registered before).
+  void read(const FileUse& use, const std::string& path);
+  // Also throws, naming the flag, unless `path` may be written (OutputFiles::write's rules).
+  void write(const FileUse& use, const std::string& path);
+
+ private:
+  struct Entry {
+    bool exists = false;   // the directory exists: compared by dev and ino, else by dir
+    dev_t dev = 0;
+    ino_t ino = 0;
+    std::string dir, name;
+    bool operator==(const Entry& other) const;
+  };
+  struct Registered {
+    FileUse use;
+    std::string path;
+    Entry entry;
+    bool output = false;
+  };
+  static Entry entryIn(const std::string& dir, std::string name);
+  void add(const FileUse& use, const std::string& path, Entry entry, bool output);
+  std::vector<Registered> files_;
+};
+
 class OutputFiles {
  public:
   // `flag` names where the paths come from in every message: "--save", "--svg".
@@ -36,8 +83,6 @@ class OutputFiles {
   OutputFiles(const OutputFiles&) = delete;
   OutputFiles& operator=(const OutputFiles&) = delete;
 
-  // Throws InvalidArgument naming the flag unless `path` may be written (write()'s rules).
-  void checkTarget(const std::string& path) const;
   // Writes the temporary of `path`: `bytes`, or what `produce` writes to the open file (it throws
   // on its own errors; a failed flush or close is reported here, naming `path`). Throws
   // InvalidArgument naming the flag unless `path` may be written: a file name (not a directory's
