@@ -26,6 +26,7 @@
 #include "core/placement.h"
 #include "core/process_groups.h"
 #include "tests/sim_test_util.h"
+#include "tools/lib/output_files.h"
 
 namespace tpsim {
 namespace {
@@ -416,6 +417,81 @@ TEST(CheckpointErrors, ChunkWrittenTwiceOrMissingAndTheOldCheckpointSurvives) {
     EXPECT_THAT(e.what(), HasSubstr("a chunk is missing"));
   }
   EXPECT_EQ(loadError(dir), "no error");
+}
+
+// What a load of `dir` sees: every key's dtype and consolidated bytes, or the load's error.
+std::string loadedState(const std::string& dir) {
+  try {
+    const CheckpointReader reader(dir);
+    std::string state;
+    for (const auto& [key, k] : reader.keys()) {
+      const std::vector<char> bytes = reader.consolidated(key);
+      state += key + " " + dtypeName(k.dtype) + " " + std::string(bytes.begin(), bytes.end()) + "\n";
+    }
+    return state;
+  } catch (const InvalidArgument& e) {
+    return std::string("error: ") + e.what();
+  }
+}
+
+// A save over an older, larger checkpoint fails after each of its steps in turn (each file
+// written, the old index removed, each file renamed, each stale file removed): a load then sees the
+// old checkpoint bitwise before the first rename, no index from then until the new index lands,
+// and the new checkpoint afterwards; never a mix, and no temporary is left.
+TEST(CheckpointSave, FailingAfterAnyStepLeavesTheOldCheckpointOrNone) {
+  const Topology oldTopo{4, 2, 16}, newTopo{2, 1, 0, DType::kBFloat16};
+  const std::string old = tempDir("old");
+  save(oldTopo, old);
+  const std::string newer = tempDir("new");
+  CheckpointWriter writer;
+  onWorld(newTopo, [&](RankContext& ctx, ProcessGroups& pg, LayerContext& lc) {
+    Layers l = build(ctx, pg, lc, newTopo, true);
+    writer.add(ctx.comm.rank(), l.stateDict, ctx.compute);
+  });
+  std::vector<std::pair<tools::OutputFiles::Step, std::string>> steps;
+  tools::OutputFiles::setStepHook([&](tools::OutputFiles::Step step, const std::string& path) {
+    steps.push_back({step, fs::path(path).filename().string()});
+  });
+  writer.commit(newer);
+  steps.clear();
+  const std::string dir = tempDir("interrupted");
+  fs::remove_all(dir);
+  fs::copy(old, dir);
+  writer.commit(dir);  // every step of a save over the old checkpoint, none failing
+  tools::OutputFiles::setStepHook({});
+  const std::string oldState = loadedState(old), newState = loadedState(newer);
+  ASSERT_NE(oldState, newState);
+  ASSERT_THAT(oldState, ::testing::Not(::testing::StartsWith("error")));
+  EXPECT_EQ(loadedState(dir), newState);
+  EXPECT_EQ(steps.size(), 3u + 1 + 3 + 6);  // 2 files and the index written, the old index removed,
+                                            // the 3 renamed, 6 stale files of ranks 2-7 removed
+  using Step = tools::OutputFiles::Step;
+  bool renamed = false, indexLanded = false;
+  for (std::size_t failAt = 0; failAt < steps.size(); ++failAt) {
+    fs::remove_all(dir);
+    fs::copy(old, dir);
+    std::size_t step = 0;
+    tools::OutputFiles::setStepHook([&](Step, const std::string&) {
+      if (step++ == failAt) throw InvalidArgument("interrupted");
+    });
+    EXPECT_THROW(writer.commit(dir), InvalidArgument);
+    tools::OutputFiles::setStepHook({});
+    renamed = renamed || steps[failAt].first == Step::kRenamed;
+    indexLanded = indexLanded || (steps[failAt].first == Step::kRenamed && steps[failAt].second == "index.json");
+    const std::string state = loadedState(dir);
+    if (indexLanded) {
+      EXPECT_EQ(state, newState) << "failing after step " << failAt;
+    } else if (renamed || steps[failAt].first == Step::kRemoved) {
+      EXPECT_THAT(state, HasSubstr("index.json: expected a readable index (written last by a complete save), got "
+                                   "no such file"))
+          << "failing after step " << failAt;
+    } else {
+      EXPECT_EQ(state, oldState) << "failing after step " << failAt;
+    }
+    for (const auto& e : fs::directory_iterator(dir))
+      EXPECT_THAT(e.path().filename().string(), ::testing::Not(HasSubstr(".partial"))) << "failing after step " << failAt;
+  }
+  EXPECT_TRUE(indexLanded);
 }
 
 TEST(Safetensors, DtypeNamesRoundTrip) {

@@ -643,6 +643,178 @@ truncate -s 1T "$work/ck-odd/shard-huge/rank-00001.safetensors"
 check ckpt-shard-huge 2 "rank-00001.safetensors: expected $shard_size bytes (the index's size), got 1099511627776; the file is truncated or was replaced" -- \
   timeout 10 "$tpsim" run --layer column --load-checkpoint "$work/ck-odd/shard-huge"
 
+# The writer's rules (tools/lib/output_files.h): no output over one of the command's inputs or
+# other outputs, short temporaries, none left after a failure or a signal, one writer of a directory
+# at a time, lost stdout reported, and a checkpoint save cut short leaving the old checkpoint.
+w="$work/w"
+mkdir -p "$w/save" "$w/in"
+cp -r "$work/ck-small" "$w/ck"
+"$tpsim" run --layer column --save "$w/in" >/dev/null
+before=$(cat "$w/ck/"* "$w/in/"* "$work/device.txt" | cksum)
+check same-trace-save 2 "--trace: expected a file other than --save's output.npy, got the same file $w/save/output.npy" -- \
+  "$tpsim" run --layer column --save "$w/save" --trace "$w/save/output.npy"
+ln -s "$w/save" "$w/save-link"
+check same-trace-save-link 2 "--trace: expected a file other than --save's output.npy, got the same file $w/save-link/output.npy" -- \
+  "$tpsim" run --layer column --save "$w/save" --trace "$w/save-link/output.npy"
+[ -z "$(ls -A "$w/save")" ] || { echo "FAIL same-trace-save: wrote $(ls -A "$w/save")"; failures=$((failures + 1)); }
+check same-trace-index 2 "--trace: expected a file other than --save-checkpoint's index.json, got the same file $w/ck/index.json" -- \
+  "$tpsim" run --layer column --save-checkpoint "$w/ck" --trace "$w/ck/index.json"
+check same-trace-shard 2 "--trace: expected a file other than --load-checkpoint's rank-00000.safetensors, got the same file $w/ck/rank-00000.safetensors" -- \
+  "$tpsim" run --layer column --load-checkpoint "$w/ck" --trace "$w/ck/rank-00000.safetensors"
+check same-trace-load 2 "--trace: expected a file other than --load's input.npy, got the same file $w/in/input.npy" -- \
+  "$tpsim" run --layer column --load "$w/in" --trace "$w/in/input.npy"
+check same-trace-device 2 "--trace: expected a file other than --device-model, got the same file $work/device.txt" -- \
+  "$tpsim" run --layer column --trace "$work/device.txt" --clock model --device-model "$work/device.txt"
+check same-demo-device 2 "--trace: expected a file other than --device-model, got the same file $work/./device.txt" -- \
+  "$tpsim" demo --trace "$work/./device.txt" --clock model --device-model "$work/device.txt"
+check same-checkpoint 2 "--save-checkpoint: expected a file other than --load-checkpoint's index.json, got the same file $w/ck/index.json" -- \
+  "$tpsim" run --layer column --load-checkpoint "$w/ck" --save-checkpoint "$w/ck"
+check same-consolidate 2 "consolidate: FILE: expected a file other than DIR's rank-00000.safetensors, got the same file $w/ck/rank-00000.safetensors" -- \
+  "$tpsim" checkpoint consolidate "$w/ck" "$w/ck/rank-00000.safetensors"
+if [ "$(cat "$w/ck/"* "$w/in/"* "$work/device.txt" | cksum)" != "$before" ]; then
+  echo "FAIL same-*: an input changed"; failures=$((failures + 1))
+fi
+# A 255-byte name (NAME_MAX) is an output like any other: its temporary's name does not grow with it.
+long_name=$(printf 'n%.0s' {1..240})
+check name-max-trace 0 "trace (clock measured) written to $w/${long_name}nnnnnnnnnn.json" -- \
+  "$tpsim" run --layer column --trace "$w/${long_name}nnnnnnnnnn.json"
+check name-max-svg 0 "wrote $w/${long_name}nnnnnnnnnnn.svg" -- "$tpsim" layout --layer row --svg "$w/${long_name}nnnnnnnnnnn.svg"
+check name-max-consolidate 0 "into $w/${long_name}n.safetensors" -- \
+  "$tpsim" checkpoint consolidate "$w/ck" "$w/${long_name}n.safetensors"
+
+# Interrupted by SIGINT or SIGTERM while it writes a large save (some 270 MB), a run leaves no
+# temporary, and the directory holds all the old outputs or all the new ones. A script's background
+# job starts with SIGINT ignored, and SIGXFSZ may be ignored by whatever started the script:
+# default_signals (which execs: run it in the background or a subshell) runs a command with both at
+# their default action, as a terminal's job has them.
+default_signals() {
+  exec python3 -c 'import os, signal, sys
+for s in (signal.SIGINT, signal.SIGXFSZ): signal.signal(s, signal.SIG_DFL)
+os.execvp(sys.argv[1], sys.argv[1:])' "$@"
+}
+big=(run --layer column --seq 2048 --batch 8 --in-features 1024 --out-features 1024 --verify none)
+"$tpsim" run --layer column --save "$w/old" >/dev/null  # the same names, small
+until_writing() {  # until_writing PID DIR: waits until PID has a temporary in DIR (or has ended)
+  for _ in $(seq 12000); do
+    compgen -G "$2/.*.partial" >/dev/null && return
+    kill -0 "$1" 2>/dev/null || return
+    sleep 0.01
+  done
+}
+for sig in INT TERM; do
+  rm -rf "$w/sig"
+  cp -r "$w/old" "$w/sig"
+  default_signals "$tpsim" "${big[@]}" --save "$w/sig" >/dev/null 2>&1 &
+  pid=$!
+  until_writing $pid "$w/sig"
+  kill -s $sig $pid
+  wait $pid
+  rc=$?
+  old_files=0 new_files=0
+  for f in "$w/old/"*; do
+    if cmp -s "$f" "$w/sig/$(basename "$f")"; then old_files=$((old_files + 1)); else new_files=$((new_files + 1)); fi
+  done
+  if [ "$rc" -ne $((128 + $(kill -l $sig))) ] || [ "$(ls -A "$w/sig")" != "$(ls -A "$w/old")" ] ||
+    { [ "$old_files" -ne 0 ] && [ "$new_files" -ne 0 ]; }; then
+    echo "FAIL save-sig$sig: exit $rc, left $(ls -A "$w/sig" | tr '\n' ' ')($old_files old, $new_files new)"
+    failures=$((failures + 1))
+  else
+    echo "ok   save-sig$sig"
+    passed=$((passed + 1))
+  fi
+done
+# SIGKILL cannot be caught: the temporaries it leaves go at the next save into the directory.
+"$tpsim" "${big[@]}" --save "$w/sig" >/dev/null 2>&1 &
+pid=$!
+until_writing $pid "$w/sig"
+kill -s KILL $pid
+{ wait $pid; } 2>/dev/null
+check save-after-kill 0 "saved to $w/sig" -- "$tpsim" run --layer column --save "$w/sig"
+if [ -n "$(ls -A "$w/sig" | grep partial)" ]; then
+  echo "FAIL save-after-kill: left $(ls -A "$w/sig" | grep partial)"; failures=$((failures + 1))
+fi
+
+# One writer of a directory at a time: a save into a directory another process has locked waits
+# for it (with a note), and two runs saving into one directory leave one run's files, all of them.
+mkdir -p "$w/locked"
+python3 - "$w/locked" >"$w/lock-verdict" <<'PY' &
+import fcntl, os, sys, time
+held = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(held, fcntl.LOCK_EX)
+open(sys.argv[1] + ".held", "w").close()
+time.sleep(2)
+print(" ".join(os.listdir(sys.argv[1])), end="")  # what was written while the lock was held
+PY
+lock_pid=$!
+until [ -e "$w/locked.held" ] || ! kill -0 $lock_pid 2>/dev/null; do sleep 0.01; done
+check save-lock 0 "waiting for another process writing into the same directory" -- \
+  "$tpsim" run --layer column --save "$w/locked"
+wait $lock_pid
+if [ -s "$w/lock-verdict" ] || [ ! -f "$w/locked/output.npy" ]; then
+  echo "FAIL save-lock: wrote '$(cat "$w/lock-verdict")' while the lock was held, or nothing"; failures=$((failures + 1))
+fi
+mid=(run --layer column --seq 512 --batch 8 --in-features 512 --out-features 512 --verify none)
+"$tpsim" "${mid[@]}" --seed 1 --save "$w/seed1" >/dev/null
+"$tpsim" "${mid[@]}" --seed 2 --save "$w/seed2" >/dev/null
+mkdir -p "$w/both"
+"$tpsim" "${mid[@]}" --seed 1 --save "$w/both" >/dev/null 2>&1 &
+pid1=$!
+"$tpsim" "${mid[@]}" --seed 2 --save "$w/both" >/dev/null 2>&1 &
+pid2=$!
+wait $pid1
+rc1=$?
+wait $pid2
+rc2=$?
+from1=0 from2=0
+for f in "$w/seed1/"*; do
+  cmp -s "$f" "$w/both/$(basename "$f")" && from1=$((from1 + 1))
+  cmp -s "$w/seed2/$(basename "$f")" "$w/both/$(basename "$f")" && from2=$((from2 + 1))
+done
+total=$(ls "$w/seed1" | wc -l)
+if [ "$rc1$rc2" != 00 ] || [ "$(ls -A "$w/both")" != "$(ls -A "$w/seed1")" ] || { [ $from1 -ne "$total" ] && [ $from2 -ne "$total" ]; }; then
+  echo "FAIL save-concurrent: exits $rc1 $rc2, $from1 files of seed 1 and $from2 of seed 2 of $total: $(ls -A "$w/both" | tr '\n' ' ')"
+  failures=$((failures + 1))
+else
+  echo "ok   save-concurrent"
+  passed=$((passed + 1))
+fi
+
+# What a command prints is part of its result: stdout that cannot be written fails it.
+if [ -w /dev/full ]; then
+  check stdout-full 2 "tpsim run: standard output: expected every line written, got 'No space left on device'" -- \
+    bash -c '"$0" run --layer column >/dev/full' "$tpsim"
+  check stdout-full-help 2 "tpsim: standard output: expected every line written" -- bash -c '"$0" --help >/dev/full' "$tpsim"
+fi
+
+# A checkpoint save stopped by a file-size limit at its first file (2528 bytes) or at its index
+# (12126 bytes, more than any rank file): with SIGXFSZ ignored the write fails (exit 2, naming the
+# file); with its default action the signal ends the run (exit 153) once the temporaries are
+# removed. Either way the directory still loads as the previous checkpoint, bitwise.
+ck_run=(run --layer mlp --tp 4 --gtp-remat 2 --pad-for-alignment 16)
+"$tpsim" "${ck_run[@]}" --save-checkpoint "$w/ck-old" >/dev/null
+"$tpsim" checkpoint consolidate "$w/ck-old" "$w/ck-old.safetensors" >/dev/null
+for limit in 1:rank-00000.safetensors 4:index.json; do
+  for xfsz in ignored default; do
+    rm -rf "$w/ck-cut"
+    cp -r "$w/ck-old" "$w/ck-cut"
+    limited=(bash -c 'ulimit -f "$0" && exec "$@"' "${limit%%:*}" "$tpsim" "${ck_run[@]}" --seed 7 --save-checkpoint "$w/ck-cut")
+    out=$(if [ $xfsz = default ]; then default_signals "${limited[@]}"; else trap '' XFSZ; exec "${limited[@]}"; fi 2>&1)
+    rc=$?
+    want=$([ $xfsz = default ] && echo 153 || echo 2)
+    "$tpsim" checkpoint consolidate "$w/ck-cut" "$w/ck-cut.safetensors" >/dev/null 2>&1
+    name="ckpt-cut-at-${limit#*:}-xfsz-$xfsz"
+    if [ "$rc" -ne "$want" ] || { [ $xfsz = ignored ] && ! grep -qF "${limit#*:} (File too large)" <<<"$out"; } ||
+      ! cmp -s "$w/ck-old.safetensors" "$w/ck-cut.safetensors" || [ -n "$(ls -A "$w/ck-cut" | grep partial)" ]; then
+      echo "FAIL $name: exit $rc (want $want), left $(ls -A "$w/ck-cut" | tr '\n' ' ')"
+      tail -n 3 <<<"$out"
+      failures=$((failures + 1))
+    else
+      echo "ok   $name"
+      passed=$((passed + 1))
+    fi
+  done
+done
+
 # Megatron's usual embedding setup: sequence parallelism is reduce_scatter_embeddings.
 check embedding-sp 0 "reduce-scatter-embeddings" -- "$tpsim" run --layer embedding --tp 2 --sequence-parallel
 # A header's bytes are shown, never sent to the terminal: control bytes come out as \xNN.

@@ -94,9 +94,10 @@ int consolidate(const std::string& dir, const std::string& file, const std::stri
   const fs::path parent = out.parent_path().empty() ? fs::path(".") : out.parent_path();
   TPSIM_CHECK(fs::is_directory(parent), "consolidate: FILE: expected a file in an existing directory, got '", file,
               "' (no directory ", parent.string(), ")");
-  OutputFiles output("consolidate: FILE");
-  output.checkTarget(file);
+  FileUses uses;
+  uses.write({"consolidate: FILE"}, file);
   const CheckpointReader reader(dir);
+  for (const std::string& path : reader.paths()) uses.read({"DIR", fs::path(path).filename().string()}, path);
   std::vector<SafetensorsEntry> tensors;
   for (const auto& [key, k] : reader.keys()) {
     SafetensorsEntry e{key, k.dtype, k.globalShape, reader.consolidated(key)};
@@ -112,6 +113,7 @@ int consolidate(const std::string& dir, const std::string& file, const std::stri
     }
     tensors.push_back(std::move(e));
   }
+  OutputFiles output("consolidate: FILE");
   output.write(file, safetensorsBytes(tensors, {{"source", "tpsim checkpoint consolidate"}}));
   output.commit();
   std::printf("# consolidated %s: %zu tensors, pad rows dropped, into %s\n", dir.c_str(), tensors.size(),

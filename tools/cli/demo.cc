@@ -11,6 +11,7 @@
 
 #include "tools/lib/backend.h"
 #include "tools/cli/cli.h"
+#include "tools/lib/output_files.h"
 #include "tools/lib/runner.h"
 
 namespace po = boost::program_options;
@@ -84,6 +85,9 @@ int demoMain(const std::vector<std::string>& args) {
   }
   const RunConfig& c = parsed.config;
   const TraceOptions& trace = parsed.trace;
+  FileUses uses;  // before the run: a trace that would replace its own device model is refused
+  if (const std::string model = trace.modelFile(); !model.empty()) uses.read({"--device-model"}, model);
+  if (!trace.file.empty()) uses.write({"--trace"}, trace.file);
   std::printf("# tpsim demo: MLP block y = GeLU(x·W1ᵀ + b1)·W2ᵀ + b2 on %d %s ranks\n", c.tp * c.gtpRemat,
               c.backend == "sim" ? "simulated" : "GPU");
   std::printf("# fc1 = ColumnParallelLinear(h=%lld -> F=%lld), fc2 = RowParallelLinear(F -> h, input_is_parallel)\n",

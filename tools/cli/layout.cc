@@ -40,6 +40,8 @@ int layoutMain(const std::vector<std::string>& args) {
   const char* noColour = std::getenv("NO_COLOR");
   const bool colour = isatty(fileno(stdout)) && (noColour == nullptr || *noColour == '\0');
   if (!svg.empty()) {  // a bad path fails before any output
+    FileUses uses;
+    uses.write({"--svg"}, svg);
     OutputFiles output("--svg");
     output.write(svg, layoutSvg(c, placements));
     output.commit();

@@ -1,7 +1,9 @@
 // tpsim: the command line. Subcommand first (`tpsim demo`, `tpsim bench`), then its options.
 #include <boost/program_options/errors.hpp>
+#include <cerrno>
 #include <climits>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <filesystem>
 #if defined(__GLIBC__)
@@ -97,22 +99,24 @@ void keepFreedMemory(bool oneHeap) {
 #endif
 }
 
-}  // namespace
+bool isCommand(const std::string& command) {
+  return command == "demo" || command == "bench" || command == "run" || command == "layout" ||
+         command == "checkpoint" || command == "devices";
+}
 
-int main(int argc, char** argv) {
-  std::vector<std::string> args(argv + 1, argv + argc);
-  if (args.empty() || args[0] == "-h" || args[0] == "--help" || args[0] == "help") {
-    std::fputs(kUsage, args.empty() ? stderr : stdout);
-    std::fputs(tpsim::tools::kExitCodes, args.empty() ? stderr : stdout);
-    return args.empty() ? 2 : 0;
-  }
-  if (args[0] == "--version") {  // what a benchmark figure or a bug report needs to know about this binary
-    std::printf("tpsim %s\nisa: %s\ngpu backend: %s\n", TPSIM_VERSION, TPSIM_ISA,
-                TPSIM_HAVE_GPU ? "built" : "not built");
-    return 0;
-  }
-  const std::string command = args[0];
-  args.erase(args.begin());
+// What a command prints is part of its result: output lost on stdout (a full disk, /dev/full) fails
+// the command with exit 2, as an output file that cannot be written does, unless it already failed.
+int checkStdout(const std::string& command, int code) {
+  const bool flushed = std::fflush(stdout) == 0;
+  const int error = errno;
+  if (flushed && !std::ferror(stdout)) return code;
+  const std::string prefix = isCommand(command) ? "tpsim " + command : "tpsim";
+  std::fprintf(stderr, "%s: standard output: expected every line written, got '%s'\n", prefix.c_str(),
+               flushed ? "an error on an earlier write" : std::strerror(error));
+  return code == 0 ? 2 : code;
+}
+
+int runCommand(const std::string& command, const std::vector<std::string>& args) {
   keepFreedMemory(command == "run" || command == "demo");
   try {
     if (command == "demo") return tpsim::tools::demoMain(args);
@@ -131,9 +135,7 @@ int main(int argc, char** argv) {
     }
     throw tpsim::tools::UsageError{"unknown command '" + command + "'"};
   } catch (const tpsim::tools::UsageError& e) {
-    const bool known = command == "demo" || command == "bench" || command == "run" || command == "layout" ||
-                       command == "checkpoint" ||
-                       command == "devices";
+    const bool known = isCommand(command);
     std::fprintf(stderr, "tpsim%s%s: %s\nTry 'tpsim%s%s --help'\n", known ? " " : "", known ? command.c_str() : "",
                  printable(e.message).c_str(), known ? " " : "", known ? command.c_str() : "");
     return 2;
@@ -152,4 +154,23 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     return fail(command, "", e.what(), 3);
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "-h" || args[0] == "--help" || args[0] == "help") {
+    std::fputs(kUsage, args.empty() ? stderr : stdout);
+    std::fputs(tpsim::tools::kExitCodes, args.empty() ? stderr : stdout);
+    return checkStdout("", args.empty() ? 2 : 0);
+  }
+  if (args[0] == "--version") {  // what a benchmark figure or a bug report needs to know about this binary
+    std::printf("tpsim %s\nisa: %s\ngpu backend: %s\n", TPSIM_VERSION, TPSIM_ISA,
+                TPSIM_HAVE_GPU ? "built" : "not built");
+    return checkStdout("", 0);
+  }
+  const std::string command = args[0];
+  args.erase(args.begin());
+  return checkStdout(command, runCommand(command, args));
 }

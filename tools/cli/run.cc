@@ -138,30 +138,54 @@ TensorMap checkpointParams(RunConfig& c, const CheckpointReader& reader, const s
   return m;
 }
 
+// The .npy file of each tensor --save writes into DIR.
+std::string savePath(const std::string& dir, const std::string& name) {
+  return (std::filesystem::path(dir) / (name + ".npy")).string();
+}
+
 // All the outputs or none, as unsharded .npy files in DIR (tools/lib/output_files.h).
 void save(const std::string& dir, const TensorMap& tensors) {
   OutputFiles output("--save");
-  std::vector<std::string> files;
   for (const auto& [name, t] : tensors) {
-    files.push_back((std::filesystem::path(dir) / (name + ".npy")).string());
-    output.checkTarget(files.back());
-  }
-  auto file = files.begin();
-  for (const auto& entry : tensors) {
-    const HostTensor& t = entry.second;
-    const std::string& path = *file++;
+    const std::string path = savePath(dir, name);
+    const HostTensor& tensor = t;
     output.write(path, [&](std::FILE* f) {
       const std::string where = "--save: " + path;
-      if (t.dtype == DType::kInt64) {
-        const std::vector<std::int64_t> v(t.values.begin(), t.values.end());
-        writeNpy(f, where, DType::kInt64, t.shape, v.data());
+      if (tensor.dtype == DType::kInt64) {
+        const std::vector<std::int64_t> v(tensor.values.begin(), tensor.values.end());
+        writeNpy(f, where, DType::kInt64, tensor.shape, v.data());
       } else {
-        const std::vector<float> v(t.values.begin(), t.values.end());
-        writeNpy(f, where, DType::kFloat32, t.shape, v.data());
+        const std::vector<float> v(tensor.values.begin(), tensor.values.end());
+        writeNpy(f, where, DType::kFloat32, tensor.shape, v.data());
       }
     });
   }
   output.commit();
+}
+
+// Every file the run reads and writes, registered before it writes any (FileUses): an output that
+// would replace an input or another output is refused here, before the run.
+void checkFileUses(const RunConfig& c, const RunArgs& a, const CheckpointReader* reader) {
+  const auto name = [](const std::string& path) { return std::filesystem::path(path).filename().string(); };
+  FileUses uses;
+  if (!a.loadDir.empty())
+    for (const InputFile& f : inputFiles(c, a.loadDir, !reader)) uses.read({"--load", name(f.path)}, f.path);
+  if (reader)
+    for (const std::string& path : reader->paths()) uses.read({"--load-checkpoint", name(path)}, path);
+  if (const std::string model = a.trace.modelFile(); !model.empty()) uses.read({"--device-model"}, model);
+  if (!a.saveDir.empty()) {
+    std::vector<std::string> saved = resultNames(c);
+    if (a.loadDir.empty())
+      for (const TensorSpec& t : c.layer->tensors(c)) saved.push_back(t.name);
+    for (const std::string& tensor : saved) {
+      const std::string path = savePath(a.saveDir, tensor);
+      uses.write({"--save", name(path)}, path);
+    }
+  }
+  if (!a.saveCheckpoint.empty())
+    for (const std::string& path : checkpointOutputs(a.saveCheckpoint, c.tp * c.gtpRemat))
+      uses.write({"--save-checkpoint", name(path)}, path);
+  if (!a.trace.file.empty()) uses.write({"--trace"}, a.trace.file);
 }
 
 VerifyMode parseVerify(const std::string& s) {
@@ -302,6 +326,7 @@ int runMain(const std::vector<std::string>& args) {
   ShapeMap shapes = loadDir.empty() ? tensorShapes(c) : loadShapes(c, loadDir, !reader);
   for (const auto& [name, t] : params) shapes[name] = t.shape;
   checkMemory(c, shapes, verifyMode, parsed.maxMemory, loadDir);
+  checkFileUses(c, parsed, reader ? &*reader : nullptr);
 
   if (!saveDir.empty()) prepareSaveDir("save", saveDir);
   if (!saveCheckpoint.empty()) prepareSaveDir("save-checkpoint", saveCheckpoint);

@@ -40,6 +40,11 @@ std::string fileName(int writer) {
   return buf;
 }
 
+// A rank's file, of this save or of an earlier one.
+bool isRankFile(const fs::path& path) {
+  return path.filename().string().rfind("rank-", 0) == 0 && path.extension() == ".safetensors";
+}
+
 std::string hex64(std::uint64_t v) {
   char buf[17];
   std::snprintf(buf, sizeof buf, "%016" PRIx64, v);
@@ -389,30 +394,21 @@ void CheckpointWriter::commit(const std::string& dir) const {
                 cells.size(), " distinct cells");
   }
 
-  // An old index goes first, so that a save failing halfway leaves no checkpoint that loads.
   const fs::path root(dir);
-  fs::remove(root / kIndexName);
   tools::OutputFiles output(where);  // the files, then the index last
   json index{{"format", kFormat}, {"version", kVersion}, {"files", json::object()}, {"tensors", json::object()},
              {"objects", json::object()}};
-  std::vector<std::string> written;
+  std::set<std::string> written;
   for (const auto& [writer, tensors] : files) {
     const std::string file = fileName(writer);
     const std::string bytes = safetensorsBytes(tensors, {{"source", "tpsim checkpoint"}, {"rank", std::to_string(writer)}});
     std::uint64_t headerLen = 0;
     for (int i = 0; i < 8; ++i) headerLen |= std::uint64_t(static_cast<unsigned char>(bytes[i])) << (8 * i);
     output.write((root / file).string(), bytes);
-    written.push_back(file);
+    written.insert(file);
     index["files"][file] = {{"writer", writer},
                             {"size", bytes.size()},
                             {"header_fnv1a64", hex64(fnv1a64(bytes.data(), std::size_t(8 + headerLen)))}};
-  }
-  // Files of an earlier, larger save are no part of this one.
-  for (const auto& e : fs::directory_iterator(root)) {
-    const std::string n = e.path().filename().string();
-    if (n.rfind("rank-", 0) == 0 && e.path().extension() == ".safetensors" &&
-        std::find(written.begin(), written.end(), n) == written.end())
-      fs::remove(e.path());
   }
   for (const auto& [name, k] : keys) {
     json chunks = json::array();
@@ -437,7 +433,25 @@ void CheckpointWriter::commit(const std::string& dir) const {
                               {"value", nullptr}};
   }
   output.write((root / kIndexName).string(), index.dump(1) + "\n");
+  // The old index goes before any file it names is replaced; the new one lands last. A save that
+  // fails before commit leaves the old checkpoint as it was, one that fails during it no index.
+  output.removeBeforeRenames((root / kIndexName).string());
+  // Files of an earlier, larger save are no part of this one. The directory is locked since the
+  // first write: no other writer's files are listed.
+  for (const auto& e : fs::directory_iterator(root))
+    if (isRankFile(e.path()) && !written.count(e.path().filename().string()))
+      output.removeAfterRenames(e.path().string());
   output.commit();
+}
+
+std::vector<std::string> checkpointOutputs(const std::string& dir, int ranks) {
+  const fs::path root(dir);
+  std::set<std::string> paths{(root / kIndexName).string()};
+  for (int r = 0; r < ranks; ++r) paths.insert((root / fileName(r)).string());
+  std::error_code ec;
+  for (fs::directory_iterator e(root, ec), end; !ec && e != end; e.increment(ec))
+    if (isRankFile(e->path())) paths.insert(e->path().string());
+  return {paths.begin(), paths.end()};
 }
 
 // ---- Load ----------------------------------------------------------------------------------------
@@ -455,6 +469,7 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
   };
   const std::vector<char> indexText =
       openFile(indexPath_, "an index", "index (written last by a complete save)").readAll(kMaxIndexBytes);
+  paths_.push_back(indexPath_);
   const std::string& where = indexPath_;
   const json index = parsing(where, [&] { return json::parse(indexText.begin(), indexText.end()); });
   parsing(where, [&] {
@@ -468,6 +483,7 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
                   ": expected plain file names, got '", file, "'");
       const std::string fw = (fs::path(dir) / file).string();
       tools::InputFile input = openFile(fw, "a safetensors file", "safetensors file named in the index");
+      paths_.push_back(fw);
       const auto size = rec.at("size").get<std::uint64_t>();
       // Before reading: a file of another size, however large, is never read.
       TPSIM_CHECK(input.size() == size, fw, ": expected ", size, " bytes (the index's size), got ", input.size(),

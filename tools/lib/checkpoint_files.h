@@ -80,7 +80,9 @@ class CheckpointWriter {
   void describe(const TensorPlacement& placement);
   // Writes the files and the index into `dir`, which must exist. Throws InvalidArgument, writing
   // nothing, when a chunk is written twice, a key's chunks leave rows uncovered or disagree on dtype
-  // or shape. Files go to temporary names first, the index last: a failed save leaves no index.
+  // or shape. Every file is written to a temporary first; then, under the directory's lock, the
+  // old index is removed, the files are renamed into place and the index last (docs/checkpoints.md,
+  // "Saving"): an index there always names the files written with it.
   void commit(const std::string& dir) const;
 
  private:
@@ -96,6 +98,11 @@ class CheckpointWriter {
   std::map<std::string, CheckpointObject> objects_;
   std::map<std::string, TensorPlacement> placements_;
 };
+
+// Every file a save into `dir` by a world of `ranks` ranks may replace or remove: the index, a file
+// per rank, and the rank files of an earlier save there. A command registers them as its outputs
+// (tools/lib/output_files.h's FileUses) before it writes anything.
+std::vector<std::string> checkpointOutputs(const std::string& dir, int ranks);
 
 // A checkpoint read and checked whole at construction: the index, every file's header against it,
 // every checksum, and that each key's chunks cover its logical tensor exactly once. Afterwards
@@ -119,9 +126,12 @@ class CheckpointReader {
   void checkObject(const ShardedObject& target) const;
   // The whole logical tensor of `key` (no pad rows) in the saved dtype, row-major.
   std::vector<char> consolidated(const std::string& key) const;
+  // Every file it read: the index, then each file the index names.
+  const std::vector<std::string>& paths() const { return paths_; }
 
  private:
   std::string dir_, indexPath_;
+  std::vector<std::string> paths_;
   std::map<std::string, CheckpointKey> keys_;
   std::map<std::string, CheckpointObject> objects_;
   std::map<std::string, std::vector<char>> files_;  // file -> its whole contents

@@ -216,7 +216,21 @@ RunResult runSharded(const RunConfig& config, const TensorMap& in, const Checkpo
     if (dataParallel && c.gtpReduceMean)
       for (double& v : r.results[p.name + ".grad"].values) v /= double(grid.gtpRemat());
   }
+  std::vector<std::string> names;
+  for (const auto& [name, t] : r.results) names.push_back(name);
+  std::vector<std::string> expected = resultNames(c);
+  std::sort(expected.begin(), expected.end());
+  TPSIM_INTERNAL_ASSERT(names == expected, "runSharded: results other than resultNames() lists");
   return r;
+}
+
+std::vector<std::string> resultNames(const RunConfig& c) {
+  std::vector<std::string> names{"output"};
+  for (const TensorSpec& t : c.layer->tensors(c)) {
+    if (t.name == "input" && t.idRange.empty()) names.push_back("input.grad");
+    if (t.role == TensorRole::kParameter) names.push_back(t.name + ".grad");
+  }
+  return names;
 }
 
 ReferenceOptions referenceOptions(const RunConfig& c, std::vector<TensorPlacement> placements) {

@@ -49,6 +49,10 @@ struct CheckpointHooks {
 // runs forward and backward on every rank.
 RunResult runSharded(const RunConfig& config, const TensorMap& inputs, const CheckpointHooks& hooks = {});
 
+// The names of runSharded's results for config: output, input.grad (unless the input is token ids)
+// and <parameter>.grad for each parameter; what `tpsim run --save` writes, known before the run.
+std::vector<std::string> resultNames(const RunConfig& config);
+
 // The placements of config's layer as its modules, built on T x G simulated ranks, describe
 // themselves (rank (0, 0)'s view; the description is the same on every rank), on config's sizes.
 // Runs no forward or backward and reads no tensor values.

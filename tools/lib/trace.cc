@@ -392,6 +392,10 @@ std::string us(double v) {
 
 std::string TraceOptions::clockText() const { return clock == "model" ? "model (" + model.name + ")" : clock; }
 
+std::string TraceOptions::modelFile() const {
+  return !file.empty() && clock == "model" && preset(device).name.empty() ? device : "";
+}
+
 void checkTraceOptions(TraceOptions& o, bool clockGiven, bool deviceGiven) {
   TPSIM_CHECK(!clockGiven || !o.file.empty(), "--clock: applies with --trace FILE, got no --trace");
   TPSIM_CHECK(o.clock == "measured" || o.clock == "model", "--clock: expected measured or model, got '", o.clock, "'");

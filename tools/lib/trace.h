@@ -108,6 +108,7 @@ struct TraceOptions {
   std::string device = "h100-nvlink";  // a preset or a file, for the model clock
   DeviceModel model;                   // set by checkTraceOptions
   std::string clockText() const;       // "measured" or "model (h100-nvlink)"
+  std::string modelFile() const;       // the file the model is read from; empty for a preset or none
 };
 // Before the run: the clock's name, the device model (a file is read now), --clock and
 // --device-model only with what they apply to, and a file path in an existing directory.
