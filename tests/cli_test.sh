@@ -262,12 +262,31 @@ if ! grep -qa __asan_init "$tpsim"; then
   check out-of-memory 2 "out of memory: the run needs more than this machine has; its size comes from --seq" -- \
     bash -c 'ulimit -v "$1" && exec "$2" run --layer column --seq 1000000 --batch 1' _ $((start_kib + 300000)) "$tpsim"
 fi
-check gtp-split 2 "the TP-local rows N / --tp = 2 must be divisible by --gtp-remat (with --pad-for-alignment 0) = 4" \
+check gtp-split 2 "weight's TP-local rows, --out-features / --tp = 2 must be divisible by --gtp-remat (with --pad-for-alignment 0) = 4" \
   -- "$tpsim" run --layer column --tp 1 --gtp-remat 4 --batch 4 --out-features 2 --pad-for-alignment 0
 # The tools' own messages start with "tpsim run: "; main does not repeat it.
 check no-double-prefix 2 "tpsim run: the ffn hidden size F" -- "$tpsim" run --layer mlp --tp 3 --load "$work/a"
 if grep -qF "tpsim run: tpsim run:" <<<"$("$tpsim" run --layer mlp --tp 3 --load "$work/a" 2>&1)"; then
   echo "FAIL no-double-prefix: 'tpsim run: tpsim run:'"
+  failures=$((failures + 1))
+fi
+
+# A size is named by where it comes from: its flag, the --load file or the checkpoint's key; the
+# demo checks its flags before it prints anything.
+check size-from-flag 2 "tpsim run: --in-features = 16 must be divisible by --tp x --stride = 3" -- \
+  "$tpsim" run --layer row --tp 3
+"$tpsim" run --layer row --tp 2 --save "$work/row-files" --save-checkpoint "$work/row-ck" >/dev/null
+check size-from-file 2 "tpsim run: K (weight.npy dim 1) = 16 must be divisible by --tp x --stride = 3" -- \
+  "$tpsim" run --layer row --tp 3 --load "$work/row-files"
+check size-from-checkpoint 2 "K (checkpoint $work/row-ck: key 'weight' dim 1) = 16 must be divisible by --tp x --stride = 3" \
+  -- "$tpsim" run --layer row --tp 3 --load-checkpoint "$work/row-ck"
+check size-from-checkpoint-with-files 2 "K (checkpoint $work/row-ck: key 'weight' dim 1) = 16 must be divisible" -- \
+  "$tpsim" run --layer row --tp 3 --load "$work/row-files" --load-checkpoint "$work/row-ck"
+check size-from-flag-grouped 2 "tpsim run: --out-features = 16 must be divisible by --tp = 3" -- \
+  "$tpsim" run --layer grouped-column --tp 3 --experts 4
+check size-from-flag-demo 2 "tpsim demo: --seq = 8 must be divisible by --tp = 3" -- "$tpsim" demo --tp 3
+if "$tpsim" demo --tp 3 2>/dev/null | grep -q .; then
+  echo "FAIL size-from-flag-demo: the demo printed before refusing its flags"
   failures=$((failures + 1))
 fi
 
@@ -337,7 +356,7 @@ fi
 # The estimate counts GTP_remat's pad rows, which every rank holds, gathers and reduces.
 check estimate-pad-rows 2 "got an estimated peak of 3.0 GiB for --layer column --tp 2 --gtp-remat 2" -- \
   "$tpsim" run --layer column --gtp-remat 2 --pad-for-alignment 524288 --max-memory 256M
-check stride-too-large 2 "N (weight.npy dim 0) = 16 must be divisible by --tp x --stride = 200000000" -- \
+check stride-too-large 2 "--out-features = 16 must be divisible by --tp x --stride = 200000000" -- \
   "$tpsim" run --layer column --stride 100000000
 
 # --save: checked before the run, all outputs or none, symlinks at output names replaced, not followed.

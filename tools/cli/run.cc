@@ -322,6 +322,10 @@ int runMain(const std::vector<std::string>& args) {
     reader.emplace(loadCheckpoint);
     params = checkpointParams(c, *reader, loadCheckpoint);
   }
+  // Each size is named by where it comes from: a flag, a --load file or the checkpoint.
+  const SizeSources sources{loadDir.empty() ? SizeSources::Inputs::kFlags : SizeSources::Inputs::kFiles,
+                            loadCheckpoint};
+  if (loadDir.empty()) checkSizes(c, sources);  // the files' sizes are believed once checkInputs has read them
   // Before anything else is allocated: a run that cannot fit is refused, not killed by the kernel.
   ShapeMap shapes = loadDir.empty() ? tensorShapes(c) : loadShapes(c, loadDir, !reader);
   for (const auto& [name, t] : params) shapes[name] = t.shape;
@@ -333,6 +337,7 @@ int runMain(const std::vector<std::string>& args) {
   std::printf("# tpsim run: %s\n", c.str().c_str());
   TensorMap inputs = loadDir.empty() ? generateInputs(c) : load(c, loadDir, !reader);
   for (auto& [name, t] : params) inputs[name] = std::move(t);
+  checkInputs(c, inputs, sources);
   std::printf("# inputs (%s%s%s):", loadDir.empty() ? "generated" : loadDir.c_str(),
               reader ? "; parameters from checkpoint " : "", reader ? loadCheckpoint.c_str() : "");
   for (const auto& [name, t] : inputs) std::printf(" %s %s", name.c_str(), shapeText(t.shape).c_str());

@@ -23,9 +23,17 @@ std::vector<std::int64_t> dimsOf(const RunConfig& c, const TensorSpec& t) {
   return dims;
 }
 
-// A size as a message names it: its flag, or where the files hold it.
-std::string sizeText(const SizeSpec& s, SizeSource source) {
-  if (source == SizeSource::kFlags) return "--" + s.flag;
+// A size as a message names it: the checkpoint key or the file it is read from, or its flag.
+std::string sizeText(const RunConfig& c, const SizeSpec& s, const SizeSources& sources) {
+  if (s.tensor.empty()) return "--" + s.flag;
+  if (!sources.checkpoint.empty())
+    for (const TensorSpec& t : c.layer->tensors(c))
+      if (t.name == s.tensor && t.role == TensorRole::kParameter) {
+        const LayerKind::CheckpointSlot slot = c.layer->checkpointSlot(t.name);
+        return detail::concat(s.description, " (checkpoint ", sources.checkpoint, ": key '", slot.key, "' dim ",
+                              s.dim + (slot.index >= 0 ? 1 : 0), ")");
+      }
+  if (sources.inputs == SizeSources::Inputs::kFlags) return "--" + s.flag;
   return detail::concat(s.description, " (", s.tensor, ".npy dim ", s.dim, ")");
 }
 
@@ -147,8 +155,8 @@ RunConfig withSizesOf(RunConfig c, const ShapeMap& shapes) {
   return c;
 }
 
-void checkSizes(const RunConfig& c, SizeSource source) {
-  const std::string prefix = source == SizeSource::kFiles ? "tpsim run: " : "";
+void checkSizes(const RunConfig& c, const SizeSources& sources) {
+  const std::string prefix = sources.inputs == SizeSources::Inputs::kFiles ? "tpsim run: " : "";
   auto divisible = [&](const std::string& what, std::int64_t v, std::int64_t by, const std::string& why) {
     TPSIM_CHECK(v % by == 0, prefix, what, " = ", v, " must be divisible by ", why, " = ", by);
   };
@@ -157,22 +165,23 @@ void checkSizes(const RunConfig& c, SizeSource source) {
   // The splits of the activations first, then the TP cuts of the weights, then GTP_remat's.
   const bool sequenceSplit = c.sequenceParallel || c.reduceScatterEmbeddings;
   for (const SizeSpec& s : sizes)
-    if (s.divisor == D::kSequenceSplit && sequenceSplit) divisible(sizeText(s, source), c.*s.field, c.tp, "--tp");
+    if (s.divisor == D::kSequenceSplit && sequenceSplit) divisible(sizeText(c, s, sources), c.*s.field, c.tp, "--tp");
   for (const SizeSpec& s : sizes)
-    if (s.divisor == D::kGtpRemat) divisible(sizeText(s, source), c.*s.field, c.gtpRemat, "--gtp-remat");
+    if (s.divisor == D::kGtpRemat) divisible(sizeText(c, s, sources), c.*s.field, c.gtpRemat, "--gtp-remat");
   for (const SizeSpec& s : sizes) {
-    if (s.divisor == D::kTp) divisible(sizeText(s, source), c.*s.field, c.tp, "--tp");
+    if (s.divisor == D::kTp) divisible(sizeText(c, s, sources), c.*s.field, c.tp, "--tp");
     if (s.divisor == D::kTpStride)
-      divisible(sizeText(s, source), c.*s.field, std::int64_t(c.tp) * c.stride, "--tp x --stride");
+      divisible(sizeText(c, s, sources), c.*s.field, std::int64_t(c.tp) * c.stride, "--tp x --stride");
   }
   // Each GTP_remat peer keeps dim 0 / G rows of a TP-local weight when nothing pads it.
   if (c.gtpRemat > 1 && c.padForAlignment == 0)
     for (const GtpWeightSpec& w : c.layer->gtpWeights())
-      divisible(source == SizeSource::kFiles ? w.fileText : w.flagText,
+      divisible(detail::concat(w.name, w.tpCutsDim0 ? "'s TP-local rows, " : "'s rows, ",
+                               sizeText(c, sizeNamed(c, w.symbol), sources), w.tpCutsDim0 ? " / --tp" : ""),
                 sizeValue(c, w.symbol) / (w.tpCutsDim0 ? c.tp : 1), c.gtpRemat, "--gtp-remat (with --pad-for-alignment 0)");
 }
 
-void checkInputs(const RunConfig& c, const TensorMap& in) {
+void checkInputs(const RunConfig& c, const TensorMap& in, const SizeSources& sources) {
   // Empty tensors are refused: the layers and the reference divide by these sizes.
   for (const auto& [name, t] : in)
     TPSIM_CHECK(std::all_of(t.shape.begin(), t.shape.end(), [](std::int64_t d) { return d >= 1; }), "tpsim run: ",
@@ -214,7 +223,7 @@ void checkInputs(const RunConfig& c, const TensorMap& in) {
       TPSIM_CHECK(ids[i] >= 0 && ids[i] < double(range), "tpsim run: ", t.name, ".npy holds id ", std::int64_t(ids[i]),
                   " at flat position ", i, ", outside [0, ", t.idRange, "=", range, ")");
   }
-  checkSizes(sized, SizeSource::kFiles);
+  checkSizes(sized, sources);
 }
 
 }  // namespace tpsim::tools

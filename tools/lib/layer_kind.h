@@ -52,12 +52,11 @@ struct TensorSpec {
   std::string idRange = "";       // token ids: int64 in [0, that size) instead of floats
 };
 
-// A weight that GTP_remat shards along its TP-local dim 0, and how a message names that extent.
+// A weight that GTP_remat shards along its TP-local dim 0.
 struct GtpWeightSpec {
-  std::string name;             // "weight", "fc1.weight"; "weight<i>" for each of the experts
-  std::string symbol;           // the size its dim 0 is
-  bool tpCutsDim0 = false;      // its TP-local dim 0 is symbol / T
-  std::string fileText, flagText;  // "the TP-local rows N / --tp", "--out-features / --tp"
+  std::string name;         // "weight", "fc1.weight"; "weight<i>" for each of the experts
+  std::string symbol;       // the size its dim 0 is
+  bool tpCutsDim0 = false;  // its TP-local dim 0 is symbol / T
 };
 
 // Options of `tpsim run` that only some kinds take.
@@ -169,14 +168,18 @@ TensorMap generateInputs(const RunConfig& config);
 // its own tensor's dim, where `shapes` has that tensor.
 RunConfig withSizesOf(RunConfig config, const ShapeMap& shapes);
 
+// Where a run's sizes come from, as messages name them: the shape flags (generated data, tpsim
+// layout) or the tensors' .npy files (--load, or a caller's tensors); the parameters' from the
+// checkpoint when one is named (--load-checkpoint DIR: "K (checkpoint DIR: key 'weight' dim 1)").
+struct SizeSources {
+  enum class Inputs { kFlags, kFiles } inputs = Inputs::kFiles;
+  std::string checkpoint;
+};
 // Checks the sizes against the kind's divisibility rules (sequence and batch splits, TP cuts,
-// GTP_remat's split of each weight's TP-local rows when --pad-for-alignment is 0). Messages name
-// the shape flags (kFlags: generated data, tpsim layout) or the files (kFiles, after "tpsim run: ").
-enum class SizeSource { kFlags, kFiles };
-void checkSizes(const RunConfig& config, SizeSource source);
-// Checks loaded tensors: every dim >= 1, finite values, each tensor present with the kind's rank,
-// dtype and the shape its sizes give, token ids in range, then checkSizes(kFiles). Messages name
-// the file.
-void checkInputs(const RunConfig& config, const TensorMap& inputs);
+// GTP_remat's split of each weight's TP-local rows when --pad-for-alignment is 0).
+void checkSizes(const RunConfig& config, const SizeSources& sources);
+// Checks a run's tensors: every dim >= 1, finite values, each tensor present with the kind's rank,
+// dtype and the shape its sizes give, token ids in range, then checkSizes. Messages name the file.
+void checkInputs(const RunConfig& config, const TensorMap& inputs, const SizeSources& sources = {});
 
 }  // namespace tpsim::tools

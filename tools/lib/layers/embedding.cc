@@ -80,7 +80,7 @@ class EmbeddingKind final : public LayerKind {
             {"grad_output", TensorRole::kGradient, out, 1.0}};
   }
   const std::vector<GtpWeightSpec>& gtpWeights() const override {
-    static const std::vector<GtpWeightSpec> w = {{"weight", "V", true, "the TP-local rows V / --tp", "--vocab / --tp"}};
+    static const std::vector<GtpWeightSpec> w = {{"weight", "V", true}};
     return w;
   }
   // The table's gradient has no main_grad: it is reduce-scattered in the table's dtype.

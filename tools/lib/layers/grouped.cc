@@ -111,8 +111,7 @@ class GroupedKind final : public LayerKind {
               {"K", "in-features", &RunConfig::inFeatures, "K", "weight0", 1, column ? D::kNone : D::kTp},
               {"N", "out-features", &RunConfig::outFeatures, "N", "weight0", 0, column ? D::kTp : D::kNone},
               {"E", "experts", &RunConfig::experts, "the experts E", "", 0, D::kNone}};
-    gtpWeights_ = {column ? GtpWeightSpec{"weight<i>", "N", true, "the TP-local rows N / --tp", "--out-features / --tp"}
-                          : GtpWeightSpec{"weight<i>", "N", false, "N (weight0.npy dim 0)", "--out-features"}};
+    gtpWeights_ = {GtpWeightSpec{"weight<i>", "N", column}};
   }
 
   const char* name() const override { return name_; }

@@ -115,7 +115,7 @@ class RowKind final : public LinearKind<RowParallelLinear> {
       : LinearKind("row", false,
                    {O::kSequenceParallel, O::kBias, O::kStride, O::kInputIsParallel, O::kSkipBiasAdd,
                     O::kGradAccumulationFusion, O::kMxfp8Weights},
-                   {"weight", "N", false, "N (weight.npy dim 0)", "--out-features"}) {}
+                   {"weight", "N", false}) {}
   void validate(const RunConfig& c) const override {
     TPSIM_CHECK(!(c.sequenceParallel && !c.inputIsParallel),
                 "--sequence-parallel: RowParallelLinear needs --input-is-parallel with it");
@@ -132,7 +132,7 @@ const LayerKind& columnLayerKind() {
       "column", true,
       {O::kSequenceParallel, O::kBias, O::kStride, O::kOutputDtype, O::kGatherOutput, O::kDisableGradReduce,
        O::kSkipBiasAdd, O::kGradAccumulationFusion, O::kMxfp8Weights},
-      {"weight", "N", true, "the TP-local rows N / --tp", "--out-features / --tp"});
+      {"weight", "N", true});
   return kind;
 }
 

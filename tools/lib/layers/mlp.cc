@@ -99,8 +99,7 @@ class MlpKind final : public LayerKind {
   }
   const std::vector<GtpWeightSpec>& gtpWeights() const override {
     static const std::vector<GtpWeightSpec> w = {
-        {"fc1.weight", "F", true, "fc1's TP-local rows F / --tp", "--ffn-hidden / --tp"},
-        {"fc2.weight", "h", false, "fc2's rows h (fc2.weight.npy dim 0)", "--in-features (fc2's rows)"}};
+        {"fc1.weight", "F", true}, {"fc2.weight", "h", false}};
     return w;
   }
   bool exactOnSmallIntegers() const override { return false; }  // GeLU
