@@ -569,6 +569,18 @@ truncate -s 1T "$work/ck-odd/shard-huge/rank-00001.safetensors"
 check ckpt-shard-huge 2 "rank-00001.safetensors: expected $shard_size bytes (the index's size), got 1099511627776; the file is truncated or was replaced" -- \
   timeout 10 "$tpsim" run --layer column --load-checkpoint "$work/ck-odd/shard-huge"
 
+# A checkpoint's files lie in its directory: a shard that resolves elsewhere, here through a symlink
+# to an identical copy outside, is refused; a symlink to a file beside it is followed.
+odd_checkpoint shard-outside rank-00001.safetensors
+cp "$work/ck-small/rank-00001.safetensors" "$work/outside.safetensors"
+ln -s "$work/outside.safetensors" "$work/ck-odd/shard-outside/rank-00001.safetensors"
+check ckpt-shard-outside 2 "shard-outside/rank-00001.safetensors: expected a file in $work/ck-odd/shard-outside, got one resolving to $work/outside.safetensors" -- \
+  "$tpsim" run --layer column --load-checkpoint "$work/ck-odd/shard-outside"
+odd_checkpoint shard-beside rank-00001.safetensors
+cp "$work/ck-small/rank-00001.safetensors" "$work/ck-odd/shard-beside/copy.bin"
+ln -s copy.bin "$work/ck-odd/shard-beside/rank-00001.safetensors"
+check ckpt-shard-beside 0 "sharded results agree" -- "$tpsim" run --layer column --load-checkpoint "$work/ck-odd/shard-beside"
+
 # Megatron's usual embedding setup: sequence parallelism is reduce_scatter_embeddings.
 check embedding-sp 0 "reduce-scatter-embeddings" -- "$tpsim" run --layer embedding --tp 2 --sequence-parallel
 # A header's bytes are shown, never sent to the terminal: control bytes come out as \xNN.

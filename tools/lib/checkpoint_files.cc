@@ -197,6 +197,13 @@ json chunkJson(const CheckpointChunk& c) {
 }
 
 
+// A name in the checkpoint's directory itself: no separator, not "." or "..", visible ASCII only
+// (no NUL, which would end the name the system sees early).
+bool isPlainFileName(const std::string& name) {
+  return !name.empty() && name != "." && name != ".." &&
+         std::all_of(name.begin(), name.end(), [](char c) { return c > 0x20 && c < 0x7f && c != '/' && c != '\\'; });
+}
+
 // Reading: every field is type-checked; nlohmann's own errors become InvalidArgument naming the file.
 template <typename F>
 auto parsing(const std::string& where, F&& f) -> decltype(f()) {
@@ -447,11 +454,18 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
               fs::exists(dir) ? "another kind of file" : "nothing there");
   // Messages name the file, and what it should be: "checkpoint ck/index.json: expected a readable
   // index (written last by a complete save), got no such file".
-  const auto openFile = [](const std::string& path, const std::string& kind, const std::string& what) {
-    return tools::InputFile(path, "checkpoint " + path, kind, [&](int error) {
+  // A checkpoint's files lie in its directory: a name that resolves elsewhere (a symlink out of
+  // it) is refused once opened, so that what the open refuses (a FIFO behind a link) says so first.
+  const fs::path home = fs::canonical(dir);
+  const auto openFile = [&home](const std::string& path, const std::string& kind, const std::string& what) {
+    tools::InputFile input(path, "checkpoint " + path, kind, [&](int error) {
       return detail::concat("checkpoint ", path, ": expected a readable ", what, ", got ",
                             error == ENOENT ? "no such file" : "an unreadable file");
     });
+    const fs::path real = input.realPath();
+    TPSIM_CHECK(real.parent_path() == home, "checkpoint ", path, ": expected a file in ", home.string(),
+                ", got one resolving to ", tools::printable(real.string()), "; a checkpoint's files lie in its directory");
+    return input;
   };
   const std::vector<char> indexText =
       openFile(indexPath_, "an index", "index (written last by a complete save)").readAll(kMaxIndexBytes);
@@ -464,8 +478,7 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
     // Files: size, header checksum, header well-formed and consistent with its data.
     std::map<std::string, std::map<std::string, std::pair<DType, Ints>>> headers;
     for (const auto& [file, rec] : index.at("files").items()) {
-      TPSIM_CHECK(fs::path(file).filename().string() == file && file.find("..") == std::string::npos, where,
-                  ": expected plain file names, got '", file, "'");
+      TPSIM_CHECK(isPlainFileName(file), where, ": expected plain file names, got '", tools::printable(file), "'");
       const std::string fw = (fs::path(dir) / file).string();
       tools::InputFile input = openFile(fw, "a safetensors file", "safetensors file named in the index");
       const auto size = rec.at("size").get<std::uint64_t>();
