@@ -690,6 +690,37 @@ check ckpt-hole-between 2 "rank-00000.safetensors: tensor 'weight@0,0': expected
 hostile hole-after "$work/ck-bias" sealed 'hole("rank-00000.safetensors", "after")'
 check ckpt-hole-after 2 "rank-00000.safetensors: tensor 'weight@0,0' [32, 544): expected the last tensor to end at the data's end, byte 552, got a hole of 8 bytes after it" -- \
   "$tpsim" checkpoint consolidate "$work/hostile/hole-after" "$work/hole.safetensors"
+# A checkpoint of another kind of layer is refused before the world starts, naming both kinds, even
+# where the shapes agree (a column weight is no row weight); the grouped modes are one module.
+check ckpt-column-as-row 2 "--load-checkpoint: expected a checkpoint saved by --layer row, got one saved by --layer column in $work/ck-column" -- \
+  "$tpsim" run --layer row --tp 2 --bias --load-checkpoint "$work/ck-column"
+check ckpt-embedding-as-column 2 "--load-checkpoint: expected a checkpoint saved by --layer column, got one saved by --layer embedding in $work/ck-embedding" -- \
+  "$tpsim" run --layer column --tp 2 --load-checkpoint "$work/ck-embedding"
+check ckpt-grouped-as-column 2 "--load-checkpoint: expected a checkpoint saved by --layer column, got one saved by --layer grouped-row" -- \
+  "$tpsim" run --layer column --bias --load-checkpoint "$work/g-ck"
+hostile no-layer "$work/ck-small" sealed 'del index["layer"]'
+check ckpt-no-layer 2 "got one saved by no layer kind (its index names none)" -- \
+  "$tpsim" run --layer column --load-checkpoint "$work/hostile/no-layer"
+# One key of another logical shape than the others give: the bias halved, file and index alike.
+check ckpt-bias-tp1 0 "checkpoint saved" -- "$tpsim" run --layer column --tp 1 --bias --save-checkpoint "$work/ck-bias1"
+hostile short-bias "$work/ck-bias1" sealed '
+def halve(header, data):
+    b, w = header["bias@0"], header["weight@0,0"]
+    half = b["data_offsets"][1] // 2
+    b["shape"], b["data_offsets"] = [b["shape"][0] // 2], [0, half]
+    w["data_offsets"] = [o - half for o in w["data_offsets"]]
+    return header, data[:half] + data[2 * half:]
+shard("rank-00000.safetensors", halve)
+bias, weight = index["tensors"]["bias"], chunks("weight")[0]
+n = bias["global_shape"][0] // 2
+bias.update(global_shape=[n], saved_global_shape=[n])
+bias["chunks"][0].update(local_shape=[n], stored_shape=[n], data_offsets=[0, 4 * n])
+weight["data_offsets"] = [o - 4 * n for o in weight["data_offsets"]]
+raw = open(directory + "/rank-00000.safetensors", "rb").read()
+start = 8 + struct.unpack("<Q", raw[:8])[0]
+bias["chunks"][0]["fnv1a64"] = fnv(raw[start:start + 4 * n])'
+check ckpt-shape-mismatch 2 "--load-checkpoint: key 'bias' in $work/hostile/short-bias: expected shape (16,) (--layer column bias with K = 16, N = 16, as the checkpoint's keys give them), got (8,)" -- \
+  "$tpsim" run --layer column --bias --load-checkpoint "$work/hostile/short-bias"
 # The largest checkpoint tpsim writes, 4096 experts x TP 32 = 131,072 chunks (its index near the 64
 # MiB a load reads): its tiling is checked in O(n log n), not pair by pair.
 check ckpt-many-chunks-save 0 "checkpoint saved" -- "$tpsim" run --layer grouped-column --experts 4096 --tp 32 \
