@@ -721,6 +721,18 @@ start = 8 + struct.unpack("<Q", raw[:8])[0]
 bias["chunks"][0]["fnv1a64"] = fnv(raw[start:start + 4 * n])'
 check ckpt-shape-mismatch 2 "--load-checkpoint: key 'bias' in $work/hostile/short-bias: expected shape (16,) (--layer column bias with K = 16, N = 16, as the checkpoint's keys give them), got (8,)" -- \
   "$tpsim" run --layer column --bias --load-checkpoint "$work/hostile/short-bias"
+# Names from a checkpoint are printed escaped: a key holding an escape sequence never reaches the terminal.
+hostile escaped-key "$work/ck-small" sealed '
+escaped = "w\x1b[31m"
+for name in index["files"]:
+    shard(name, lambda header, data: ({k.replace("weight@", escaped + "@"): v for k, v in header.items()}, data))
+index["tensors"][escaped] = index["tensors"].pop("weight")
+for c in chunks(escaped): c["tensor"] = c["tensor"].replace("weight@", escaped + "@")'
+check ckpt-escaped-key 0 'w\x1b[31m' -- "$tpsim" checkpoint inspect "$work/hostile/escaped-key"
+if "$tpsim" checkpoint inspect "$work/hostile/escaped-key" 2>&1 | grep -q $'\x1b'; then
+  echo "FAIL ckpt-escaped-key: an escape byte reached the terminal"
+  failures=$((failures + 1))
+fi
 # The largest checkpoint tpsim writes, 4096 experts x TP 32 = 131,072 chunks (its index near the 64
 # MiB a load reads): its tiling is checked in O(n log n), not pair by pair.
 check ckpt-many-chunks-save 0 "checkpoint saved" -- "$tpsim" run --layer grouped-column --experts 4096 --tp 32 \

@@ -26,8 +26,8 @@ constexpr const char* kIndexName = "index.json";
 constexpr const char* kFormat = "tpsim-checkpoint";
 constexpr int kVersion = 2;  // 2: the index's own checksum, chunks' data_offsets, the layer kind
 constexpr const char* kIndexChecksum = "index_fnv1a64";
-// An index holds a few hundred bytes per chunk: 64 MiB is some 200,000 chunks, more than any layer
-// has, and a bound on what a file named index.json can make a load read.
+// An index holds a few hundred bytes per chunk: 64 MiB is over 100,000 chunks (4096 experts at
+// TP 32), and a bound on what a file named index.json can make a load read.
 constexpr std::uint64_t kMaxIndexBytes = std::uint64_t(64) << 20;
 // A checkpoint's tensors have a Shape's 4 modes and at most two prepended axes (layer offsets, the
 // experts' axis). The tiling check looks at each chunk's 2^rank corners.
