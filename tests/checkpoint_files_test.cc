@@ -2,7 +2,9 @@
 // embedding saved at one (T, GTP_remat, pad_for_alignment, dtype) and loaded at another, checked
 // against values filled by an independent formula; the safetensors bytes; the index; and every
 // rejected checkpoint (missing key, shape, dtype, truncated or corrupt file, missing file, a chunk
-// written twice or missing), with a failed save leaving the previous checkpoint loadable.
+// written twice or missing), with a failed save leaving the previous checkpoint loadable; hostile
+// input: an edited index against its checksum, resealed edits against the files, strict numbers,
+// duplicate keys and deep nesting, tilings that are no grid, 250,000 chunks, safetensors holes.
 #include "tools/lib/checkpoint_files.h"
 
 #include <gmock/gmock.h>
