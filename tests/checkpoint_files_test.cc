@@ -2,13 +2,17 @@
 // embedding saved at one (T, GTP_remat, pad_for_alignment, dtype) and loaded at another, checked
 // against values filled by an independent formula; the safetensors bytes; the index; and every
 // rejected checkpoint (missing key, shape, dtype, truncated or corrupt file, missing file, a chunk
-// written twice or missing), with a failed save leaving the previous checkpoint loadable.
+// written twice or missing), with a failed save leaving the previous checkpoint loadable; hostile
+// input: an edited index against its checksum, resealed edits against the files, strict numbers,
+// duplicate keys and deep nesting, tilings that are no grid, 250,000 chunks, safetensors holes.
 #include "tools/lib/checkpoint_files.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -492,6 +496,257 @@ TEST(CheckpointSave, FailingAfterAnyStepLeavesTheOldCheckpointOrNone) {
       EXPECT_THAT(e.path().filename().string(), ::testing::Not(HasSubstr(".partial"))) << "failing after step " << failAt;
   }
   EXPECT_TRUE(indexLanded);
+}
+
+// ---- Hostile input: the index's checksum, strict fields, chunks against their headers, tiling ----
+
+std::string readError(const std::string& dir) {
+  try {
+    const CheckpointReader reader(dir);
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+// The index of `dir` edited by `edit`, then sealed again: what a user who knows the format writes.
+void editIndex(const std::string& dir, const std::function<void(nlohmann::json&)>& edit) {
+  auto index = nlohmann::json::parse(readFile(dir + "/index.json"));
+  edit(index);
+  const std::string sealed = sealCheckpointIndex(index.dump());
+  writeFile(dir + "/index.json", {sealed.begin(), sealed.end()});
+}
+
+std::string hex16(std::uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+TEST(CheckpointIndex, ChecksumIsFnv1aOfTheCanonicalContentAndAnyEditIsRefused) {
+  const std::string dir = tempDir("checksum");
+  save(Topology{2, 2, 8}, dir);
+  auto index = nlohmann::json::parse(readFile(dir + "/index.json"));
+  const std::string checksum = index["index_fnv1a64"];
+  index.erase("index_fnv1a64");
+  const std::string canonical = index.dump();  // compact, keys sorted
+  EXPECT_EQ(checksum, hex16(fnv1a64(canonical.data(), canonical.size())));
+  // Layout is no content: the same index written compactly loads.
+  index["index_fnv1a64"] = checksum;
+  const std::string compact = index.dump();
+  writeFile(dir + "/index.json", {compact.begin(), compact.end()});
+  EXPECT_EQ(loadError(dir, {2, 2, 8}), "no error");
+  // A field that changes no number still changes the content.
+  index["tensors"]["row.bias"]["chunks"][0]["replica_id"] = {0};
+  const std::string edited = index.dump();
+  writeFile(dir + "/index.json", {edited.begin(), edited.end()});
+  EXPECT_THAT(readError(dir), HasSubstr("index.json: expected index checksum " + checksum + " (its index_fnv1a64), got "));
+  EXPECT_THAT(readError(dir), HasSubstr("; the index is corrupt or was edited"));
+  editIndex(dir, [](nlohmann::json&) {});
+  EXPECT_EQ(loadError(dir, {2, 2, 8}), "no error");
+}
+
+// Sealed again, an edit is still refused wherever it contradicts the files or the rest of the index.
+TEST(CheckpointIndex, ResealedEditsStillContradictTheFilesOrTheIndex) {
+  const std::string good = tempDir("resealed-good"), dir = tempDir("resealed");
+  save(Topology{4, 2, 16}, good);
+  const auto refused = [&](const std::function<void(nlohmann::json&)>& edit) {
+    fs::remove_all(dir);
+    fs::copy(good, dir);
+    editIndex(dir, edit);
+    return readError(dir);
+  };
+  const auto chunk = [](nlohmann::json& index, const std::string& key, int i) -> nlohmann::json& {
+    return index["tensors"][key]["chunks"][i];
+  };
+  EXPECT_THAT(refused([&](auto& index) { std::swap(chunk(index, "col.bias", 0)["global_offset"], chunk(index, "col.bias", 1)["global_offset"]); }),
+              HasSubstr("key 'col.bias' chunk 'col.bias@0' in rank-00000.safetensors: expected tensor name 'col.bias@6' "
+                        "(its key and global offset), got 'col.bias@0'"));
+  // The last chunk of col.weight holds only pad rows (of TP slice 3): read as one padded block of 104
+  // pad rows, it would still leave the logical (24, 8) and store nothing, but contradicts the others.
+  EXPECT_THAT(refused([&](auto& index) {
+                for (auto& c : index["tensors"]["col.weight"]["chunks"])
+                  if (c["global_offset"] == Ints{112, 0}) c["gtp_padding"] = {{"tp_axis", 0}, {"tp_size", 1}, {"pad_length", 104}};
+              }),
+              HasSubstr("key 'col.weight': expected every chunk to share one padding record, padded_axis 0, gtp_padding "
+                        "(tp_axis 0, tp_size 4, pad_length 26), got padded_axis 0, gtp_padding (tp_axis 0, tp_size 1, "
+                        "pad_length 104) for the chunk at (112, 0)"));
+  const auto rowBias = nlohmann::json::parse(readFile(good + "/index.json"))["tensors"]["row.bias"]["chunks"][0]["data_offsets"];
+  const std::uint64_t begin = rowBias[0], end = rowBias[1];
+  EXPECT_THAT(refused([&](auto& index) { chunk(index, "row.bias", 0)["data_offsets"][1] = end - 8; }),
+              HasSubstr(detail::concat("expected F32 (24,) at data_offsets [", begin, ", ", end - 8, ") (the index's), got F32 "
+                                       "(24,) at [", begin, ", ", end, ") in the file")));
+  EXPECT_THAT(refused([&](auto& index) { chunk(index, "row.bias", 0)["writer"] = 3; }),
+              HasSubstr("expected writer 0 (the writer of 'rank-00000.safetensors'), got 3"));
+  EXPECT_THAT(refused([&](auto& index) { chunk(index, "row.bias", 0)["replica_id"] = {0, 1, 0}; }),
+              HasSubstr("replica_id: expected a main replica's (all zeros: only they are written), got (0, 1, 0)"));
+  EXPECT_THAT(refused([&](auto& index) { index["tensors"]["col.bias"]["chunks"].erase(1); }),
+              HasSubstr("key 'col.bias': expected chunks covering all 24 elements of the saved tensor (24,), got 18 with "
+                        "element (6,) in none; a chunk is missing"));
+  EXPECT_THAT(refused([&](auto& index) { index["tensors"]["col.bias"]["chunks"] = nlohmann::json::array(); }),
+              HasSubstr("key 'col.bias': chunks: expected at least one chunk, got none"));
+  // Numbers are integers in range: no fraction truncated, nothing wrapped in an int.
+  EXPECT_THAT(refused([&](auto& index) { chunk(index, "col.weight", 0)["local_shape"][1] = 8.0; }),
+              HasSubstr("local_shape: expected an integer in [0, 281474976710655], got 8.0"));
+  EXPECT_THAT(refused([&](auto& index) { chunk(index, "col.weight", 0)["gtp_padding"]["tp_size"] = 4294967300; }),
+              HasSubstr("tp_size: expected an integer in [1, 2147483647], got 4294967300"));
+  EXPECT_THAT(refused([&](auto& index) { chunk(index, "col.weight", 0)["gtp_padding"]["tp_axis"] = 2; }),
+              HasSubstr("tp_axis: expected an integer in [0, 1], got 2"));
+  EXPECT_THAT(refused([&](auto& index) { index["files"]["rank-00000.safetensors"]["writer"] = "0"; }),
+              HasSubstr("writer: expected an integer in [0, 2147483647], got '0'"));
+  EXPECT_THAT(refused([&](auto& index) { chunk(index, "col.weight", 0)["global_offset"] = nlohmann::json::array({0, 0, 0, 0, 0, 0, 0}); }),
+              HasSubstr("global_offset: expected an array of at most 6 dims, got an array of 7 elements"));
+  EXPECT_THAT(refused([&](auto& index) { index["files"] = nlohmann::json::array(); }),
+              HasSubstr("files: expected an object, got an array of 0 elements"));
+  EXPECT_THAT(refused([&](auto& index) { index["objects"]["col._extra_state"]["offsets"][0] = {5}; }),
+              HasSubstr("offsets: expected cells of the grid (1,), got (5,)"));
+}
+
+TEST(CheckpointIndex, DuplicateKeysAndDeepNestingAreRefusedBeforeParsingAndNeverDumped) {
+  const std::string dir = tempDir("parse");
+  save(Topology{2, 1, 0}, dir);
+  const std::string text = sealCheckpointIndex(std::string(readFile(dir + "/index.json").data(), readFile(dir + "/index.json").size()));
+  std::string twice = text;
+  twice.insert(twice.find("\"format\""), "\"format\": \"tpsim-checkpoint\", ");
+  writeFile(dir + "/index.json", {twice.begin(), twice.end()});
+  EXPECT_THAT(readError(dir), HasSubstr("index.json: expected a well-formed tpsim checkpoint index with each key once in an "
+                                        "object, got 'format' twice"));
+  const std::string deep = "{\"format\": " + std::string(1000000, '[') + std::string(1000000, ']') + "}";
+  writeFile(dir + "/index.json", {deep.begin(), deep.end()});
+  EXPECT_THAT(readError(dir), HasSubstr("nested at most 16 deep, got deeper"));
+  EXPECT_THROW(sealCheckpointIndex(deep), InvalidArgument);
+  // A long, escaping string is shown as a short excerpt.
+  const std::string escape = "{\"format\": \"\\u001b[31m" + std::string(100000, 'x') + "\", \"version\": 2}";
+  writeFile(dir + "/index.json", {escape.begin(), escape.end()});
+  const std::string error = readError(dir);
+  EXPECT_THAT(error, HasSubstr("got '\\x1b[31mxxx"));
+  EXPECT_LT(error.size(), 400u);
+}
+
+// One key "x" of `shape` in one file, a chunk per (offset, shape), F32 values 0, 1, 2, ... in file
+// order, with the index sealed as docs/checkpoints.md defines it (written compactly: a quarter of a
+// million chunks fit in the 64 MiB a load reads).
+void writeHandMade(const std::string& dir, const Ints& shape, const std::vector<std::pair<Ints, Ints>>& chunks) {
+  std::vector<SafetensorsEntry> entries;
+  auto records = nlohmann::json::array();
+  std::uint64_t at = 0;
+  float next = 0;
+  for (const auto& [offset, local] : chunks) {
+    std::string name = "x@";
+    for (std::size_t i = 0; i < offset.size(); ++i) name += (i ? "," : "") + std::to_string(offset[i]);
+    std::int64_t n = 1;
+    for (std::int64_t d : local) n *= d;
+    std::vector<char> bytes(std::size_t(n) * 4);
+    for (std::int64_t i = 0; i < n; ++i, ++next) std::memcpy(bytes.data() + 4 * i, &next, 4);
+    records.push_back({{"file", "rank-00000.safetensors"}, {"tensor", name}, {"writer", 0}, {"global_offset", offset},
+                       {"local_shape", local}, {"stored_shape", local}, {"padded_axis", 0}, {"gtp_padding", nullptr},
+                       {"replica_id", {0}}, {"fnv1a64", hex16(fnv1a64(bytes.data(), bytes.size()))},
+                       {"data_offsets", {at, at + bytes.size()}}});
+    at += bytes.size();
+    entries.push_back({name, DType::kFloat32, local, std::move(bytes)});
+  }
+  const std::string file = safetensorsBytes(entries);
+  std::uint64_t n = 0;
+  std::memcpy(&n, file.data(), 8);
+  nlohmann::json index{{"format", "tpsim-checkpoint"}, {"version", 2}, {"objects", nlohmann::json::object()},
+                       {"files", {{"rank-00000.safetensors", {{"writer", 0}, {"size", file.size()},
+                                                              {"header_fnv1a64", hex16(fnv1a64(file.data(), 8 + n))}}}}},
+                       {"tensors", {{"x", {{"dtype", "F32"}, {"global_shape", shape}, {"saved_global_shape", shape},
+                                           {"chunks", records}}}}}};
+  const std::string canonical = index.dump();
+  index["index_fnv1a64"] = hex16(fnv1a64(canonical.data(), canonical.size()));
+  const std::string text = index.dump();
+  writeFile(dir + "/rank-00000.safetensors", {file.begin(), file.end()});
+  writeFile(dir + "/index.json", {text.begin(), text.end()});
+}
+
+// Tilings that are no grid load; an overlap or a hole is named, where the total count would not
+// tell (the overlap of (0, 1) and the hole at (1, 1) cancel out).
+TEST(CheckpointTiling, AnyExactTilingLoadsAndTheFirstOverlapOrHoleIsNamed) {
+  const std::string dir = tempDir("tiling");
+  writeHandMade(dir, {2, 4}, {{{0, 0}, {1, 2}}, {{0, 2}, {1, 2}}, {{1, 0}, {1, 1}}, {{1, 1}, {1, 2}}, {{1, 3}, {1, 1}}});
+  const CheckpointReader bricks(dir);
+  const std::vector<char> all = bricks.consolidated("x");
+  const std::vector<float> want = {0, 1, 2, 3, 4, 5, 6, 7};
+  ASSERT_EQ(all.size(), want.size() * 4);
+  EXPECT_EQ(std::memcmp(all.data(), want.data(), all.size()), 0);
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  writeHandMade(dir, {2, 2}, {{{0, 0}, {1, 2}}, {{0, 1}, {1, 1}}, {{1, 0}, {1, 1}}});
+  EXPECT_THAT(readError(dir), HasSubstr("key 'x': expected each chunk written once, got ranks 0 and 0 both writing "
+                                        "offsets (0, 0) and (0, 1) of (2, 2) (two main replicas)"));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  writeHandMade(dir, {2, 2}, {{{0, 0}, {1, 2}}, {{1, 1}, {1, 1}}});
+  EXPECT_THAT(readError(dir), HasSubstr("key 'x': expected chunks covering all 4 elements of the saved tensor (2, 2), got "
+                                        "3 with element (1, 0) in none; a chunk is missing"));
+}
+
+// The tiling is sorted and swept, not compared pair by pair: 250,000 chunks, some 31 billion pairs,
+// read in seconds.
+TEST(CheckpointTiling, AQuarterMillionChunksAreReadInSeconds) {
+  const std::string dir = tempDir("many");
+  constexpr std::int64_t kChunks = 250000;
+  std::vector<std::pair<Ints, Ints>> chunks;
+  for (std::int64_t i = 0; i < kChunks; ++i) chunks.push_back({{i}, {1}});
+  writeHandMade(dir, {kChunks}, chunks);
+  const auto start = std::chrono::steady_clock::now();
+  const CheckpointReader reader(dir);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(reader.key("x").chunks.size(), std::size_t(kChunks));
+  EXPECT_LT(seconds, 60) << "pairwise checks take minutes";
+}
+
+// A safetensors header is read as strictly as the index; its data bytes are all indexed.
+std::vector<char> withHeader(const std::string& header, std::size_t dataBytes) {
+  std::vector<char> bytes(8 + header.size() + dataBytes, 0);
+  const std::uint64_t n = header.size();
+  std::memcpy(bytes.data(), &n, 8);
+  std::memcpy(bytes.data() + 8, header.data(), header.size());
+  return bytes;
+}
+
+std::string headerError(const std::string& header, std::size_t dataBytes) {
+  try {
+    readSafetensorsHeader(withHeader(header, dataBytes), "f.safetensors");
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(Safetensors, HeaderReadBackAndEveryHoleOverlapOrLooseFieldRefused) {
+  const std::string file = safetensorsBytes({{"b", DType::kBFloat16, {2}, std::vector<char>(4)},
+                                             {"a", DType::kFloat32, {1, 2}, std::vector<char>(8)}},
+                                            {{"source", "test"}});
+  const auto tensors = readSafetensorsHeader({file.begin(), file.end()}, "f");
+  ASSERT_EQ(tensors.size(), 2u);
+  EXPECT_EQ(tensors[0].name, "b");
+  EXPECT_EQ(tensors[0].dtype, DType::kBFloat16);
+  EXPECT_EQ(tensors[1].name, "a");
+  EXPECT_EQ(tensors[1].shape, (Ints{1, 2}));
+  EXPECT_EQ(tensors[1].begin, 4u);
+  EXPECT_EQ(tensors[1].end, 12u);
+  const std::string a = R"("a": {"dtype": "F32", "shape": [2], "data_offsets": )";
+  const std::string b = R"("b": {"dtype": "F32", "shape": [1], "data_offsets": )";
+  EXPECT_EQ(headerError("{" + a + "[0, 8]}, " + b + "[8, 12]}}", 12), "no error");
+  EXPECT_THAT(headerError("{" + a + "[4, 12]}, " + b + "[12, 16]}}", 16),
+              HasSubstr("f.safetensors: tensor 'a': expected data_offsets from byte 0 (the first data byte), got [4, 12): "
+                        "a hole of 4 bytes"));
+  EXPECT_THAT(headerError("{" + a + "[0, 8]}, " + b + "[12, 16]}}", 16),
+              HasSubstr("tensor 'b': expected data_offsets from byte 8 (where tensor 'a' ends), got [12, 16): a hole of 4 bytes"));
+  EXPECT_THAT(headerError("{" + a + "[0, 8]}, " + b + "[4, 8]}}", 8),
+              HasSubstr("tensor 'b': expected data_offsets from byte 8 (where tensor 'a' ends), got [4, 8): an overlap of 4 bytes"));
+  EXPECT_THAT(headerError("{" + a + "[0, 8]}, " + b + "[8, 12]}}", 16),
+              HasSubstr("tensor 'b' [8, 12): expected the last tensor to end at the data's end, byte 16, got a hole of 4 bytes after it"));
+  EXPECT_THAT(headerError("{}", 4), HasSubstr("expected tensors to end at the data's end, byte 4, got a hole of 4 bytes after the header"));
+  EXPECT_THAT(headerError("{" + a + "[0, 8]}, " + a + "[0, 8]}}", 8), HasSubstr("with each key once in an object, got 'a' twice"));
+  EXPECT_THAT(headerError("{" + a + "[0, 8.0]}}", 8), HasSubstr("tensor 'a': data_offsets: expected an integer in [0, 8], got 8.0"));
+  EXPECT_THAT(headerError("{" + a + "[0, 8], \"extra\": 1}}", 8), HasSubstr("tensor 'a': expected dtype, shape and data_offsets"));
+  EXPECT_THAT(headerError(R"({"__metadata__": {"n": 1}})", 0), HasSubstr("expected __metadata__ to map names to strings"));
+  EXPECT_THAT(headerError(std::string(100, '[') + std::string(100, ']'), 0), HasSubstr("nested at most 16 deep"));
+  EXPECT_THAT(headerError(R"({"a": {"dtype": "F4", "shape": [2], "data_offsets": [0, 8]}})", 8),
+              HasSubstr("tensor 'a': expected a known dtype"));
 }
 
 TEST(Safetensors, DtypeNamesRoundTrip) {

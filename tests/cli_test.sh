@@ -834,6 +834,178 @@ for limit in 1:rank-00000.safetensors 4:index.json; do
   done
 done
 
+# A checkpoint's files lie in its directory: a shard that resolves elsewhere, here through a symlink
+# to an identical copy outside, is refused; a symlink to a file beside it is followed.
+odd_checkpoint shard-outside rank-00001.safetensors
+cp "$work/ck-small/rank-00001.safetensors" "$work/outside.safetensors"
+ln -s "$work/outside.safetensors" "$work/ck-odd/shard-outside/rank-00001.safetensors"
+check ckpt-shard-outside 2 "shard-outside/rank-00001.safetensors: expected a file in $work/ck-odd/shard-outside, got one resolving to $work/outside.safetensors" -- \
+  "$tpsim" run --layer column --load-checkpoint "$work/ck-odd/shard-outside"
+odd_checkpoint shard-beside rank-00001.safetensors
+cp "$work/ck-small/rank-00001.safetensors" "$work/ck-odd/shard-beside/copy.bin"
+ln -s copy.bin "$work/ck-odd/shard-beside/rank-00001.safetensors"
+check ckpt-shard-beside 0 "sharded results agree" -- "$tpsim" run --layer column --load-checkpoint "$work/ck-odd/shard-beside"
+
+# Hostile checkpoints, edited as a user who knows the format would: hostile NAME FROM sealed|unsealed
+# CODE copies checkpoint FROM to $work/hostile/NAME and runs Python CODE on its index (`index`), its
+# shards (shard, hole) and the index's text (`post`); `sealed` then recomputes the index's checksum
+# (docs/checkpoints.md), `unsealed` leaves it as a hand edit does.
+cat >"$work/ckpt_edit.py" <<'PY'
+import json, struct, sys
+directory, mode, code = sys.argv[1:4]
+def fnv(data):
+    h = 0xcbf29ce484222325
+    for b in data:
+        h = ((h ^ b) * 0x100000001b3) & 0xffffffffffffffff
+    return "%016x" % h
+def chunks(key):
+    return index["tensors"][key]["chunks"]
+def shard(name, edit):
+    """Rewrites the file NAME as edit(header, data) returns it: (a header dict or JSON text, data)."""
+    raw = open(f"{directory}/{name}", "rb").read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header, data = edit(json.loads(raw[8:8 + n]), raw[8 + n:])
+    text = (header if isinstance(header, str) else json.dumps(header)).encode()
+    text += b" " * (-len(text) % 8)
+    raw = struct.pack("<Q", len(text)) + text + data
+    open(f"{directory}/{name}", "wb").write(raw)
+    index["files"][name].update(size=len(raw), header_fnv1a64=fnv(raw[:8 + len(text)]))
+def hole(name, where):
+    """Leaves 8 bytes no tensor indexes in file NAME: before its first tensor, after its first, or after its last."""
+    def edit(header, data):
+        tensors = sorted((t["data_offsets"], n) for n, t in header.items() if n != "__metadata__")
+        at = {"before": 0, "between": tensors[0][0][1], "after": len(data)}[where]
+        for n, t in header.items():
+            if n != "__metadata__" and t["data_offsets"][0] >= at and where != "after":
+                t["data_offsets"] = [o + 8 for o in t["data_offsets"]]
+        for t in index["tensors"].values():
+            for c in t["chunks"]:
+                if c["file"] == name: c["data_offsets"] = header[c["tensor"]]["data_offsets"]
+        return header, data[:at] + bytes(8) + data[at:]
+    shard(name, edit)
+index = json.load(open(f"{directory}/index.json"))
+post = lambda text: text
+exec(code)
+if mode == "sealed":
+    index.pop("index_fnv1a64", None)
+    index["index_fnv1a64"] = fnv(json.dumps(index, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode())
+open(f"{directory}/index.json", "w").write(post(json.dumps(index, indent=1)))
+PY
+hostile() {
+  rm -rf "${work:?}/hostile/$1"
+  mkdir -p "$work/hostile"
+  cp -r "$2" "$work/hostile/$1"
+  python3 "$work/ckpt_edit.py" "$work/hostile/$1" "$3" "$4"
+}
+swap_offsets='a, b = chunks("weight")[:2]; a["global_offset"], b["global_offset"] = b["global_offset"], a["global_offset"]'
+# fc1.weight's chunk at rows [32, 48) (TP slice 1) described as one padded block: the same stored rows
+# land on the logical rows of another slice, and rows [16, 32) come out zero.
+other_padding='[c for c in chunks("fc1.weight") if c["global_offset"] == [32, 0]][0]["gtp_padding"] = {"tp_axis": 0, "tp_size": 1, "pad_length": 64}'
+# The index checksums itself: an edited index is corrupt, before any field of it is believed.
+hostile edited-offsets "$work/ck-small" unsealed "$swap_offsets"
+check ckpt-edited-offsets 2 "hostile/edited-offsets/index.json: expected index checksum" -- \
+  "$tpsim" run --layer column --load-checkpoint "$work/hostile/edited-offsets"
+hostile edited-padding "$ck" unsealed "$other_padding"
+check ckpt-edited-padding 2 "; the index is corrupt or was edited" -- \
+  "$tpsim" run --layer mlp --tp 2 --load-checkpoint "$work/hostile/edited-padding"
+# Resealed, the same edits still contradict the files and the rest of the index.
+hostile sealed-offsets "$work/ck-small" sealed "$swap_offsets"
+check ckpt-sealed-offsets 2 "chunk 'weight@0,0' in rank-00000.safetensors: expected tensor name 'weight@8,0' (its key and global offset), got 'weight@0,0'" -- \
+  "$tpsim" run --layer column --load-checkpoint "$work/hostile/sealed-offsets"
+hostile sealed-padding "$ck" sealed "$other_padding"
+check ckpt-sealed-padding 2 "key 'fc1.weight': expected every chunk to share one padding record" -- \
+  "$tpsim" run --layer mlp --tp 2 --load-checkpoint "$work/hostile/sealed-padding"
+# Every chunk as its file's header has it: the data_offsets too.
+hostile sealed-data-offsets "$work/ck-small" sealed 'chunks("weight")[0]["data_offsets"] = [0, 256]'
+check ckpt-sealed-data-offsets 2 "expected F32 (8, 16) at data_offsets [0, 256) (the index's), got F32 (8, 16) at [0, 512) in the file" -- \
+  "$tpsim" checkpoint inspect "$work/hostile/sealed-data-offsets"
+# Integers only, in range: a fraction is not truncated, 2^32 not wrapped to 0 in an int.
+hostile fraction-size "$work/ck-small" sealed 'index["files"]["rank-00000.safetensors"]["size"] += 0.9'
+check ckpt-fraction-size 2 "size: expected an integer in [0, 9223372036854775807], got " -- \
+  "$tpsim" checkpoint inspect "$work/hostile/fraction-size"
+hostile fraction-offset "$work/ck-small" sealed 'chunks("weight")[0]["global_offset"] = [0.5, 0]'
+check ckpt-fraction-offset 2 "global_offset: expected an integer in [0, 281474976710655], got 0.5" -- \
+  "$tpsim" run --layer column --load-checkpoint "$work/hostile/fraction-offset"
+hostile huge-axis "$work/ck-small" sealed 'chunks("weight")[0]["padded_axis"] = 2**32'
+check ckpt-huge-axis 2 "padded_axis: expected an integer in [0, 1], got 4294967296" -- \
+  "$tpsim" run --layer column --load-checkpoint "$work/hostile/huge-axis"
+# A key twice in one object: refused, not read as its last copy.
+hostile duplicate-key "$work/ck-small" sealed 'post = lambda text: text.replace("\"fnv1a64\":", "\"fnv1a64\": \"broken\", \"fnv1a64\":", 1)'
+check ckpt-duplicate-key 2 "index.json: expected a well-formed tpsim checkpoint index with each key once in an object, got 'fnv1a64' twice" -- \
+  "$tpsim" run --layer column --load-checkpoint "$work/hostile/duplicate-key"
+# Nesting a million deep, in the index or in a header: refused before parsing, no message dumps it.
+hostile deep-index "$work/ck-small" unsealed 'post = lambda text: "{\"format\": " + "[" * 10**6 + "]" * 10**6 + ", \"version\": 2}"'
+check ckpt-deep-index 2 "index.json: expected a well-formed tpsim checkpoint index nested at most 16 deep, got deeper" -- \
+  "$tpsim" checkpoint inspect "$work/hostile/deep-index"
+hostile deep-header "$work/ck-small" sealed 'shard("rank-00001.safetensors", lambda header, data: ("{\"x\": " + "[" * 10**6 + "]" * 10**6 + "}", data))'
+check ckpt-deep-header 2 "rank-00001.safetensors: expected a JSON header nested at most 16 deep, got deeper" -- \
+  "$tpsim" checkpoint inspect "$work/hostile/deep-header"
+# A key without chunks covers nothing, even of a tensor with no elements.
+hostile no-chunks "$work/ck-small" sealed 'index["tensors"]["empty"] = {"dtype": "F32", "global_shape": [0], "saved_global_shape": [0], "chunks": []}'
+check ckpt-no-chunks 2 "key 'empty': chunks: expected at least one chunk, got none" -- \
+  "$tpsim" checkpoint inspect "$work/hostile/no-chunks"
+# Safetensors data bytes are all indexed: a hole before the first tensor, between two, after the last.
+check ckpt-bias 0 "checkpoint saved" -- "$tpsim" run --layer column --tp 2 --bias --save-checkpoint "$work/ck-bias"
+hostile hole-before "$work/ck-bias" sealed 'hole("rank-00000.safetensors", "before")'
+check ckpt-hole-before 2 "rank-00000.safetensors: tensor 'bias@0': expected data_offsets from byte 0 (the first data byte), got [8, 40): a hole of 8 bytes" -- \
+  "$tpsim" run --layer column --tp 2 --bias --load-checkpoint "$work/hostile/hole-before"
+hostile hole-between "$work/ck-bias" sealed 'hole("rank-00000.safetensors", "between")'
+check ckpt-hole-between 2 "rank-00000.safetensors: tensor 'weight@0,0': expected data_offsets from byte 32 (where tensor 'bias@0' ends), got [40, 552): a hole of 8 bytes" -- \
+  "$tpsim" checkpoint inspect "$work/hostile/hole-between"
+hostile hole-after "$work/ck-bias" sealed 'hole("rank-00000.safetensors", "after")'
+check ckpt-hole-after 2 "rank-00000.safetensors: tensor 'weight@0,0' [32, 544): expected the last tensor to end at the data's end, byte 552, got a hole of 8 bytes after it" -- \
+  "$tpsim" checkpoint consolidate "$work/hostile/hole-after" "$work/hole.safetensors"
+# A checkpoint of another kind of layer is refused before the world starts, naming both kinds, even
+# where the shapes agree (a column weight is no row weight); the grouped modes are one module.
+check ckpt-column-as-row 2 "--load-checkpoint: expected a checkpoint saved by --layer row, got one saved by --layer column in $work/ck-column" -- \
+  "$tpsim" run --layer row --tp 2 --bias --load-checkpoint "$work/ck-column"
+check ckpt-embedding-as-column 2 "--load-checkpoint: expected a checkpoint saved by --layer column, got one saved by --layer embedding in $work/ck-embedding" -- \
+  "$tpsim" run --layer column --tp 2 --load-checkpoint "$work/ck-embedding"
+check ckpt-grouped-as-column 2 "--load-checkpoint: expected a checkpoint saved by --layer column, got one saved by --layer grouped-row" -- \
+  "$tpsim" run --layer column --bias --load-checkpoint "$work/g-ck"
+hostile no-layer "$work/ck-small" sealed 'del index["layer"]'
+check ckpt-no-layer 2 "got one saved by no layer kind (its index names none)" -- \
+  "$tpsim" run --layer column --load-checkpoint "$work/hostile/no-layer"
+# One key of another logical shape than the others give: the bias halved, file and index alike.
+check ckpt-bias-tp1 0 "checkpoint saved" -- "$tpsim" run --layer column --tp 1 --bias --save-checkpoint "$work/ck-bias1"
+hostile short-bias "$work/ck-bias1" sealed '
+def halve(header, data):
+    b, w = header["bias@0"], header["weight@0,0"]
+    half = b["data_offsets"][1] // 2
+    b["shape"], b["data_offsets"] = [b["shape"][0] // 2], [0, half]
+    w["data_offsets"] = [o - half for o in w["data_offsets"]]
+    return header, data[:half] + data[2 * half:]
+shard("rank-00000.safetensors", halve)
+bias, weight = index["tensors"]["bias"], chunks("weight")[0]
+n = bias["global_shape"][0] // 2
+bias.update(global_shape=[n], saved_global_shape=[n])
+bias["chunks"][0].update(local_shape=[n], stored_shape=[n], data_offsets=[0, 4 * n])
+weight["data_offsets"] = [o - 4 * n for o in weight["data_offsets"]]
+raw = open(directory + "/rank-00000.safetensors", "rb").read()
+start = 8 + struct.unpack("<Q", raw[:8])[0]
+bias["chunks"][0]["fnv1a64"] = fnv(raw[start:start + 4 * n])'
+check ckpt-shape-mismatch 2 "--load-checkpoint: key 'bias' in $work/hostile/short-bias: expected shape (16,) (--layer column bias with K = 16, N = 16, as the checkpoint's keys give them), got (8,)" -- \
+  "$tpsim" run --layer column --bias --load-checkpoint "$work/hostile/short-bias"
+# Names from a checkpoint are printed escaped: a key holding an escape sequence never reaches the terminal.
+hostile escaped-key "$work/ck-small" sealed '
+escaped = "w\x1b[31m"
+for name in index["files"]:
+    shard(name, lambda header, data: ({k.replace("weight@", escaped + "@"): v for k, v in header.items()}, data))
+index["tensors"][escaped] = index["tensors"].pop("weight")
+for c in chunks(escaped): c["tensor"] = c["tensor"].replace("weight@", escaped + "@")'
+check ckpt-escaped-key 0 'w\x1b[31m' -- "$tpsim" checkpoint inspect "$work/hostile/escaped-key"
+if "$tpsim" checkpoint inspect "$work/hostile/escaped-key" 2>&1 | grep -q $'\x1b'; then
+  echo "FAIL ckpt-escaped-key: an escape byte reached the terminal"
+  failures=$((failures + 1))
+fi
+# The largest checkpoint tpsim writes, 4096 experts x TP 32 = 131,072 chunks (its index near the 64
+# MiB a load reads): its tiling is checked in O(n log n), not pair by pair.
+check ckpt-many-chunks-save 0 "checkpoint saved" -- "$tpsim" run --layer grouped-column --experts 4096 --tp 32 \
+  --tokens 32 --in-features 4 --out-features 32 --verify none --save-checkpoint "$work/ck-many"
+check ckpt-many-chunks 0 "weight                 F32   (4096, 32, 4)  (4096, 32, 4)  131072  0-31" -- \
+  timeout 30 "$tpsim" checkpoint inspect "$work/ck-many"
+rm -rf "${work:?}/ck-many"
+
 # Megatron's usual embedding setup: sequence parallelism is reduce_scatter_embeddings.
 check embedding-sp 0 "reduce-scatter-embeddings" -- "$tpsim" run --layer embedding --tp 2 --sequence-parallel
 # A header's bytes are shown, never sent to the terminal: control bytes come out as \xNN.

@@ -85,6 +85,24 @@ TEST(InputFileTest, FollowsASymlinkToARegularFile) {
   EXPECT_EQ(openInput(dir.file("link.bin")).size(), 3u);
 }
 
+// realPath names the file a symlink leads to, and refuses a path that names another file by now.
+TEST(InputFileTest, RealPathResolvesSymlinksAndNamesTheOpenFile) {
+  ScratchDir dir;
+  const std::string target = dir.write("a.bin", "abc");
+  fs::create_symlink(target, dir.file("link.bin"));
+  EXPECT_EQ(openInput(dir.file("link.bin")).realPath(), fs::canonical(target).string());
+  const InputFile opened = openInput(target);
+  fs::remove(target);
+  dir.write("a.bin", "replaced");
+  EXPECT_NE(errorOf([&] { (void)opened.realPath(); }).find("expected the path to name the file opened, got it replaced"),
+            std::string::npos);
+}
+
+TEST(InputFileTest, PrintableEscapesAndShortens) {
+  EXPECT_EQ(printable("a\x1b[31m\"\\\n"), "a\\x1b[31m\\x22\\x5c\\x0a");
+  EXPECT_EQ(printable(std::string(300, 'x'), 4), "xxxx...");
+}
+
 TEST(InputFileTest, ReadsLines) {
   ScratchDir dir;
   InputFile file = openInput(dir.write("a.txt", "a = 1\n\n  b\r\nlast"));

@@ -13,7 +13,11 @@ tools/install_deps.sh
 cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER="$cxx" -DTPSIM_FUZZ=ON \
   -DTPSIM_SANITIZE=address,undefined -DTPSIM_TESTS=OFF -DTPSIM_GPU=OFF -DTPSIM_NATIVE=OFF \
   >build-fuzz.configure.log 2>&1 || { cat build-fuzz.configure.log; exit 1; }
-targets=(npy parse cli device_model)
+targets=()  # every tests/fuzz/NAME_fuzz.cc, built as tpsim_fuzz_NAME
+for source in tests/fuzz/*_fuzz.cc; do
+  name="${source##*/}"
+  targets+=("${name%_fuzz.cc}")
+done
 cmake --build build-fuzz -j "$(nproc)" --target "${targets[@]/#/tpsim_fuzz_}"
 
 export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1}"

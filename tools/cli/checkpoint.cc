@@ -1,6 +1,7 @@
 // tpsim checkpoint: look into a sharded checkpoint (`inspect`) or write its tensors unsharded into
 // one safetensors file (`consolidate`). Both read and check the whole checkpoint first
-// (tools/lib/checkpoint_files.h), so a corrupt one is refused with the file and the mismatch named.
+// (tools/lib/checkpoint_files.h), so a corrupt one is refused with the file and the mismatch named;
+// the names they print come from its files, escaped (printable) so that none reaches the terminal raw.
 #include <boost/program_options.hpp>
 #include <cstdio>
 #include <filesystem>
@@ -11,6 +12,7 @@
 #include "backends/world/rendezvous.h"
 #include "tools/lib/checkpoint_files.h"
 #include "tools/cli/cli.h"
+#include "tools/lib/input_file.h"
 #include "tools/lib/output_files.h"
 #include "tools/lib/npy.h"
 
@@ -57,25 +59,26 @@ int inspect(const std::string& dir) {
   for (const auto& [key, k] : reader.keys()) {
     std::set<int> writers;
     for (const auto& c : k.chunks) writers.insert(c.writer);
-    std::printf("%-22s %-5s %-14s %-14s %6zu  %-10s %s\n", key.c_str(), safetensorsDtype(k.dtype),
+    std::printf("%-22s %-5s %-14s %-14s %6zu  %-10s %s\n", printable(key).c_str(), safetensorsDtype(k.dtype),
                 shapeText(k.globalShape).c_str(), shapeText(k.savedGlobalShape).c_str(), k.chunks.size(),
                 world::rankList({writers.begin(), writers.end()}).c_str(), paddingText(k).c_str());
   }
   for (const auto& [key, o] : reader.objects()) {
     const std::set<int> writers(o.writers.begin(), o.writers.end());
-    std::printf("%-22s %-5s %-14s %-14s %6zu  %-10s %s\n", key.c_str(), "-", shapeText(o.globalShape).c_str(), "-",
-                o.writers.size(), world::rankList({writers.begin(), writers.end()}).c_str(), "(value None)");
+    std::printf("%-22s %-5s %-14s %-14s %6zu  %-10s %s\n", printable(key).c_str(), "-",
+                shapeText(o.globalShape).c_str(), "-", o.writers.size(),
+                world::rankList({writers.begin(), writers.end()}).c_str(), "(value None)");
   }
   bool placed = false;
   for (const auto& [key, k] : reader.keys())
     if (!k.placement.empty()) {
       if (!placed) std::printf("\n# placements when saved\n");
       placed = true;
-      std::printf("%-22s %s\n", key.c_str(), k.placement.c_str());
+      std::printf("%-22s %s\n", printable(key).c_str(), printable(k.placement).c_str());
     }
   std::printf("\n%-24s %6s %8s %12s\n", "file", "writer", "chunks", "bytes");
   for (const auto& [file, info] : files)
-    std::printf("%-24s %6d %8lld %12lld\n", file.c_str(), info.first, (long long)info.second,
+    std::printf("%-24s %6d %8lld %12lld\n", printable(file).c_str(), info.first, (long long)info.second,
                 (long long)std::filesystem::file_size(std::filesystem::path(dir) / file));
   return 0;
 }
@@ -119,7 +122,7 @@ int consolidate(const std::string& dir, const std::string& file, const std::stri
   std::printf("# consolidated %s: %zu tensors, pad rows dropped, into %s\n", dir.c_str(), tensors.size(),
               file.c_str());
   for (const auto& t : tensors)
-    std::printf("%-22s %-5s %s\n", t.name.c_str(), safetensorsDtype(t.dtype), shapeText(t.shape).c_str());
+    std::printf("%-22s %-5s %s\n", printable(t.name).c_str(), safetensorsDtype(t.dtype), shapeText(t.shape).c_str());
   return 0;
 }
 

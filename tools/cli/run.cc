@@ -12,6 +12,7 @@
 #include "backends/errors.h"
 #include "tools/lib/backend.h"
 #include "tools/cli/cli.h"
+#include "tools/lib/input_file.h"
 #include "tools/lib/memory.h"
 #include "tools/lib/npy.h"
 #include "tools/lib/output_files.h"
@@ -97,20 +98,34 @@ void prepareSaveDir(const std::string& flag, const std::string& dir) {
 
 // The parameters of --load-checkpoint, unsharded (pad rows dropped) and rounded to --dtype: the dense
 // reference's copy (the ranks read their own chunks). The shape flags follow them, so that generated
-// input and grad_output fit.
+// input and grad_output fit. A checkpoint of another kind of layer, or whose keys do not fit one
+// layer of c's kind, is refused here, before the world starts.
 TensorMap checkpointParams(RunConfig& c, const CheckpointReader& reader, const std::string& dir) {
-  TensorMap m;
   std::string held;
   for (const auto& [key, k] : reader.keys()) held += (held.empty() ? "" : ", ") + key;
+  for (const TensorSpec& t : parameters(c)) {
+    const std::string key = c.layer->checkpointSlot(t.name).key;
+    TPSIM_CHECK(reader.keys().count(key), "--load-checkpoint: expected key '", key, "' in ", dir, " (--layer ",
+                c.layer->name(), c.bias ? " --bias" : "", " reads ", joinNames(parameters(c)), "), got only ",
+                held.empty() ? "no keys" : printable(held, 400));
+  }
+  // The keys are there; they must also mean what c's kind means by them.
+  const LayerKind* saved = findLayerKind(reader.layer());
+  std::string loads;  // the kinds whose checkpoints c's kind loads
+  for (const LayerKind* k : layerKinds())
+    if (k->checkpointKind() == c.layer->checkpointKind()) loads += (loads.empty() ? "" : " or ") + std::string(k->name());
+  TPSIM_CHECK(saved && saved->checkpointKind() == c.layer->checkpointKind(), "--load-checkpoint: expected a checkpoint "
+              "saved by --layer ", loads, ", got one saved by ",
+              reader.layer().empty() ? std::string("no layer kind (its index names none)")
+                                     : "--layer " + printable(reader.layer(), 80),
+              " in ", dir, "; another kind's parameters mean something else, even where the shapes agree");
+  TensorMap m;
   std::map<std::string, std::vector<char>> consolidated;  // by key: the experts' parameters share one
   std::map<std::string, std::int64_t> entries;              // parameters kept along a key's leading axis
   for (const TensorSpec& t : parameters(c))
     if (const LayerKind::CheckpointSlot slot = c.layer->checkpointSlot(t.name); slot.index >= 0) ++entries[slot.key];
   for (const TensorSpec& t : parameters(c)) {
     const LayerKind::CheckpointSlot slot = c.layer->checkpointSlot(t.name);
-    TPSIM_CHECK(reader.keys().count(slot.key), "--load-checkpoint: expected key '", slot.key, "' in ", dir,
-                " (--layer ", c.layer->name(), c.bias ? " --bias" : "", " reads ", joinNames(parameters(c)),
-                "), got only ", held.empty() ? "no keys" : held);
     const CheckpointKey& k = reader.key(slot.key);
     const std::size_t rank = t.dims.size() + (slot.index >= 0 ? 1 : 0);
     TPSIM_CHECK(k.globalShape.size() == rank && isFloating(k.dtype), "--load-checkpoint: key '", slot.key, "' in ",
@@ -135,6 +150,18 @@ TensorMap checkpointParams(RunConfig& c, const CheckpointReader& reader, const s
   ShapeMap shapes;
   for (const auto& [name, t] : m) shapes[name] = t.shape;
   c = withSizesOf(c, shapes);
+  // Each size comes from one key; every other key must agree with it.
+  const ShapeMap want = tensorShapes(c);
+  std::string sizes;
+  for (const SizeSpec& s : c.layer->sizes())
+    if (m.count(s.tensor)) sizes += (sizes.empty() ? "" : ", ") + s.symbol + " = " + std::to_string(c.*s.field);
+  for (const TensorSpec& t : parameters(c)) {
+    const LayerKind::CheckpointSlot slot = c.layer->checkpointSlot(t.name);
+    TPSIM_CHECK(m.at(t.name).shape == want.at(t.name), "--load-checkpoint: key '", slot.key, "'",
+                slot.index >= 0 ? detail::concat(" entry ", slot.index) : "", " in ", dir, ": expected shape ",
+                shapeText(want.at(t.name)), " (--layer ", c.layer->name(), " ", t.name, " with ", sizes,
+                ", as the checkpoint's keys give them), got ", shapeText(m.at(t.name).shape));
+  }
   return m;
 }
 
@@ -342,7 +369,7 @@ int runMain(const std::vector<std::string>& args) {
               reader ? "; parameters from checkpoint " : "", reader ? loadCheckpoint.c_str() : "");
   for (const auto& [name, t] : inputs) std::printf(" %s %s", name.c_str(), shapeText(t.shape).c_str());
   std::printf("\n");
-  CheckpointWriter writer;
+  CheckpointWriter writer(c.layer->name());
   const RunResult result =
       runSharded(c, inputs, {reader ? &*reader : nullptr, saveCheckpoint.empty() ? nullptr : &writer});
   std::size_t collectives = 0, splits = 0;

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <set>
 #include <tuple>
+#include <unordered_map>
 #include <nlohmann/json.hpp>
 
 #include "backends/errors.h"
@@ -23,10 +24,18 @@ using Ints = std::vector<std::int64_t>;
 
 constexpr const char* kIndexName = "index.json";
 constexpr const char* kFormat = "tpsim-checkpoint";
-constexpr int kVersion = 1;
-// An index holds a few hundred bytes per chunk: 64 MiB is some 100,000 chunks, more than any layer
-// has, and a bound on what a file named index.json can make a load read.
+constexpr int kVersion = 2;  // 2: the index's own checksum, chunks' data_offsets, the layer kind
+constexpr const char* kIndexChecksum = "index_fnv1a64";
+// An index holds a few hundred bytes per chunk: 64 MiB is over 100,000 chunks (4096 experts at
+// TP 32), and a bound on what a file named index.json can make a load read.
 constexpr std::uint64_t kMaxIndexBytes = std::uint64_t(64) << 20;
+// A checkpoint's tensors have a Shape's 4 modes and at most two prepended axes (layer offsets, the
+// experts' axis). The tiling check looks at each chunk's 2^rank corners.
+constexpr std::size_t kMaxRank = 6;
+// Deeper than any index (tensors, key, chunks, chunk, gtp_padding) or safetensors header nests.
+constexpr int kMaxJsonDepth = 16;
+// Dims and their products stay below 2^48, so that no offset arithmetic can overflow.
+constexpr std::int64_t kMaxElements = std::int64_t(1) << 48;
 
 std::int64_t volume(const Ints& s) {
   std::int64_t n = 1;
@@ -50,6 +59,16 @@ std::string hex64(std::uint64_t v) {
   std::snprintf(buf, sizeof buf, "%016" PRIx64, v);
   return buf;
 }
+
+// The safetensors name of a chunk: its key and global offset, "fc1.weight@32,0".
+std::string chunkTensorName(const std::string& key, const Ints& globalOffset) {
+  std::string name = key + "@";
+  for (std::size_t i = 0; i < globalOffset.size(); ++i) name += (i ? "," : "") + std::to_string(globalOffset[i]);
+  return name;
+}
+
+// Names read from a file (keys, tensors, files) as messages quote them: escaped and short.
+std::string nameText(const std::string& name) { return "'" + tools::printable(name, 80) + "'"; }
 
 // Where a saved or target chunk's rows sit in the logical (unpadded) global tensor (checkpoint.h,
 // "Padding and resharding"): the padded axis is laid out as core/placement.h lays out a GTP_remat
@@ -107,12 +126,6 @@ Box logicalBox(const Ints& offset, const Ints& localShape, const RowMap& m, cons
   return b;
 }
 
-bool overlaps(const Ints& aOff, const Ints& aShape, const Ints& bOff, const Ints& bShape) {
-  for (std::size_t i = 0; i < aOff.size(); ++i)
-    if (aOff[i] + aShape[i] <= bOff[i] || bOff[i] + bShape[i] <= aOff[i]) return false;
-  return volume(aShape) > 0 && volume(bShape) > 0;
-}
-
 // Copies the intersection of the logical boxes `src` and `dst`. srcData holds exactly src's box;
 // dstData is laid out as dstLayout, with dst's box starting at index 0 on every axis (a target
 // chunk's real rows are a prefix of its rows). Converts the dtype when the two differ (rounds once,
@@ -153,21 +166,117 @@ std::int64_t copyOverlap(const Box& src, const char* srcData, DType srcDtype, co
   }
 }
 
-// Every key's chunks tile its logical tensor exactly once: saved boxes disjoint (no chunk written
-// twice) and real rows adding up to the whole (none missing). `where` names the index or the save.
-void checkTiling(const CheckpointKey& k, const std::string& where) {
+// An element of a tensor that boxes inside it cover other than exactly once, and how many do.
+struct TilingFault {
+  Ints element;
+  std::int64_t count = 0;  // 0: a hole; 2 or more: an overlap
+};
+
+// The first such element, or nullopt when the boxes (each inside `shape`) tile it. Sort and sweep,
+// O(m log m) for the m = n·2^r corners of n boxes of rank r, never all pairs: the boxes tile the
+// shape iff their indicator functions sum to the shape's, iff the sums of the functions' mixed
+// differences agree (the difference loses nothing on functions of finite support). A box [a, a + s)
+// has the mixed difference ±1 at its 2^r corners, - where an odd number of coordinates are a + s;
+// an empty box none. No other difference lies below the first in lexicographic order on every
+// axis, so there the coverage is the shape's (1) plus that difference.
+std::optional<TilingFault> tilingFault(const std::vector<Box>& boxes, const Ints& shape) {
+  const std::size_t rank = shape.size(), n = boxes.size();
+  const Box whole{Ints(rank, 0), shape};
+  // A corner: box index << rank | the axes on which it is the box's end; box n is the shape itself.
+  const auto coordinate = [&](std::uint64_t corner, std::size_t axis) {
+    const Box& b = corner >> rank < n ? boxes[corner >> rank] : whole;
+    return b.begin[axis] + ((corner >> axis) & 1 ? b.shape[axis] : 0);
+  };
+  const auto less = [&](std::uint64_t a, std::uint64_t b) {
+    for (std::size_t axis = 0; axis < rank; ++axis)
+      if (coordinate(a, axis) != coordinate(b, axis)) return coordinate(a, axis) < coordinate(b, axis);
+    return false;
+  };
+  std::vector<std::uint64_t> corners;
+  for (std::uint64_t i = 0; i <= n; ++i)
+    if (volume(i < n ? boxes[i].shape : shape) > 0)
+      for (std::uint64_t ends = 0; ends < (std::uint64_t(1) << rank); ++ends) corners.push_back(i << rank | ends);
+  std::sort(corners.begin(), corners.end(), less);
+  for (std::size_t i = 0, j = 0; i < corners.size(); i = j) {
+    std::int64_t sum = 0;
+    for (j = i; j < corners.size() && !less(corners[i], corners[j]); ++j) {
+      const std::uint64_t c = corners[j];
+      const bool odd = __builtin_popcountll(c & ((std::uint64_t(1) << rank) - 1)) % 2;
+      sum += (odd ? -1 : 1) * (c >> rank < n ? 1 : -1);
+    }
+    if (sum == 0) continue;
+    TilingFault fault{Ints(rank), 1 + sum};
+    for (std::size_t axis = 0; axis < rank; ++axis) fault.element[axis] = coordinate(corners[i], axis);
+    TPSIM_INTERNAL_ASSERT(fault.count >= 0, "tilingFault: ", fault.count, " boxes at ", shapeText(fault.element));
+    return fault;
+  }
+  return std::nullopt;
+}
+
+bool contains(const Box& b, const Ints& element) {
+  for (std::size_t i = 0; i < element.size(); ++i)
+    if (element[i] < b.begin[i] || element[i] >= b.begin[i] + b.shape[i]) return false;
+  return true;
+}
+
+std::string paddingText(const CheckpointChunk& c) {
+  const std::string axis = detail::concat("padded_axis ", c.paddedAxis, ", gtp_padding ");
+  if (!c.gtpPadding) return axis + "null";
+  return axis + detail::concat("(tp_axis ", c.gtpPadding->tpAxis, ", tp_size ", c.gtpPadding->tpSize, ", pad_length ",
+                               c.gtpPadding->padLength, ")");
+}
+
+// A key's chunks share one padding record (it describes the saved tensor, not a chunk), tile the
+// saved tensor, pad rows included, and their real rows the logical tensor, each element exactly
+// once: no chunk written twice, none missing. `where` names the index or the save.
+void checkKey(const CheckpointKey& k, const std::string& where) {
   const auto& c = k.chunks;
-  for (std::size_t i = 0; i < c.size(); ++i)
-    for (std::size_t j = i + 1; j < c.size(); ++j)
-      TPSIM_CHECK(!overlaps(c[i].globalOffset, c[i].localShape, c[j].globalOffset, c[j].localShape), where, ": key '",
-                  k.key, "': expected each chunk written once, got ranks ", c[i].writer, " and ", c[j].writer,
-                  " both writing offsets ", shapeText(c[i].globalOffset), " and ", shapeText(c[j].globalOffset),
-                  " of ", shapeText(k.savedGlobalShape), " (two main replicas)");
-  std::int64_t real = 0;
-  for (const auto& ch : c) real += volume(ch.storedShape);
-  TPSIM_CHECK(real == volume(k.globalShape), where, ": key '", k.key, "': expected chunks covering all ",
-              volume(k.globalShape), " elements of ", shapeText(k.globalShape), ", got ", real,
-              "; a chunk is missing (a rank that holds it did not contribute, or no replica of it is main)");
+  const std::string key = detail::concat(where, ": key ", nameText(k.key));
+  TPSIM_CHECK(!c.empty(), key, ": expected at least one chunk, got none");
+  for (const CheckpointChunk& chunk : c)
+    TPSIM_CHECK(paddingText(chunk) == paddingText(c.front()), key, ": expected every chunk to share one padding record, ",
+                paddingText(c.front()), ", got ", paddingText(chunk), " for the chunk at ", shapeText(chunk.globalOffset),
+                " of rank ", chunk.writer);
+  std::vector<Box> saved, logical;
+  for (const CheckpointChunk& chunk : c) {
+    saved.push_back({chunk.globalOffset, chunk.localShape});
+    logical.push_back(logicalBox(chunk.globalOffset, chunk.localShape,
+                                 rowMap(k.savedGlobalShape, chunk.paddedAxis, chunk.gtpPadding, key), key));
+  }
+  // The first two chunks holding `element`.
+  const auto holders = [&](const std::vector<Box>& boxes, const Ints& element) {
+    std::vector<std::size_t> found;
+    for (std::size_t i = 0; i < boxes.size() && found.size() < 2; ++i)
+      if (contains(boxes[i], element)) found.push_back(i);
+    TPSIM_INTERNAL_ASSERT(found.size() == 2, key, ": element ", shapeText(element), " in ", found.size(), " chunks");
+    return found;
+  };
+  const auto missing = [&](const std::vector<Box>& boxes, const Ints& shape, const char* tensor, const Ints& element) {
+    std::int64_t covered = 0;
+    for (const Box& b : boxes) covered += volume(b.shape);
+    return InvalidArgument(detail::concat(key, ": expected chunks covering all ", volume(shape), " elements of ",
+                                          tensor, shapeText(shape), ", got ", covered, " with element ",
+                                          shapeText(element), " in none; a chunk is missing (a rank that holds it did "
+                                          "not contribute, or no replica of it is main)"));
+  };
+  if (const auto fault = tilingFault(saved, k.savedGlobalShape)) {
+    if (fault->count == 0) throw missing(saved, k.savedGlobalShape, "the saved tensor ", fault->element);
+    const auto two = holders(saved, fault->element);
+    const CheckpointChunk &a = c[two[0]], &b = c[two[1]];
+    throw InvalidArgument(detail::concat(key, ": expected each chunk written once, got ranks ", a.writer, " and ",
+                                         b.writer, " both writing offsets ", shapeText(a.globalOffset), " and ",
+                                         shapeText(b.globalOffset), " of ", shapeText(k.savedGlobalShape),
+                                         " (two main replicas)"));
+  }
+  if (const auto fault = tilingFault(logical, k.globalShape)) {
+    if (fault->count == 0) throw missing(logical, k.globalShape, "the logical tensor ", fault->element);
+    const auto two = holders(logical, fault->element);
+    const CheckpointChunk &a = c[two[0]], &b = c[two[1]];
+    throw InvalidArgument(detail::concat(key, ": expected each logical element in one chunk, got element ",
+                                         shapeText(fault->element), " in the chunks at ", shapeText(a.globalOffset),
+                                         " (rank ", a.writer, ") and ", shapeText(b.globalOffset), " (rank ",
+                                         b.writer, ")"));
+  }
 }
 
 json axisJson(const AxisPlacement& a) {
@@ -193,7 +302,8 @@ json chunkJson(const CheckpointChunk& c) {
          {"stored_shape", c.storedShape},
          {"padded_axis", c.paddedAxis},
          {"replica_id", c.replicaId},
-         {"fnv1a64", hex64(c.checksum)}};
+         {"fnv1a64", hex64(c.checksum)},
+         {"data_offsets", {c.dataBegin, c.dataEnd}}};
   j["gtp_padding"] = c.gtpPadding ? json{{"tp_axis", c.gtpPadding->tpAxis},
                                          {"tp_size", c.gtpPadding->tpSize},
                                          {"pad_length", c.gtpPadding->padLength}}
@@ -202,34 +312,156 @@ json chunkJson(const CheckpointChunk& c) {
 }
 
 
-// Reading: every field is type-checked; nlohmann's own errors become InvalidArgument naming the file.
+// A name in the checkpoint's directory itself: no separator, not "." or "..", visible ASCII only
+// (no NUL, which would end the name the system sees early).
+bool isPlainFileName(const std::string& name) {
+  return !name.empty() && name != "." && name != ".." &&
+         std::all_of(name.begin(), name.end(), [](char c) { return c > 0x20 && c < 0x7f && c != '/' && c != '\\'; });
+}
+
+// ---- Reading untrusted JSON ------------------------------------------------------------------------
+//
+// An index or a header is parsed only once its nesting is known to be bounded and each key of an
+// object given once; every number is an integer in its range (nlohmann would truncate 464.9 and
+// wrap 2^32 to 0 in an int); no message shows more than a short, escaped excerpt of what was read.
+
+// A JSON value as a message shows it: a number, bool or null as written, a string quoted, an array
+// or object by its size, never dumped whole.
+std::string excerpt(const json& v) {
+  if (v.is_string()) return nameText(v.get_ref<const std::string&>());
+  if (v.is_array()) return detail::concat("an array of ", v.size(), " elements");
+  if (v.is_object()) return detail::concat("an object of ", v.size(), " fields");
+  return v.dump();
+}
+
+// A first pass over untrusted JSON text that builds nothing: it stops at the first nesting deeper
+// than kMaxJsonDepth, before anything that deep exists (nlohmann parses iteratively, but dump() and
+// other walks of a value recurse), and at a key given twice in one object (nlohmann would keep the
+// last). `what` is what the text should be: "a well-formed tpsim checkpoint index".
+class UntrustedJsonCheck final : public json::json_sax_t {
+ public:
+  UntrustedJsonCheck(const std::string& where, const std::string& what) : where_(where), what_(what) {}
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override {
+    deeper();
+    keys_.emplace_back();
+    return true;
+  }
+  bool key(string_t& key) override {
+    TPSIM_CHECK(keys_.back().insert(key).second, where_, ": expected ", what_, " with each key once in an object, got ",
+                nameText(key), " twice");
+    return true;
+  }
+  bool end_object() override {
+    keys_.pop_back();
+    --depth_;
+    return true;
+  }
+  bool start_array(std::size_t) override {
+    deeper();
+    return true;
+  }
+  bool end_array() override {
+    --depth_;
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
+    throw InvalidArgument(detail::concat(where_, ": expected ", what_, ", got ", tools::printable(e.what())));
+  }
+
+ private:
+  void deeper() {
+    TPSIM_CHECK(++depth_ <= kMaxJsonDepth, where_, ": expected ", what_, " nested at most ", kMaxJsonDepth,
+                " deep, got deeper");
+  }
+  const std::string &where_, &what_;
+  int depth_ = 0;
+  std::vector<std::set<std::string>> keys_;  // of each open object, innermost last
+};
+
+json parseUntrusted(const char* begin, const char* end, const std::string& where, const std::string& what) {
+  UntrustedJsonCheck check(where, what);
+  json::sax_parse(begin, end, &check);
+  try {
+    return json::parse(begin, end);
+  } catch (const json::exception& e) {
+    throw InvalidArgument(detail::concat(where, ": expected ", what, ", got ", tools::printable(e.what())));
+  }
+}
+
+// Field access and types in the index: nlohmann's own errors (a missing field, a string for an
+// array) become InvalidArgument naming the file.
 template <typename F>
 auto parsing(const std::string& where, F&& f) -> decltype(f()) {
   try {
     return f();
   } catch (const json::exception& e) {
-    throw InvalidArgument(detail::concat(where, ": expected a well-formed tpsim checkpoint index, got ", e.what()));
+    throw InvalidArgument(detail::concat(where, ": expected a well-formed tpsim checkpoint index, got ",
+                                         tools::printable(e.what())));
   }
 }
 
-// Dims non-negative and their product below 2^48 elements, so that no offset arithmetic can overflow.
-Ints readShape(const json& j, const std::string& where, const char* field) {
-  Ints s = j.at(field).get<Ints>();
+// An integer in [lo, hi]: a JSON integer, never a fraction, an exponent, a string or a bool.
+std::int64_t readInt(const json& v, const std::string& where, const std::string& field, std::int64_t lo, std::int64_t hi) {
+  const bool integer = v.is_number_integer() && !(v.is_number_unsigned() && v.get<std::uint64_t>() > std::uint64_t(INT64_MAX));
+  const std::int64_t x = integer ? v.get<std::int64_t>() : 0;
+  TPSIM_CHECK(integer && x >= lo && x <= hi, where, ": ", field, ": expected an integer in [", lo, ", ", hi, "], got ",
+              excerpt(v));
+  return x;
+}
+
+std::int64_t readInt(const json& j, const char* field, const std::string& where, std::int64_t lo, std::int64_t hi) {
+  return readInt(j.at(field), where, field, lo, hi);
+}
+
+// A shape or an offset: at most kMaxRank non-negative integers whose product is below 2^48.
+Ints shapeOf(const json& v, const std::string& where, const std::string& field) {
+  TPSIM_CHECK(v.is_array() && v.size() <= kMaxRank, where, ": ", field, ": expected an array of at most ", kMaxRank,
+              " dims, got ", excerpt(v));
+  Ints s;
   std::int64_t n = 1;
-  for (std::int64_t d : s) {
-    TPSIM_CHECK(d >= 0 && d < (std::int64_t(1) << 48) && (d == 0 || n <= (std::int64_t(1) << 48) / d), where, ": ",
-                field, ": expected non-negative dims of fewer than 2^48 elements, got ", shapeText(s));
-    n = d == 0 ? n : n * d;
+  for (const json& d : v) {
+    s.push_back(readInt(d, where, field, 0, kMaxElements - 1));
+    TPSIM_CHECK(s.back() == 0 || n <= kMaxElements / s.back(), where, ": ", field,
+                ": expected dims of fewer than 2^48 elements, got ", shapeText(s), "...");
+    n = s.back() == 0 ? n : n * s.back();
   }
   return s;
+}
+
+Ints readShape(const json& j, const std::string& where, const char* field) { return shapeOf(j.at(field), where, field); }
+
+const json& readObject(const json& j, const char* field, const std::string& where) {
+  const json& v = j.at(field);
+  TPSIM_CHECK(v.is_object(), where, ": ", field, ": expected an object, got ", excerpt(v));
+  return v;
 }
 
 // The 16 hex digits hex64 writes; anything else is a corrupt index, not a number.
 std::uint64_t readHex64(const json& j, const std::string& where, const char* field) {
   const std::string text = j.at(field).get<std::string>();
   TPSIM_CHECK(text.size() == 16 && text.find_first_not_of("0123456789abcdef") == std::string::npos, where, ": ",
-              field, ": expected 16 lowercase hex digits, got '", text, "'");
+              field, ": expected 16 lowercase hex digits, got ", nameText(text));
   return std::stoull(text, nullptr, 16);
+}
+
+// The checksum of an index: FNV-1a 64 of its canonical content, the compact dump (keys sorted, as
+// nlohmann's objects are) without the checksum's own field.
+std::uint64_t indexChecksum(json index) {
+  index.erase(kIndexChecksum);
+  const std::string canonical = index.dump();
+  return fnv1a64(canonical.data(), canonical.size());
+}
+
+std::string sealed(json index) {
+  index[kIndexChecksum] = hex64(indexChecksum(index));
+  return index.dump(1) + "\n";
 }
 
 }  // namespace
@@ -253,6 +485,65 @@ std::string safetensorsBytes(const std::vector<SafetensorsEntry>& tensors,
   out += text;
   for (const auto& t : tensors) out.append(t.bytes.data(), t.bytes.size());
   return out;
+}
+
+std::uint64_t safetensorsHeaderLength(const std::vector<char>& bytes, const std::string& where) {
+  TPSIM_CHECK(bytes.size() >= 8, where, ": expected an 8-byte header length, got a ", bytes.size(), "-byte file");
+  std::uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= std::uint64_t(static_cast<unsigned char>(bytes[i])) << (8 * i);
+  TPSIM_CHECK(n <= bytes.size() - 8, where, ": expected a header length <= ", bytes.size() - 8,
+              " (the file size less 8), got ", n);
+  return n;
+}
+
+std::vector<SafetensorsTensor> readSafetensorsHeader(const std::vector<char>& bytes, const std::string& where) {
+  const std::uint64_t n = safetensorsHeaderLength(bytes, where), dataSize = bytes.size() - 8 - n;
+  const json header = parseUntrusted(bytes.data() + 8, bytes.data() + 8 + n, where, "a JSON header");
+  TPSIM_CHECK(header.is_object(), where, ": expected a JSON object as header, got ", excerpt(header));
+  std::vector<SafetensorsTensor> tensors;
+  for (const auto& [name, t] : header.items()) {
+    if (name == "__metadata__") {
+      TPSIM_CHECK(t.is_object() && std::all_of(t.begin(), t.end(), [](const json& v) { return v.is_string(); }),
+                  where, ": expected __metadata__ to map names to strings, got ", excerpt(t));
+      continue;
+    }
+    const std::string tw = detail::concat(where, ": tensor ", nameText(name));
+    TPSIM_CHECK(t.is_object() && t.size() == 3 && t.contains("dtype") && t.contains("shape") &&
+                    t.contains("data_offsets") && t["dtype"].is_string() && t["data_offsets"].is_array() &&
+                    t["data_offsets"].size() == 2,
+                tw, ": expected dtype, shape and data_offsets [begin, end], got ", excerpt(t));
+    const std::string& dt = t["dtype"].get_ref<const std::string&>();
+    const auto dtype = parseSafetensorsDtype(dt);
+    TPSIM_CHECK(dtype, tw, ": expected a known dtype (F32, BF16, F16, F64, I64, F8_E4M3, F8_E8M0), got ", nameText(dt));
+    SafetensorsTensor out{name, *dtype, readShape(t, tw, "shape")};
+    const json& off = t["data_offsets"];
+    out.begin = std::uint64_t(readInt(off[0], tw, "data_offsets", 0, std::int64_t(dataSize)));
+    out.end = std::uint64_t(readInt(off[1], tw, "data_offsets", std::int64_t(out.begin), std::int64_t(dataSize)));
+    const std::uint64_t want = std::uint64_t(volume(out.shape)) * dtypeSize(*dtype);
+    TPSIM_CHECK(out.end - out.begin == want, tw, ": expected ", want, " bytes for ", dt, " ", shapeText(out.shape),
+                ", got data_offsets [", out.begin, ", ", out.end, ")");
+    tensors.push_back(std::move(out));
+  }
+  // The format's byte buffer is entirely indexed: each data byte belongs to exactly one tensor (and
+  // in a checkpoint to one checksum).
+  std::sort(tensors.begin(), tensors.end(), [](const SafetensorsTensor& a, const SafetensorsTensor& b) {
+    return std::tie(a.begin, a.end) < std::tie(b.begin, b.end);
+  });
+  std::uint64_t at = 0;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const SafetensorsTensor& t = tensors[i];
+    TPSIM_CHECK(t.begin == at, where, ": tensor ", nameText(t.name), ": expected data_offsets from byte ", at,
+                i == 0 ? std::string(" (the first data byte)") : " (where tensor " + nameText(tensors[i - 1].name) + " ends)",
+                ", got [", t.begin, ", ", t.end, "): ", t.begin > at ? "a hole of " : "an overlap of ",
+                t.begin > at ? t.begin - at : at - t.begin, " bytes");
+    at = t.end;
+  }
+  TPSIM_CHECK(at == dataSize, where, ": ",
+              tensors.empty() ? std::string("expected tensors") : "tensor " + nameText(tensors.back().name) +
+                  detail::concat(" [", tensors.back().begin, ", ", at, "): expected the last tensor"),
+              " to end at the data's end, byte ", dataSize, ", got a hole of ", dataSize - at, " bytes after ",
+              tensors.empty() ? "the header" : "it");
+  return tensors;
 }
 
 const char* safetensorsDtype(DType dtype) {
@@ -356,6 +647,7 @@ void CheckpointWriter::commit(const std::string& dir) const {
   // Keys, checked before anything is written.
   std::map<std::string, CheckpointKey> keys;
   std::map<int, std::vector<SafetensorsEntry>> files;  // writer -> its tensors
+  std::map<int, std::uint64_t> fileData;               // writer -> its data bytes so far
   // Rank threads add in any order; the files and the index do not depend on it.
   std::vector<const Held*> held;
   for (const Held& h : chunks_) held.push_back(&h);
@@ -377,15 +669,17 @@ void CheckpointWriter::commit(const std::string& dir) const {
                 ": key '", h.key, "': expected every chunk of dtype ", dtypeName(k.dtype), " in global shape ",
                 shapeText(k.savedGlobalShape), ", got ", dtypeName(h.dtype), " in ", shapeText(h.savedGlobalShape),
                 " from rank ", h.chunk.writer);
+    TPSIM_CHECK(k.savedGlobalShape.size() <= kMaxRank, where, ": key '", h.key, "': expected at most ", kMaxRank,
+                " axes (what a load reads), got ", shapeText(k.savedGlobalShape));
     CheckpointChunk c = h.chunk;
     c.file = fileName(c.writer);
-    std::string name = h.key + "@";
-    for (std::size_t i = 0; i < c.globalOffset.size(); ++i) name += (i ? "," : "") + std::to_string(c.globalOffset[i]);
-    c.tensor = name;
+    c.tensor = chunkTensorName(h.key, c.globalOffset);
+    c.dataBegin = fileData[c.writer];
+    c.dataEnd = fileData[c.writer] += h.bytes.size();  // safetensorsBytes lays the tensors out in order
     k.chunks.push_back(c);
-    files[c.writer].push_back({name, h.dtype, c.storedShape, h.bytes});
+    files[c.writer].push_back({c.tensor, h.dtype, c.storedShape, h.bytes});
   }
-  for (const auto& [name, k] : keys) checkTiling(k, where);
+  for (const auto& [name, k] : keys) checkKey(k, where);
   for (const auto& [name, o] : objects_) {
     const std::set<Ints> cells(o.offsets.begin(), o.offsets.end());
     TPSIM_CHECK(volume(o.globalShape) == std::int64_t(o.offsets.size()) && cells.size() == o.offsets.size(), where,
@@ -394,18 +688,17 @@ void CheckpointWriter::commit(const std::string& dir) const {
                 cells.size(), " distinct cells");
   }
 
-  const fs::path root(dir);
-  tools::OutputFiles output(where);  // the files, then the index last
+  // The files' bytes and the index, whole before anything is written.
   json index{{"format", kFormat}, {"version", kVersion}, {"files", json::object()}, {"tensors", json::object()},
              {"objects", json::object()}};
-  std::set<std::string> written;
+  if (!layer_.empty()) index["layer"] = layer_;
+  std::map<std::string, std::string> fileBytes;
   for (const auto& [writer, tensors] : files) {
     const std::string file = fileName(writer);
-    const std::string bytes = safetensorsBytes(tensors, {{"source", "tpsim checkpoint"}, {"rank", std::to_string(writer)}});
+    std::string& bytes = fileBytes[file] =
+        safetensorsBytes(tensors, {{"source", "tpsim checkpoint"}, {"rank", std::to_string(writer)}});
     std::uint64_t headerLen = 0;
     for (int i = 0; i < 8; ++i) headerLen |= std::uint64_t(static_cast<unsigned char>(bytes[i])) << (8 * i);
-    output.write((root / file).string(), bytes);
-    written.insert(file);
     index["files"][file] = {{"writer", writer},
                             {"size", bytes.size()},
                             {"header_fnv1a64", hex64(fnv1a64(bytes.data(), std::size_t(8 + headerLen)))}};
@@ -432,14 +725,21 @@ void CheckpointWriter::commit(const std::string& dir) const {
     index["objects"][name] = {{"global_shape", o.globalShape}, {"offsets", offsets}, {"writers", writers},
                               {"value", nullptr}};
   }
-  output.write((root / kIndexName).string(), index.dump(1) + "\n");
+  const std::string indexText = sealed(std::move(index));
+  TPSIM_CHECK(indexText.size() <= kMaxIndexBytes, where, ": expected an index of at most ", kMaxIndexBytes,
+              " bytes (what a load reads), got ", indexText.size(), "; save fewer chunks");
+
+  const fs::path root(dir);
+  tools::OutputFiles output(where);  // the files, then the index last
+  for (const auto& [file, bytes] : fileBytes) output.write((root / file).string(), bytes);
+  output.write((root / kIndexName).string(), indexText);
   // The old index goes before any file it names is replaced; the new one lands last. A save that
   // fails before commit leaves the old checkpoint as it was, one that fails during it no index.
   output.removeBeforeRenames((root / kIndexName).string());
   // Files of an earlier, larger save are no part of this one. The directory is locked since the
   // first write: no other writer's files are listed.
   for (const auto& e : fs::directory_iterator(root))
-    if (isRankFile(e.path()) && !written.count(e.path().filename().string()))
+    if (isRankFile(e.path()) && !fileBytes.count(e.path().filename().string()))
       output.removeAfterRenames(e.path().string());
   output.commit();
 }
@@ -456,129 +756,133 @@ std::vector<std::string> checkpointOutputs(const std::string& dir, int ranks) {
 
 // ---- Load ----------------------------------------------------------------------------------------
 
+std::string sealCheckpointIndex(const std::string& text) {
+  const std::string where = "sealCheckpointIndex";
+  json index = parseUntrusted(text.data(), text.data() + text.size(), where, "a JSON object");
+  TPSIM_CHECK(index.is_object(), where, ": expected a JSON object, got ", excerpt(index));
+  return parsing(where, [&] { return sealed(std::move(index)); });
+}
+
 CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPath_((fs::path(dir) / kIndexName).string()) {
   TPSIM_CHECK(fs::is_directory(dir), "checkpoint ", dir, ": expected a directory, got ",
               fs::exists(dir) ? "another kind of file" : "nothing there");
+  // A checkpoint's files lie in its directory: a name that resolves elsewhere (a symlink out of
+  // it) is refused once opened, so that what the open refuses (a FIFO behind a link) says so first.
+  const fs::path home = fs::canonical(dir);
   // Messages name the file, and what it should be: "checkpoint ck/index.json: expected a readable
   // index (written last by a complete save), got no such file".
-  const auto openFile = [](const std::string& path, const std::string& kind, const std::string& what) {
-    return tools::InputFile(path, "checkpoint " + path, kind, [&](int error) {
+  const auto openFile = [&home](const std::string& path, const std::string& kind, const std::string& what) {
+    tools::InputFile input(path, "checkpoint " + path, kind, [&](int error) {
       return detail::concat("checkpoint ", path, ": expected a readable ", what, ", got ",
                             error == ENOENT ? "no such file" : "an unreadable file");
     });
+    const fs::path real = input.realPath();
+    TPSIM_CHECK(real.parent_path() == home, "checkpoint ", path, ": expected a file in ", home.string(),
+                ", got one resolving to ", tools::printable(real.string()), "; a checkpoint's files lie in its directory");
+    return input;
   };
   const std::vector<char> indexText =
       openFile(indexPath_, "an index", "index (written last by a complete save)").readAll(kMaxIndexBytes);
   paths_.push_back(indexPath_);
   const std::string& where = indexPath_;
-  const json index = parsing(where, [&] { return json::parse(indexText.begin(), indexText.end()); });
+  json index = parseUntrusted(indexText.data(), indexText.data() + indexText.size(), where,
+                              "a well-formed tpsim checkpoint index");
   parsing(where, [&] {
-    TPSIM_CHECK(index.at("format") == kFormat && index.at("version") == kVersion, where, ": expected format '",
-                kFormat, "' version ", kVersion, ", got ", index.at("format").dump(), " version ",
-                index.at("version").dump());
+    TPSIM_CHECK(index.is_object() && index.contains("format") && index.contains("version"), where,
+                ": expected a well-formed tpsim checkpoint index, got ", excerpt(index), " without format and version");
+    TPSIM_CHECK(index["format"] == kFormat && index["version"].is_number_integer() && index["version"] == kVersion,
+                where, ": expected format '", kFormat, "' version ", kVersion, ", got ", excerpt(index["format"]),
+                " version ", excerpt(index["version"]));
+    // The index's own checksum, before anything it says is believed: an edited index is corrupt.
+    const std::uint64_t want = readHex64(index, where, kIndexChecksum), sum = indexChecksum(index);
+    TPSIM_CHECK(sum == want, where, ": expected index checksum ", hex64(want), " (its ", kIndexChecksum, "), got ",
+                hex64(sum), "; the index is corrupt or was edited");
+    if (index.contains("layer")) {
+      TPSIM_CHECK(index["layer"].is_string(), where, ": layer: expected a string, got ", excerpt(index["layer"]));
+      layer_ = index["layer"].get<std::string>();
+    }
     // Files: size, header checksum, header well-formed and consistent with its data.
-    std::map<std::string, std::map<std::string, std::pair<DType, Ints>>> headers;
-    for (const auto& [file, rec] : index.at("files").items()) {
-      TPSIM_CHECK(fs::path(file).filename().string() == file && file.find("..") == std::string::npos, where,
-                  ": expected plain file names, got '", file, "'");
+    // file -> its tensors by name, each with whether a chunk names it
+    std::map<std::string, std::unordered_map<std::string, std::pair<SafetensorsTensor, bool>>> headers;
+    std::map<std::string, int> writers;
+    for (const auto& [file, rec] : readObject(index, "files", where).items()) {
+      TPSIM_CHECK(isPlainFileName(file), where, ": expected plain file names, got ", nameText(file));
       const std::string fw = (fs::path(dir) / file).string();
+      TPSIM_CHECK(rec.is_object(), where, ": file ", nameText(file), ": expected an object, got ", excerpt(rec));
+      writers[file] = int(readInt(rec, "writer", where + ": file " + nameText(file), 0, INT32_MAX));
+      const auto size = std::uint64_t(readInt(rec, "size", where + ": file " + nameText(file), 0, INT64_MAX));
+      const std::uint64_t wantHeader = readHex64(rec, where, "header_fnv1a64");
       tools::InputFile input = openFile(fw, "a safetensors file", "safetensors file named in the index");
       paths_.push_back(fw);
-      const auto size = rec.at("size").get<std::uint64_t>();
       // Before reading: a file of another size, however large, is never read.
       TPSIM_CHECK(input.size() == size, fw, ": expected ", size, " bytes (the index's size), got ", input.size(),
                   "; the file is truncated or was replaced");
       std::vector<char> bytes = input.readAll(size);
-      TPSIM_CHECK(bytes.size() >= 8, fw, ": expected an 8-byte header length, got a ", bytes.size(), "-byte file");
-      std::uint64_t n = 0;
-      for (int i = 0; i < 8; ++i) n |= std::uint64_t(static_cast<unsigned char>(bytes[i])) << (8 * i);
-      TPSIM_CHECK(n <= bytes.size() - 8, fw, ": expected a header length <= ", bytes.size() - 8,
-                  " (the file size less 8), got ", n);
-      const std::uint64_t sum = fnv1a64(bytes.data(), std::size_t(8 + n)), want = readHex64(rec, where, "header_fnv1a64");
-      TPSIM_CHECK(sum == want, fw, ": expected header checksum ", hex64(want), " (the index's), got ", hex64(sum),
-                  "; the header is corrupt");
-      json header;
-      try {
-        header = json::parse(bytes.begin() + 8, bytes.begin() + 8 + std::ptrdiff_t(n));
-      } catch (const json::exception& e) {
-        throw InvalidArgument(detail::concat(fw, ": expected a JSON header, got ", e.what()));
+      const std::uint64_t n = safetensorsHeaderLength(bytes, fw), header = fnv1a64(bytes.data(), std::size_t(8 + n));
+      TPSIM_CHECK(header == wantHeader, fw, ": expected header checksum ", hex64(wantHeader), " (the index's), got ",
+                  hex64(header), "; the header is corrupt");
+      for (SafetensorsTensor& t : readSafetensorsHeader(bytes, fw)) {
+        std::string name = t.name;
+        headers[file][name] = {std::move(t), false};
       }
-      const std::uint64_t dataSize = bytes.size() - 8 - n;
-      std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
-      TPSIM_CHECK(header.is_object(), fw, ": expected a JSON object as header, got ", header.type_name());
-      for (const auto& [name, t] : header.items()) {
-        if (name == "__metadata__") continue;
-        TPSIM_CHECK(t.is_object() && t.contains("dtype") && t.contains("shape") && t.contains("data_offsets") &&
-                        t["dtype"].is_string() && t["data_offsets"].is_array(),
-                    fw, ": tensor '", name, "': expected dtype, shape and data_offsets, got ", t.dump());
-        const std::string dt = t.at("dtype").get<std::string>();
-        const auto dtype = parseSafetensorsDtype(dt);
-        TPSIM_CHECK(dtype, fw, ": tensor '", name, "': expected a known dtype (F32, BF16, F16, F64, I64, F8_E4M3, "
-                    "F8_E8M0), got '", dt, "'");
-        const Ints shape = readShape(t, fw, "shape");
-        const auto off = t.at("data_offsets").get<std::vector<std::uint64_t>>();
-        TPSIM_CHECK(off.size() == 2 && off[0] <= off[1] && off[1] <= dataSize, fw, ": tensor '", name,
-                    "': expected data_offsets [begin, end] within the ", dataSize, " data bytes, got ",
-                    t.at("data_offsets").dump());
-        TPSIM_CHECK(off[1] - off[0] == std::uint64_t(volume(shape)) * dtypeSize(*dtype), fw, ": tensor '", name,
-                    "': expected ", volume(shape) * std::int64_t(dtypeSize(*dtype)), " bytes for ", dt, " ",
-                    shapeText(shape), ", got ", off[1] - off[0]);
-        ranges.push_back({off[0], off[1]});
-        headers[file][name] = {*dtype, shape};
-        dataBegin_[{file, name}] = std::size_t(8 + n + off[0]);
-      }
-      // No overlap and no gap: every data byte belongs to exactly one tensor (and so to a checksum).
-      std::sort(ranges.begin(), ranges.end());
-      std::uint64_t at = 0;
-      for (auto [b, e] : ranges) {
-        TPSIM_CHECK(b == at, fw, ": expected tensors' data to follow each other without overlap or gap, got one "
-                    "starting at byte ", b, " after one ending at ", at);
-        at = e;
-      }
-      TPSIM_CHECK(at == dataSize, fw, ": expected the tensors to fill the ", dataSize, " data bytes, got ", at);
+      dataStart_[file] = std::size_t(8 + n);
       files_[file] = std::move(bytes);
     }
-    // Tensors: chunks consistent with the headers, checksums, tiling.
-    std::set<std::pair<std::string, std::string>> used;
-    for (const auto& [name, t] : index.at("tensors").items()) {
+    // Tensors: every chunk as its file's header has it, checksums, one padding record, tiling.
+    for (const auto& [name, t] : readObject(index, "tensors", where).items()) {
+      const std::string kw = where + ": key " + nameText(name);
+      TPSIM_CHECK(t.is_object(), kw, ": expected an object, got ", excerpt(t));
       CheckpointKey k;
       k.key = name;
       const auto dtype = parseSafetensorsDtype(t.at("dtype").get<std::string>());
-      TPSIM_CHECK(dtype, where, ": key '", name, "': expected a known dtype, got ", t.at("dtype").dump());
+      TPSIM_CHECK(dtype, kw, ": expected a known dtype, got ", excerpt(t.at("dtype")));
       k.dtype = *dtype;
-      k.globalShape = readShape(t, where, "global_shape");
-      k.savedGlobalShape = readShape(t, where, "saved_global_shape");
+      k.globalShape = readShape(t, kw, "global_shape");
+      k.savedGlobalShape = readShape(t, kw, "saved_global_shape");
       if (t.contains("placement")) {
         const json& p = t.at("placement");
-        TPSIM_CHECK(p.is_object() && p.contains("text") && p.at("text").is_string(), where, ": key '", name,
-                    "': expected a placement object with a text, got ", p.dump());
+        TPSIM_CHECK(p.is_object() && p.contains("text") && p.at("text").is_string(), kw,
+                    ": expected a placement object with a text, got ", excerpt(p));
         k.placement = p.at("text").get<std::string>();
       }
-      TPSIM_CHECK(!k.globalShape.empty() && k.globalShape.size() == k.savedGlobalShape.size(), where, ": key '", name,
-                  "': expected global shapes of one rank >= 1, got ", shapeText(k.globalShape), " and ",
-                  shapeText(k.savedGlobalShape));
-      for (const auto& cj : t.at("chunks")) {
+      const std::size_t r = k.globalShape.size();
+      TPSIM_CHECK(r >= 1 && k.savedGlobalShape.size() == r, kw, ": expected global shapes of one rank >= 1, got ",
+                  shapeText(k.globalShape), " and ", shapeText(k.savedGlobalShape));
+      const json& chunks = t.at("chunks");
+      TPSIM_CHECK(chunks.is_array() && !chunks.empty(), kw, ": chunks: expected at least one chunk, got ",
+                  chunks.is_array() ? "none" : excerpt(chunks));
+      for (const auto& cj : chunks) {
+        TPSIM_CHECK(cj.is_object(), kw, ": expected chunk objects, got ", excerpt(cj));
         CheckpointChunk c;
         c.file = cj.at("file").get<std::string>();
         c.tensor = cj.at("tensor").get<std::string>();
-        c.writer = cj.at("writer").get<int>();
-        c.globalOffset = readShape(cj, where, "global_offset");
-        c.localShape = readShape(cj, where, "local_shape");
-        c.storedShape = readShape(cj, where, "stored_shape");
-        c.paddedAxis = cj.at("padded_axis").get<int>();
-        c.replicaId = cj.at("replica_id").get<ReplicaId>();
+        const std::string cw = detail::concat(kw, " chunk ", nameText(c.tensor), " in ", tools::printable(c.file, 80));
+        c.writer = int(readInt(cj, "writer", cw, 0, INT32_MAX));
+        c.globalOffset = readShape(cj, cw, "global_offset");
+        c.localShape = readShape(cj, cw, "local_shape");
+        c.storedShape = readShape(cj, cw, "stored_shape");
+        TPSIM_CHECK(c.globalOffset.size() == r && c.localShape.size() == r && c.storedShape.size() == r, cw,
+                    ": expected offsets and shapes of rank ", r, ", got ", shapeText(c.globalOffset), ", ",
+                    shapeText(c.localShape), ", ", shapeText(c.storedShape));
+        c.paddedAxis = int(readInt(cj, "padded_axis", cw, 0, std::int64_t(r) - 1));
+        const json& replica = cj.at("replica_id");
+        TPSIM_CHECK(replica.is_array(), cw, ": replica_id: expected an array, got ", excerpt(replica));
+        for (const json& id : replica) c.replicaId.push_back(int(readInt(id, cw, "replica_id", 0, INT32_MAX)));
+        TPSIM_CHECK(isMainReplica(c.replicaId), cw, ": replica_id: expected a main replica's (all zeros: only they "
+                    "are written), got ", shapeText(Ints(c.replicaId.begin(), c.replicaId.end())));
         if (!cj.at("gtp_padding").is_null()) {
           const json& g = cj.at("gtp_padding");
-          c.gtpPadding = GtpPadding{g.at("tp_axis").get<int>(), g.at("tp_size").get<int>(),
-                                    g.at("pad_length").get<std::int64_t>()};
-          TPSIM_CHECK(c.gtpPadding->tpSize >= 1 && c.gtpPadding->padLength >= 0, where, ": key '", name,
-                      "': expected tp_size >= 1 and pad_length >= 0, got ", g.dump());
+          TPSIM_CHECK(g.is_object(), cw, ": gtp_padding: expected an object or null, got ", excerpt(g));
+          c.gtpPadding = GtpPadding{int(readInt(g, "tp_axis", cw, 0, std::int64_t(r) - 1 - c.paddedAxis)),
+                                    int(readInt(g, "tp_size", cw, 1, INT32_MAX)),
+                                    readInt(g, "pad_length", cw, 0, kMaxElements - 1)};
         }
-        const std::string cw = detail::concat(where, ": key '", name, "' chunk '", c.tensor, "' in ", c.file);
-        const std::size_t r = k.globalShape.size();
-        TPSIM_CHECK(c.globalOffset.size() == r && c.localShape.size() == r && c.storedShape.size() == r &&
-                        c.paddedAxis >= 0 && std::size_t(c.paddedAxis) < r,
-                    cw, ": expected offsets and shapes of rank ", r, " and a padded axis below it");
+        c.checksum = readHex64(cj, cw, "fnv1a64");
+        const json& offsets = cj.at("data_offsets");
+        TPSIM_CHECK(offsets.is_array() && offsets.size() == 2, cw, ": data_offsets: expected [begin, end], got ",
+                    excerpt(offsets));
+        c.dataBegin = std::uint64_t(readInt(offsets[0], cw, "data_offsets", 0, INT64_MAX));
+        c.dataEnd = std::uint64_t(readInt(offsets[1], cw, "data_offsets", 0, INT64_MAX));
         for (std::size_t i = 0; i < r; ++i)
           TPSIM_CHECK(c.globalOffset[i] + c.localShape[i] <= k.savedGlobalShape[i], cw, ": expected the chunk ",
                       shapeText(c.localShape), " at ", shapeText(c.globalOffset), " inside ", shapeText(k.savedGlobalShape));
@@ -588,37 +892,61 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
         TPSIM_CHECK(logicalBox(c.globalOffset, c.localShape, m, cw).shape == c.storedShape, cw,
                     ": expected stored shape ", shapeText(logicalBox(c.globalOffset, c.localShape, m, cw).shape),
                     " (its real rows), got ", shapeText(c.storedShape));
+        // The chunk as its file has it: the name its key and offset give, the file's writer, and the
+        // header's dtype, shape and data_offsets.
+        const std::string want = chunkTensorName(name, c.globalOffset);
+        TPSIM_CHECK(c.tensor == want, cw, ": expected tensor name ", nameText(want), " (its key and global offset), got ",
+                    nameText(c.tensor));
         const auto h = headers.find(c.file);
-        TPSIM_CHECK(h != headers.end(), cw, ": expected ", c.file, " among the index's files, got no such entry");
+        TPSIM_CHECK(h != headers.end(), cw, ": expected ", nameText(c.file), " among the index's files, got no such entry");
+        TPSIM_CHECK(c.writer == writers.at(c.file), cw, ": expected writer ", writers.at(c.file), " (the writer of ",
+                    nameText(c.file), "), got ", c.writer);
         const auto ht = h->second.find(c.tensor);
-        TPSIM_CHECK(ht != h->second.end(), cw, ": expected tensor '", c.tensor, "' in ", c.file, ", got none");
-        TPSIM_CHECK(ht->second.first == k.dtype && ht->second.second == c.storedShape, cw, ": expected ",
-                    safetensorsDtype(k.dtype), " ", shapeText(c.storedShape), " (the index's), got ",
-                    safetensorsDtype(ht->second.first), " ", shapeText(ht->second.second), " in the file");
-        TPSIM_CHECK(used.insert({c.file, c.tensor}).second, cw, ": expected each stored tensor used once, got it twice");
-        c.checksum = readHex64(cj, cw, "fnv1a64");
-        const std::size_t bytes = std::size_t(volume(c.storedShape)) * dtypeSize(k.dtype);
-        const std::uint64_t sum = fnv1a64(files_.at(c.file).data() + dataBegin_.at({c.file, c.tensor}), bytes);
+        TPSIM_CHECK(ht != h->second.end(), cw, ": expected tensor ", nameText(c.tensor), " in ", nameText(c.file),
+                    ", got none");
+        const SafetensorsTensor& stored = ht->second.first;
+        TPSIM_CHECK(stored.dtype == k.dtype && stored.shape == c.storedShape && stored.begin == c.dataBegin &&
+                        stored.end == c.dataEnd,
+                    cw, ": expected ", safetensorsDtype(k.dtype), " ", shapeText(c.storedShape), " at data_offsets [",
+                    c.dataBegin, ", ", c.dataEnd, ") (the index's), got ", safetensorsDtype(stored.dtype), " ",
+                    shapeText(stored.shape), " at [", stored.begin, ", ", stored.end, ") in the file");
+        TPSIM_CHECK(!ht->second.second, cw, ": expected each stored tensor used once, got it twice");
+        ht->second.second = true;
+        const std::uint64_t sum = fnv1a64(dataOf(c), c.dataEnd - c.dataBegin);
         TPSIM_CHECK(sum == c.checksum, cw, ": expected data checksum ", hex64(c.checksum), " (the index's), got ",
                     hex64(sum), "; the data is corrupt");
         k.chunks.push_back(std::move(c));
       }
-      checkTiling(k, where);
+      checkKey(k, where);
       keys_[name] = std::move(k);
     }
-    for (const auto& [name, o] : index.at("objects").items()) {
+    for (const auto& [name, o] : readObject(index, "objects", where).items()) {
+      const std::string ow = where + ": object " + nameText(name);
+      TPSIM_CHECK(o.is_object() && o.contains("value") && o["value"].is_null(), ow,
+                  ": expected an object whose value is null (the layers' extra state is None), got ", excerpt(o));
       CheckpointObject rec;
       rec.key = name;
-      rec.globalShape = readShape(o, where, "global_shape");
-      rec.offsets = o.at("offsets").get<std::vector<Ints>>();
-      rec.writers = o.at("writers").get<std::vector<int>>();
+      rec.globalShape = readShape(o, ow, "global_shape");
+      const json &offsets = o.at("offsets"), &cellWriters = o.at("writers");
+      TPSIM_CHECK(offsets.is_array() && cellWriters.is_array() && offsets.size() == cellWriters.size(), ow,
+                  ": expected offsets and writers, one each per cell, got ", excerpt(offsets), " and ",
+                  excerpt(cellWriters));
+      for (std::size_t i = 0; i < offsets.size(); ++i) {
+        rec.offsets.push_back(shapeOf(offsets[i], ow, "offsets"));
+        bool inside = rec.offsets.back().size() == rec.globalShape.size();
+        for (std::size_t a = 0; inside && a < rec.globalShape.size(); ++a)
+          inside = rec.offsets.back()[a] < rec.globalShape[a];
+        TPSIM_CHECK(inside, ow, ": offsets: expected cells of the grid ", shapeText(rec.globalShape), ", got ",
+                    shapeText(rec.offsets.back()));
+        rec.writers.push_back(int(readInt(cellWriters[i], ow, "writers", 0, INT32_MAX)));
+      }
       objects_[name] = std::move(rec);
     }
     // A stored tensor no chunk names would be bytes nobody checks.
     for (const auto& [file, names] : headers)
-      for (const auto& [name, unused] : names)
-        TPSIM_CHECK(used.count({file, name}), where, ": expected every tensor of ", file, " named by a chunk, got '",
-                    name, "' named by none");
+      for (const auto& [name, tensor] : names)
+        TPSIM_CHECK(tensor.second, where, ": expected every tensor of ", nameText(file),
+                    " named by a chunk, got ", nameText(name), " named by none");
   });
 }
 
@@ -628,7 +956,7 @@ const CheckpointKey& CheckpointReader::key(const std::string& key) const {
     std::string have;
     for (const auto& [n, k] : keys_) have += (have.empty() ? "" : ", ") + n;
     throw InvalidArgument(detail::concat("checkpoint ", indexPath_, ": expected key '", key, "', got only ",
-                                         have.empty() ? "no keys" : have));
+                                         have.empty() ? "no keys" : tools::printable(have, 400)));
   }
   return it->second;
 }
@@ -656,13 +984,17 @@ void CheckpointReader::load(const ShardedTensor& target, View dst, Compute& comp
   for (const CheckpointChunk& c : k.chunks) {
     const RowMap cm = rowMap(k.savedGlobalShape, c.paddedAxis, c.gtpPadding, where);
     const Box src = logicalBox(c.globalOffset, c.localShape, cm, where);
-    filled += copyOverlap(src, files_.at(c.file).data() + dataBegin_.at({c.file, c.tensor}), k.dtype, box, local,
+    filled += copyOverlap(src, dataOf(c), k.dtype, box, local,
                           host.data(), target.dtype);
   }
   TPSIM_INTERNAL_ASSERT(filled == volume(box.shape), where, ": ", filled, " of ", volume(box.shape), " elements");
   Tensor staged = compute.empty(dst.shape(), dst.dtype());
   compute.upload(host.data(), staged);
   compute.copy(staged, dst);
+}
+
+const char* CheckpointReader::dataOf(const CheckpointChunk& chunk) const {
+  return files_.at(chunk.file).data() + dataStart_.at(chunk.file) + chunk.dataBegin;
 }
 
 void CheckpointReader::checkObject(const ShardedObject& target) const {
@@ -679,7 +1011,7 @@ std::vector<char> CheckpointReader::consolidated(const std::string& name) const 
   for (const CheckpointChunk& c : k.chunks) {
     const Box src = logicalBox(c.globalOffset, c.localShape,
                                rowMap(k.savedGlobalShape, c.paddedAxis, c.gtpPadding, indexPath_), indexPath_);
-    copyOverlap(src, files_.at(c.file).data() + dataBegin_.at({c.file, c.tensor}), k.dtype, all, k.globalShape,
+    copyOverlap(src, dataOf(c), k.dtype, all, k.globalShape,
                 out.data(), k.dtype);
   }
   return out;

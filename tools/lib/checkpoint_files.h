@@ -3,9 +3,11 @@
 //
 // Layout (docs/checkpoints.md): one `rank-RRRRR.safetensors` per writing rank, holding the real rows
 // of the chunks whose replica it is main of (GTP_remat pad rows are never written), and
-// `index.json`, written last, naming every key's shapes, dtype and chunks with a checksum each.
-// A load maps saved and target chunks to logical (unpadded) global rows, so any topology reads any
-// checkpoint. Not a distributed file system: every rank's data passes through this process's memory.
+// `index.json`, written last, naming every key's shapes, dtype and chunks with a checksum each, and
+// carrying a checksum of itself. A load trusts nothing it has not checked: the index's checksum,
+// every chunk against its file's header, the chunks' tiling of each tensor. It maps saved and target
+// chunks to logical (unpadded) global rows, so any topology reads any checkpoint. Not a distributed
+// file system: every rank's data passes through this process's memory.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +15,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backends/compute.h"
@@ -39,6 +42,24 @@ struct SafetensorsEntry {
 std::string safetensorsBytes(const std::vector<SafetensorsEntry>& tensors,
                              const std::map<std::string, std::string>& metadata = {});
 
+// One tensor of a safetensors header: its bytes are data_offsets [begin, end) of the data, which
+// starts after the 8-byte length and the header.
+struct SafetensorsTensor {
+  std::string name;
+  DType dtype = DType::kFloat32;
+  std::vector<std::int64_t> shape;
+  std::uint64_t begin = 0, end = 0;
+};
+// The header length n of the safetensors file `bytes` (its first 8 bytes, little-endian), checked
+// to fit in the file: the header is bytes [8, 8 + n).
+std::uint64_t safetensorsHeaderLength(const std::vector<char>& bytes, const std::string& where);
+// The header of the safetensors file `bytes`, read as strictly as a checkpoint's index: a JSON object
+// (nesting and duplicate keys refused), `__metadata__` of strings, every tensor a known dtype, an
+// integer shape and data_offsets holding exactly its bytes, and the offsets indexing every data
+// byte once (no overlap, no hole before, between or after the tensors). Sorted by offsets. Throws
+// InvalidArgument naming `where`, the tensor and the offsets.
+std::vector<SafetensorsTensor> readSafetensorsHeader(const std::vector<char>& bytes, const std::string& where);
+
 // One chunk as the index records it. Coordinates are global, over prependAxisNum + data axes.
 struct CheckpointChunk {
   std::string file, tensor;                       // the safetensors file and the tensor's name in it
@@ -50,6 +71,7 @@ struct CheckpointChunk {
   std::optional<GtpPadding> gtpPadding;
   ReplicaId replicaId;
   std::uint64_t checksum = 0;                     // fnv1a64 of the stored bytes
+  std::uint64_t dataBegin = 0, dataEnd = 0;       // the stored bytes in the file's data (its data_offsets)
 };
 
 struct CheckpointKey {
@@ -73,16 +95,20 @@ struct CheckpointObject {
 // own thread; commit() once all have returned.
 class CheckpointWriter {
  public:
+  // `layer`: the kind of layer saved (tpsim run's --layer), recorded in the index for a load to
+  // compare with its own; "" records none.
+  explicit CheckpointWriter(std::string layer = "") : layer_(std::move(layer)) {}
   // Copies this rank's main-replica chunks to host memory (through compute), real rows only.
   void add(int rank, const ShardedStateDict& stateDict, Compute& compute);
   // Records the saving run's placement of a key (core/placement.h) in the index, for people and
   // tools reading it; a load does not depend on it.
   void describe(const TensorPlacement& placement);
   // Writes the files and the index into `dir`, which must exist. Throws InvalidArgument, writing
-  // nothing, when a chunk is written twice, a key's chunks leave rows uncovered or disagree on dtype
-  // or shape. Every file is written to a temporary first; then, under the directory's lock, the
-  // old index is removed, the files are renamed into place and the index last (docs/checkpoints.md,
-  // "Saving"): an index there always names the files written with it.
+  // nothing, when a chunk is written twice, a key's chunks leave rows uncovered or disagree on dtype,
+  // shape or padding, or the index would be larger than a load reads. Every file is written to a
+  // temporary first; then, under the directory's lock, the old index is removed, the files are
+  // renamed into place and the index last (docs/checkpoints.md, "Saving"): an index there always
+  // names the files written with it.
   void commit(const std::string& dir) const;
 
  private:
@@ -93,6 +119,7 @@ class CheckpointWriter {
     std::string key;
     std::vector<char> bytes;
   };
+  std::string layer_;
   mutable std::mutex mu_;
   std::vector<Held> chunks_;
   std::map<std::string, CheckpointObject> objects_;
@@ -104,15 +131,23 @@ class CheckpointWriter {
 // (tools/lib/output_files.h's FileUses) before it writes anything.
 std::vector<std::string> checkpointOutputs(const std::string& dir, int ranks);
 
-// A checkpoint read and checked whole at construction: the index, every file's header against it,
-// every checksum, and that each key's chunks cover its logical tensor exactly once. Afterwards
-// const and safe to share between rank threads.
+// The index text `text` with its field index_fnv1a64 set to the checksum a load verifies
+// (docs/checkpoints.md): FNV-1a 64 of its canonical content, the compact JSON, keys sorted, without
+// that field. CheckpointWriter seals what it writes; tests and fuzzers seal the indexes they edit.
+// Throws InvalidArgument, as a load would, when `text` is no JSON object a load parses.
+std::string sealCheckpointIndex(const std::string& text);
+
+// A checkpoint read and checked whole at construction: the index (its checksum first, every field
+// strictly), every file's header against it, every checksum, and that each key's chunks tile its
+// saved and its logical tensor exactly once. Afterwards const and safe to share between rank threads.
 class CheckpointReader {
  public:
   // Throws InvalidArgument naming the file and the expected and actual value on any mismatch.
   explicit CheckpointReader(const std::string& dir);
 
   const std::map<std::string, CheckpointKey>& keys() const { return keys_; }
+  // The kind of layer the saving run recorded (tpsim run's --layer); "" when none was.
+  const std::string& layer() const { return layer_; }
   const std::map<std::string, CheckpointObject>& objects() const { return objects_; }
   const CheckpointKey& key(const std::string& key) const;  // throws, naming the key, if absent
 
@@ -130,12 +165,14 @@ class CheckpointReader {
   const std::vector<std::string>& paths() const { return paths_; }
 
  private:
-  std::string dir_, indexPath_;
+  std::string dir_, indexPath_, layer_;
   std::vector<std::string> paths_;
   std::map<std::string, CheckpointKey> keys_;
   std::map<std::string, CheckpointObject> objects_;
   std::map<std::string, std::vector<char>> files_;  // file -> its whole contents
-  std::map<std::pair<std::string, std::string>, std::size_t> dataBegin_;  // (file, tensor) -> byte offset
+  std::map<std::string, std::size_t> dataStart_;     // file -> the byte its data starts at
+  // A chunk's stored bytes (its data_offsets, checked against its file's header).
+  const char* dataOf(const CheckpointChunk& chunk) const;
 };
 
 }  // namespace tpsim

@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <utility>
 
 #include "backends/errors.h"
@@ -25,9 +27,25 @@ const char* kindOf(mode_t mode) {
 
 }  // namespace
 
+std::string printable(std::string_view bytes, std::size_t maxChars) {
+  std::string out;
+  for (std::size_t i = 0; i < bytes.size() && i < maxChars; ++i) {
+    const auto c = static_cast<unsigned char>(bytes[i]);
+    if (c >= 0x20 && c < 0x7f && c != '\\' && c != '"') {
+      out += char(c);
+    } else {
+      char hex[5];
+      std::snprintf(hex, sizeof hex, "\\x%02x", c);
+      out += hex;
+    }
+  }
+  if (bytes.size() > maxChars) out += "...";
+  return out;
+}
+
 InputFile::InputFile(const std::string& path, std::string where, const std::string& kind,
                      const std::function<std::string(int error)>& cannotOpen)
-    : where_(std::move(where)) {
+    : path_(path), where_(std::move(where)) {
   // O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer. O_NOCTTY: a
   // terminal opened here never becomes the process's controlling terminal.
   const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
@@ -65,13 +83,24 @@ InputFile::~InputFile() {
 }
 
 InputFile::InputFile(InputFile&& other) noexcept
-    : where_(std::move(other.where_)),
+    : path_(std::move(other.path_)),
+      where_(std::move(other.where_)),
       fd_(std::exchange(other.fd_, -1)),
       size_(other.size_),
       position_(other.position_),
       buffered_(std::move(other.buffered_)),
       bufferedBegin_(other.bufferedBegin_),
       lines_(other.lines_) {}
+
+std::string InputFile::realPath() const {
+  std::error_code ec;
+  const std::filesystem::path real = std::filesystem::canonical(path_, ec);
+  struct stat named {}, opened {};
+  TPSIM_CHECK(!ec && ::stat(real.c_str(), &named) == 0 && ::fstat(fd_, &opened) == 0 &&
+                  named.st_dev == opened.st_dev && named.st_ino == opened.st_ino,
+              where_, ": expected the path to name the file opened, got it replaced");
+  return real.string();
+}
 
 void InputFile::readAt(std::uint64_t offset, void* dst, std::size_t n, const std::string& what) {
   std::size_t got = 0;

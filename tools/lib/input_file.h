@@ -15,9 +15,15 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace tpsim::tools {
+
+// Untrusted bytes as a message may quote them: printable ASCII as is, every other byte, '\\' and
+// '"' as \xNN (Python's repr), at most `maxChars` of them and "..." after, so that no input sends
+// control bytes to a terminal or makes a message as long as itself.
+std::string printable(std::string_view bytes, std::size_t maxChars = 200);
 
 class InputFile {
  public:
@@ -36,6 +42,11 @@ class InputFile {
   // Bytes in the file when it was opened.
   std::uint64_t size() const { return size_; }
 
+  // The canonical path of the opened file (every symlink resolved), checked to name the file that
+  // is open: what a reader that confines its inputs to a directory compares. Throws
+  // "<where>: expected ..., got it replaced" when the path now names another file.
+  std::string realPath() const;
+
   // Exactly `n` bytes at `offset`, or at the current position (which moves past them). `what` names
   // them when the file ends first: "<where>: expected to read 8 bytes of header length, got 3 (the
   // file shrank while being read)".
@@ -53,7 +64,7 @@ class InputFile {
   bool readLine(std::string& line, std::size_t maxBytes);
 
  private:
-  std::string where_;
+  std::string path_, where_;
   int fd_ = -1;
   std::uint64_t size_ = 0;
   std::uint64_t position_ = 0;

@@ -118,6 +118,11 @@ class LayerKind {
     std::int64_t index = -1;  // -1: the whole key
   };
   virtual CheckpointSlot checkpointSlot(const std::string& parameter) const { return {parameter}; }
+  // Which checkpoints it loads: those whose index names a kind of the same checkpointKind. A kind's
+  // own name, unless kinds are one module with one set of parameters that only TP cuts differently
+  // (the grouped experts' column and row modes). Shapes alone do not decide: the column and row
+  // layers both hold a weight (N, K), but in a model one is fc1 and the other fc2.
+  virtual std::string checkpointKind() const { return name(); }
   // The dtype GTP_remat reduce-scatters a weight gradient in (SPEC 4.5): its main_grad's.
   virtual DType gtpWireDtype(const RunConfig& config) const { return config.mainGradDtype; }
   // Whether small-integer inputs give results every step computes exactly (--verify exact, the

@@ -57,23 +57,6 @@ bool hostIsLittleEndian() {
   return first == 1;
 }
 
-// Bytes as Python's repr shows them, so a bad magic or header can be quoted back readably.
-std::string printable(const std::string& bytes, std::size_t maxChars = 200) {
-  std::string out;
-  for (std::size_t i = 0; i < bytes.size() && i < maxChars; ++i) {
-    const auto c = static_cast<unsigned char>(bytes[i]);
-    if (c >= 0x20 && c < 0x7f && c != '\\' && c != '"') {
-      out += char(c);
-    } else {
-      char hex[5];
-      std::snprintf(hex, sizeof hex, "\\x%02x", c);
-      out += hex;
-    }
-  }
-  if (bytes.size() > maxChars) out += "...";
-  return out;
-}
-
 std::string trim(const std::string& s) {
   const std::size_t begin = s.find_first_not_of(kWhitespace);
   if (begin == std::string::npos) return "";

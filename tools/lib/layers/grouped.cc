@@ -138,6 +138,10 @@ class GroupedKind final : public LayerKind {
     const std::size_t digits = parameter.find_first_of("0123456789");
     return {parameter.substr(0, digits), std::stoll(parameter.substr(digits))};
   }
+  // Both modes are one module (GroupedParallelLinear, as Transformer Engine's GroupedLinear takes a
+  // parallel_mode) with the same E (N, K) weights: the mode is a cut, like --tp, and a checkpoint
+  // of either loads as the other.
+  std::string checkpointKind() const override { return "grouped"; }
   // A weight gradient sums its expert's tokens, up to all M.
   std::int64_t longestSum(const RunConfig& c) const override {
     return std::max({c.inFeatures + 1, c.outFeatures, c.tokens});
