@@ -1006,6 +1006,39 @@ check ckpt-many-chunks 0 "weight                 F32   (4096, 32, 4)  (4096, 32,
   timeout 30 "$tpsim" checkpoint inspect "$work/ck-many"
 rm -rf "${work:?}/ck-many"
 
+# Resharding GTP_remat's interleaved pad rows: a checkpoint whose TP slices each carry pad rows
+# loads into a world of another T, G and --pad-for-alignment (each slice's pad rows dropped, the
+# new ones added), and saves again to the same logical tensors, bitwise.
+reshard() {  # reshard NAME LAYER SIZE_FLAG "FLAGS OF THE SAVE" "FLAGS OF THE LOAD" "PAD TEXT OF THE LOAD"
+  local name="$1" layer="$2" size="$3" from="$4" to="$5" pad="$6" dir="$work/reshard-$1"
+  # shellcheck disable=SC2086
+  "$tpsim" run --layer "$layer" $size --batch 4 $from --save-checkpoint "$dir-a" >/dev/null &&
+    check "reshard-$name" 0 "sharded results agree" -- \
+      "$tpsim" run --layer "$layer" $size --batch 4 $to --load-checkpoint "$dir-a" --save-checkpoint "$dir-b" &&
+    check "reshard-$name-layout" 0 "$pad" -- "$tpsim" checkpoint inspect "$dir-b" &&
+    "$tpsim" checkpoint consolidate "$dir-a" "$dir-a.safetensors" >/dev/null &&
+    "$tpsim" checkpoint consolidate "$dir-b" "$dir-b.safetensors" >/dev/null
+  if cmp -s "$dir-a.safetensors" "$dir-b.safetensors"; then
+    echo "ok   reshard-$name-bitwise"
+    passed=$((passed + 1))
+  else
+    echo "FAIL reshard-$name-bitwise: $dir-b consolidates to other tensors than $dir-a"
+    failures=$((failures + 1))
+  fi
+}
+reshard column-2-to-4 column "--out-features 36" "--tp 2 --gtp-remat 2 --pad-for-alignment 8" \
+  "--tp 4 --gtp-remat 4 --pad-for-alignment 16" "weight                 F32   (36, 16)       (256, 16)          16  0-15       55 rows per TP slice (T=4)"
+reshard column-4-to-2 column "--out-features 36" "--tp 4 --gtp-remat 4 --pad-for-alignment 16" \
+  "--tp 2 --gtp-remat 2 --pad-for-alignment 8" "weight                 F32   (36, 16)       (64, 16)            4  0-3        14 rows per TP slice (T=2)"
+reshard mlp-2-to-4 mlp "--ffn-hidden 36" "--tp 2 --gtp-remat 2 --pad-for-alignment 8" \
+  "--tp 4 --gtp-remat 4 --pad-for-alignment 4" "fc1.weight             F32   (36, 16)       (64, 16)           16  0-15       7 rows per TP slice (T=4)"
+reshard mlp-4-to-2 mlp "--ffn-hidden 36" "--tp 4 --gtp-remat 4 --pad-for-alignment 4" \
+  "--tp 2 --gtp-remat 4 --pad-for-alignment 16" "fc1.weight             F32   (36, 16)       (128, 16)           8  0-7        46 rows per TP slice (T=2)"
+# Where the new world cannot hold the tensors (T does not divide F), the load is refused, naming the
+# checkpoint's key.
+check reshard-refused 2 "the ffn hidden size F (checkpoint $work/reshard-mlp-2-to-4-a: key 'fc1.weight' dim 0) = 36 must be divisible by --tp = 8" -- \
+  "$tpsim" run --layer mlp --tp 8 --load-checkpoint "$work/reshard-mlp-2-to-4-a"
+
 # Megatron's usual embedding setup: sequence parallelism is reduce_scatter_embeddings.
 check embedding-sp 0 "reduce-scatter-embeddings" -- "$tpsim" run --layer embedding --tp 2 --sequence-parallel
 # A header's bytes are shown, never sent to the terminal: control bytes come out as \xNN.
