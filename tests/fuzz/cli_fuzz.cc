@@ -1,7 +1,8 @@
-// libFuzzer target: `tpsim run`, `tpsim demo` and `tpsim bench` argument handling, parsing and
-// validation up to the run, with argv built from the input (the first byte picks the command, '\0'
-// separates the words). A usage error or InvalidArgument is the expected answer to a bad command line; for a
-// good one, the memory estimate and the printed configuration must not fail either.
+// libFuzzer target: the argument handling of `tpsim run`, `demo`, `bench`, `layout` and `checkpoint`,
+// parsing and validation up to the work, with argv built from the input (the first byte picks the
+// command, '\0' separates the words). A usage error or InvalidArgument is the expected answer to a
+// bad command line; for a good one, the memory estimate and the printed configuration must not fail
+// either, and a layout small enough for the fuzzer's memory is drawn, as text and as SVG.
 #include <boost/program_options/errors.hpp>
 #include <cstdint>
 #include <string>
@@ -9,6 +10,7 @@
 
 #include "backends/errors.h"
 #include "tools/cli/cli.h"
+#include "tools/lib/layout.h"
 #include "tools/lib/memory.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
@@ -20,18 +22,35 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     else args.back() += char(data[i]);
   }
   try {
-    if (data[0] % 3 == 0) {
-      const RunArgs a = parseRunArgs(args);
-      if (a.help.empty() && a.loadDir.empty()) {
-        (void)bytesText(estimateRunBytes(a.config, tensorShapes(a.config), a.verify));
-        (void)a.config.str();
-        (void)commandLine(a.config);
+    switch (data[0] % 5) {
+      case 0: {
+        const RunArgs a = parseRunArgs(args);
+        if (a.help.empty() && a.loadDir.empty()) {
+          (void)bytesText(estimateRunBytes(a.config, tensorShapes(a.config), a.verify));
+          (void)a.config.str();
+          (void)commandLine(a.config);
+        }
+        break;
       }
-    } else if (data[0] % 3 == 1) {
-      const DemoArgs a = parseDemoArgs(args);
-      if (a.help.empty()) (void)tensorShapes(a.config);
-    } else {
-      (void)parseBenchArgs(args);
+      case 1: {
+        const DemoArgs a = parseDemoArgs(args);
+        if (a.help.empty()) (void)tensorShapes(a.config);
+        break;
+      }
+      case 2: (void)parseBenchArgs(args); break;
+      case 3: {
+        const LayoutArgs a = parseLayoutArgs(args);
+        if (!a.help.empty()) break;
+        // tpsim layout builds the layers (tools/lib/layout.h), pad rows included: drawn when a run of
+        // them is estimated to fit well within the fuzzer's memory.
+        const double bytes = estimateRunBytes(a.config, tensorShapes(a.config), VerifyMode::kNone);
+        if (bytes > double(64 << 20) || a.config.tp * a.config.gtpRemat > 64) break;
+        const std::vector<tpsim::TensorPlacement> placements = layoutPlacements(a.config);
+        (void)layoutText(a.config, placements, data[0] % 2 == 0);
+        (void)layoutSvg(a.config, placements);
+        break;
+      }
+      default: (void)parseCheckpointArgs(args); break;
     }
   } catch (const UsageError&) {
   } catch (const tpsim::InvalidArgument&) {

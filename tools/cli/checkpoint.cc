@@ -5,7 +5,7 @@
 #include <boost/program_options.hpp>
 #include <cstdio>
 #include <filesystem>
-#include <iostream>
+#include <sstream>
 #include <set>
 
 #include "backends/errors.h"
@@ -83,17 +83,9 @@ int inspect(const std::string& dir) {
   return 0;
 }
 
-int consolidate(const std::string& dir, const std::string& file, const std::string& dtype) {
+int consolidate(const std::string& dir, const std::string& file, std::optional<DType> to) {
   namespace fs = std::filesystem;
-  std::optional<DType> to;
-  if (dtype != "saved") {
-    if (dtype != "fp32" && dtype != "bf16" && dtype != "fp16")
-      throw UsageError{"--dtype: expected saved, fp32, bf16 or fp16, got '" + dtype + "'"};
-    to = parseDType(dtype);
-  }
   const fs::path out(file);
-  TPSIM_CHECK(out.extension() == ".safetensors", "consolidate: FILE: expected a name ending in .safetensors, got '",
-              file, "'");
   const fs::path parent = out.parent_path().empty() ? fs::path(".") : out.parent_path();
   TPSIM_CHECK(fs::is_directory(parent), "consolidate: FILE: expected a file in an existing directory, got '", file,
               "' (no directory ", parent.string(), ")");
@@ -105,7 +97,7 @@ int consolidate(const std::string& dir, const std::string& file, const std::stri
   for (const auto& [key, k] : reader.keys()) {
     SafetensorsEntry e{key, k.dtype, k.globalShape, reader.consolidated(key)};
     if (to && *to != k.dtype) {
-      TPSIM_CHECK(isFloating(k.dtype), "consolidate: --dtype ", dtype, ": key '", key, "' is ", dtypeName(k.dtype),
+      TPSIM_CHECK(isFloating(k.dtype), "consolidate: --dtype ", dtypeName(*to), ": key '", key, "' is ", dtypeName(k.dtype),
                   ", not a floating type");
       std::vector<char> converted(e.bytes.size() / dtypeSize(k.dtype) * dtypeSize(*to));
       for (std::size_t i = 0; i < converted.size() / dtypeSize(*to); ++i)
@@ -128,7 +120,8 @@ int consolidate(const std::string& dir, const std::string& file, const std::stri
 
 }  // namespace
 
-int checkpointMain(const std::vector<std::string>& args) {
+CheckpointArgs parseCheckpointArgs(const std::vector<std::string>& args) {
+  CheckpointArgs out;
   std::string dtype = "saved";
   std::vector<std::string> words;
   po::options_description opts("Options");
@@ -145,26 +138,48 @@ int checkpointMain(const std::vector<std::string>& args) {
   po::store(po::command_line_parser(args).options(all).positional(positional).run(), vm);
   po::notify(vm);
   if (vm.count("help")) {
-    std::cout << kCheckpointUsage << "\n" << opts << "\n" << kCheckpointExitCodes;
-    return 0;
+    std::ostringstream help;
+    help << kCheckpointUsage << "\n" << opts << "\n" << kCheckpointExitCodes;
+    out.help = help.str();
+    return out;
   }
   if (words.empty()) throw UsageError{"expected an action, inspect or consolidate, got none"};
-  const std::string action = words[0];
+  out.action = words[0];
   for (std::size_t i = 1; i < words.size(); ++i)
-    if (words[i].empty()) throw UsageError{action + ": expected paths, got an empty argument"};
-  if (action == "inspect") {
+    if (words[i].empty()) throw UsageError{out.action + ": expected paths, got an empty argument"};
+  if (out.action == "inspect") {
     if (words.size() != 2) throw UsageError{"inspect: expected one argument DIR, got " + std::to_string(words.size() - 1)};
-    if (vm["dtype"].as<std::string>() != "saved" || !vm["dtype"].defaulted())
+    if (dtype != "saved" || !vm["dtype"].defaulted())
       throw UsageError{"--dtype: applies to consolidate, got it with inspect"};
-    return inspect(words[1]);
+    out.dir = words[1];
+    return out;
   }
-  if (action == "consolidate") {
+  if (out.action == "consolidate") {
     if (words.size() != 3)
       throw UsageError{"consolidate: expected two arguments DIR FILE.safetensors, got " +
                        std::to_string(words.size() - 1)};
-    return consolidate(words[1], words[2], dtype);
+    if (dtype != "saved") {
+      if (dtype != "fp32" && dtype != "bf16" && dtype != "fp16")
+        throw UsageError{"--dtype: expected saved, fp32, bf16 or fp16, got '" + dtype + "'"};
+      out.to = parseDType(dtype);
+    }
+    out.dir = words[1];
+    out.file = words[2];
+    TPSIM_CHECK(std::filesystem::path(out.file).extension() == ".safetensors",
+                "consolidate: FILE: expected a name ending in .safetensors, got '", out.file, "'");
+    return out;
   }
-  throw UsageError{"expected an action, inspect or consolidate, got '" + action + "'"};
+  throw UsageError{"expected an action, inspect or consolidate, got '" + out.action + "'"};
+}
+
+int checkpointMain(const std::vector<std::string>& args) {
+  const CheckpointArgs parsed = parseCheckpointArgs(args);
+  if (!parsed.help.empty()) {
+    std::fputs(parsed.help.c_str(), stdout);
+    return 0;
+  }
+  if (parsed.action == "inspect") return inspect(parsed.dir);
+  return consolidate(parsed.dir, parsed.file, parsed.to);
 }
 
 }  // namespace tpsim::tools

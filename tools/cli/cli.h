@@ -75,6 +75,23 @@ struct BenchArgs {
 };
 BenchArgs parseBenchArgs(const std::vector<std::string>& args);
 
+// `tpsim layout`'s command line: the layer to draw, or the --help text.
+struct LayoutArgs {
+  RunConfig config;
+  std::string svg;  // --svg FILE; "" when not given
+  std::string help;
+};
+LayoutArgs parseLayoutArgs(const std::vector<std::string>& args);
+
+// `tpsim checkpoint`'s command line: the action and its paths, or the --help text.
+struct CheckpointArgs {
+  std::string action;         // "inspect" or "consolidate"
+  std::string dir, file;      // file: consolidate's FILE.safetensors
+  std::optional<DType> to;    // consolidate --dtype; nullopt: the saved dtypes
+  std::string help;
+};
+CheckpointArgs parseCheckpointArgs(const std::vector<std::string>& args);
+
 // Parses `args` against `options` into a notified variables_map. Throws UsageError for a stray
 // word: Boost would drop it silently, so `--bias false` would run with the bias on.
 boost::program_options::variables_map parseOptions(const std::vector<std::string>& args,

@@ -68,7 +68,7 @@ DemoArgs parseDemoArgs(const std::vector<std::string>& args) {
   c.timeout = parseTimeout(timeout);
   c.sequenceParallel = !noSequenceParallel && c.tp > 1;
   c.validate();
-  checkSizes(c, {SizeSources::Inputs::kFlags});
+  checkSizes(c, {SizeSources::Inputs::kFlags, ""});
   if (vm.count("trace") && trace.file.empty()) throw UsageError{"--trace: expected a file path, got an empty path"};
   checkTraceOptions(trace, !vm["clock"].defaulted(), !vm["device-model"].defaulted());
   c.record = !trace.file.empty();

@@ -2,7 +2,7 @@
 #include <boost/program_options.hpp>
 #include <cstdio>
 #include <cstdlib>
-#include <iostream>
+#include <sstream>
 #include <unistd.h>
 
 #include "tools/cli/cli.h"
@@ -13,9 +13,10 @@ namespace po = boost::program_options;
 
 namespace tpsim::tools {
 
-int layoutMain(const std::vector<std::string>& args) {
-  RunConfig c;
-  std::string layer, svg;
+LayoutArgs parseLayoutArgs(const std::vector<std::string>& args) {
+  LayoutArgs out;
+  RunConfig& c = out.config;
+  std::string layer;
   po::options_description par("Parallelism");
   addParallelismOptions(par, c, layer);
   po::options_description lay("Layer options (Megatron's constructor arguments)");
@@ -23,19 +24,32 @@ int layoutMain(const std::vector<std::string>& args) {
   po::options_description size("Problem size");
   addSizeOptions(size, c);
   po::options_description output("Output");
-  output.add_options()("svg", po::value(&svg), "also write the drawing as one standalone SVG page to FILE");
+  output.add_options()("svg", po::value(&out.svg), "also write the drawing as one standalone SVG page to FILE");
   po::options_description all("tpsim layout --layer KIND [options]");
   all.add(par).add(lay).add(size).add(output);
   const po::variables_map vm = parseOptions(args, all);
   if (vm.count("help")) {
-    std::cout << all << "\nText on stdout, coloured on a terminal unless NO_COLOR is set.\n"
-              << "exit codes: 0 drawn, 2 bad flags or sizes, or an --svg path that cannot be written\n";
-    return 0;
+    std::ostringstream help;
+    help << all << "\nText on stdout, coloured on a terminal unless NO_COLOR is set.\n"
+         << "exit codes: 0 drawn, 2 bad flags or sizes, or an --svg path that cannot be written\n";
+    out.help = help.str();
+    return out;
   }
   if (layer.empty()) throw UsageError{"--layer is required: " + layerKindNames()};
-  if (vm.count("svg") && svg.empty()) throw UsageError{"--svg: expected a file name, got an empty path"};
+  if (vm.count("svg") && out.svg.empty()) throw UsageError{"--svg: expected a file name, got an empty path"};
   c.layer = parseLayer(layer);
   applyLayerConventions(c);
+  return out;
+}
+
+int layoutMain(const std::vector<std::string>& args) {
+  const LayoutArgs parsed = parseLayoutArgs(args);
+  if (!parsed.help.empty()) {
+    std::fputs(parsed.help.c_str(), stdout);
+    return 0;
+  }
+  const RunConfig& c = parsed.config;
+  const std::string& svg = parsed.svg;
   const std::vector<TensorPlacement> placements = layoutPlacements(c);
   const char* noColour = std::getenv("NO_COLOR");
   const bool colour = isatty(fileno(stdout)) && (noColour == nullptr || *noColour == '\0');

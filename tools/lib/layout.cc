@@ -254,7 +254,7 @@ std::string xmlEscape(const std::string& s) {
 std::vector<TensorPlacement> layoutPlacements(const RunConfig& c) {
   c.validate();
   tensorShapes(c);  // sizes whose product overflows are refused here, naming the flags
-  checkSizes(c, {SizeSources::Inputs::kFlags});
+  checkSizes(c, {SizeSources::Inputs::kFlags, ""});
   return placementsOf(c);
 }
 
