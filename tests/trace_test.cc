@@ -5,6 +5,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdio>
 #include <fstream>
@@ -165,6 +166,32 @@ TEST(Trace, ModelTotalsAreTheSumOfTheirPartsOnARealRun) {
   }
   const auto measured = summarize(r.records, measuredTimeline(r.records));
   for (const RankSummary& s : measured) EXPECT_NEAR(s.total, s.compute + s.exposed + s.other, 1e-6 * s.total);
+}
+
+TEST(Trace, FileIsStrictJsonWithEveryEventAndNamesMadeValidUtf8) {
+  RunConfig c;
+  c.layer = layerKind("row");
+  c.tp = 2;
+  c.record = true;
+  const RunResult r = runSharded(c, generateInputs(c));
+  const std::vector<RankTimeline> timeline = measuredTimeline(r.records);
+  // A rank name with a stray byte, a quote and a newline; a clock naming a path that is not UTF-8.
+  const std::string text =
+      chromeTrace(r.records, timeline, {"rank \xff\"0\n", "rank 1"}, "model (/tmp/\xc3(device.txt)");
+  const nlohmann::json trace = nlohmann::json::parse(text);  // throws on invalid UTF-8, inf or NaN
+  EXPECT_EQ(trace["otherData"]["clock"], "model (/tmp/\xEF\xBF\xBD(device.txt)");
+  std::size_t spans = 0;
+  for (const nlohmann::json& e : trace["traceEvents"]) {
+    if (e["ph"] == "M" && e["name"] == "process_name" && e["pid"] == 0)
+      EXPECT_EQ(e["args"]["name"], "rank \xEF\xBF\xBD\"0\n");
+    if (e["ph"] == "X") ++spans;
+  }
+  std::size_t logged = 0;
+  for (const RankRecord& rec : r.records) logged += rec.compute.size() + rec.comms.size();
+  EXPECT_EQ(spans, logged) << "one complete event per logged op";
+  const std::vector<RankSummary> summary = summarize(r.records, timeline);
+  ASSERT_EQ(trace["otherData"]["ranks"].size(), summary.size());
+  EXPECT_NEAR(trace["otherData"]["ranks"][1]["total_us"].get<double>(), summary[1].total, 5e-4);
 }
 
 TEST(Trace, DeviceModelsArePresetsOrKeyValueFiles) {

@@ -6,8 +6,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <map>
-#include <sstream>
 #include <tuple>
+
+#include <nlohmann/json.hpp>
 
 #include "backends/errors.h"
 #include "backends/world/rendezvous.h"
@@ -18,6 +19,8 @@ namespace tpsim::tools {
 namespace {
 
 using Step = RankRecord::Step;
+// Insertion order kept: each event reads name first, as Chrome writes them.
+using Json = nlohmann::ordered_json;
 
 double since(TraceClock::time_point t0) {
   return std::chrono::duration<double, std::micro>(TraceClock::now() - t0).count();
@@ -336,56 +339,11 @@ double intersection(const std::vector<std::pair<double, double>>& a, const std::
   return total;
 }
 
-// The length of the UTF-8 sequence starting at s[i], or 0 when the bytes there are not one.
-std::size_t utf8Length(const std::string& s, std::size_t i) {
-  const unsigned char lead = static_cast<unsigned char>(s[i]);
-  const std::size_t n = lead < 0x80 ? 1 : (lead >> 5) == 0x6 ? 2 : (lead >> 4) == 0xe ? 3 : (lead >> 3) == 0x1e ? 4 : 0;
-  if (n == 0 || i + n > s.size()) return 0;
-  std::uint32_t code = n == 1 ? lead : lead & (0x7f >> n);
-  for (std::size_t k = 1; k < n; ++k) {
-    const unsigned char next = static_cast<unsigned char>(s[i + k]);
-    if ((next >> 6) != 0x2) return 0;
-    code = (code << 6) | (next & 0x3f);
-  }
-  // Overlong forms, surrogates and code points past U+10FFFF are not UTF-8 either.
-  const std::uint32_t least[] = {0, 0, 0x80, 0x800, 0x10000};
-  if (code < least[n] || (code >= 0xd800 && code <= 0xdfff) || code > 0x10ffff) return 0;
-  return n;
-}
-
-// A JSON string of s: quotes, backslashes and control characters escaped, and any byte that is no
-// part of a UTF-8 character (a path's, say) replaced by U+FFFD, so the file stays valid JSON.
-std::string jsonString(const std::string& s) {
-  std::string out = "\"";
-  for (std::size_t i = 0; i < s.size();) {
-    const unsigned char ch = static_cast<unsigned char>(s[i]);
-    const std::size_t n = utf8Length(s, i);
-    if (n == 0) {
-      out += "\\ufffd";
-      ++i;
-      continue;
-    }
-    if (ch == '"' || ch == '\\') out += '\\';
-    if (ch < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\u%04x", ch);
-      out += buf;
-    } else {
-      out.append(s, i, n);
-    }
-    i += n;
-  }
-  return out + "\"";
-}
-
-// Microseconds rounded to the nanosecond. Spans print their start and end rounded and their
+// Microseconds rounded to the nanosecond. Spans write their start and end rounded and their
 // duration as the difference, so touching spans on one track never overlap after rounding.
-double toNs(double v) { return std::round(v * 1000) / 1000; }
-std::string us(double v) {
+double toNs(double v) {
   TPSIM_INTERNAL_ASSERT(std::isfinite(v), "a trace time of ", v, " µs");  // the device model's ranges keep it finite
-  char buf[40];
-  std::snprintf(buf, sizeof buf, "%.3f", toNs(v));
-  return buf;
+  return std::round(v * 1000) / 1000;
 }
 
 }  // namespace
@@ -568,15 +526,9 @@ std::vector<RankSummary> summarize(const std::vector<RankRecord>& records, const
 
 std::string chromeTrace(const std::vector<RankRecord>& records, const std::vector<RankTimeline>& timeline,
                         const std::vector<std::string>& processNames, const std::string& clock) {
-  std::ostringstream os;
-  bool firstEvent = true;
-  auto event = [&](const std::string& body) {
-    os << (firstEvent ? "\n  {" : ",\n  {") << body << "}";
-    firstEvent = false;
-  };
-  auto meta = [&](const char* name, std::size_t pid, int tid, const std::string& args) {
-    event(detail::concat("\"name\":\"", name, "\",\"ph\":\"M\",\"ts\":0,\"pid\":", pid, ",\"tid\":", tid,
-                         ",\"args\":{", args, "}"));
+  Json events = Json::array();
+  auto meta = [&](const char* name, std::size_t pid, int tid, Json args) {
+    events.push_back({{"name", name}, {"ph", "M"}, {"ts", 0}, {"pid", pid}, {"tid", tid}, {"args", std::move(args)}});
   };
   // Each collective's op and members (pid, tid, span start, span end), to draw flows between.
   struct Members {
@@ -584,22 +536,24 @@ std::string chromeTrace(const std::vector<RankRecord>& records, const std::vecto
     std::vector<std::tuple<std::size_t, int, double, double>> spans;
   };
   std::map<std::pair<std::string, std::uint64_t>, Members> members;
-  os << "{\"displayTimeUnit\":\"ns\",\"traceEvents\":[";
   for (std::size_t r = 0; r < records.size(); ++r) {
     const RankRecord& rec = records[r];
     const RankTimeline& t = timeline[r];
-    meta("process_name", r, 0, "\"name\":" + jsonString(processNames[r]));
-    meta("process_sort_index", r, 0, detail::concat("\"sort_index\":", r));
-    meta("thread_name", r, 0, "\"name\":\"compute\"");
+    meta("process_name", r, 0, {{"name", processNames[r]}});
+    meta("process_sort_index", r, 0, {{"sort_index", r}});
+    meta("thread_name", r, 0, {{"name", "compute"}});
     for (std::size_t i = 0; i < rec.compute.size(); ++i) {
       const ComputeRecord& op = rec.compute[i];
-      std::string args = detail::concat("\"dtype\":", jsonString(op.dtype), ",\"bytes\":", std::int64_t(op.bytes));
-      if (op.name == "gemm")
-        args += detail::concat(",\"M\":", op.m, ",\"N\":", op.n, ",\"K\":", op.k, ",\"flops\":", std::int64_t(op.flops));
+      Json args = {{"dtype", op.dtype}, {"bytes", std::int64_t(op.bytes)}};
+      if (op.name == "gemm") {
+        args["M"] = op.m;
+        args["N"] = op.n;
+        args["K"] = op.k;
+        args["flops"] = std::int64_t(op.flops);
+      }
       const double begin = toNs(t.computeStart[i]), end = toNs(t.computeEnd[i]);
-      event(detail::concat("\"name\":", jsonString(op.name), ",\"cat\":\"compute\",\"ph\":\"X\",\"ts\":", us(begin),
-                           ",\"dur\":", us(end - begin), ",\"pid\":", r,
-                           ",\"tid\":0,\"args\":{", args, "}"));
+      events.push_back({{"name", op.name}, {"cat", "compute"}, {"ph", "X"}, {"ts", begin}, {"dur", toNs(end - begin)},
+                        {"pid", r}, {"tid", 0}, {"args", std::move(args)}});
     }
     // Collectives in flight at once go to separate tracks, so no track holds overlapping spans.
     std::vector<double> laneEnd;
@@ -611,14 +565,13 @@ std::string chromeTrace(const std::vector<RankRecord>& records, const std::vecto
       if (lane == laneEnd.size()) {
         laneEnd.push_back(0);
         meta("thread_name", r, int(lane) + 1,
-             lane == 0 ? std::string("\"name\":\"communication\"")
-                       : detail::concat("\"name\":\"communication ", lane + 1, "\""));
+             {{"name", lane == 0 ? std::string("communication") : detail::concat("communication ", lane + 1)}});
       }
       laneEnd[lane] = end;
-      event(detail::concat("\"name\":", jsonString(c.op), ",\"cat\":\"collective\",\"ph\":\"X\",\"ts\":", us(begin),
-                           ",\"dur\":", us(end - begin), ",\"pid\":", r, ",\"tid\":", lane + 1,
-                           ",\"args\":{\"op\":", jsonString(c.op), ",\"group\":", jsonString(c.group), ",\"seq\":",
-                           c.seq, ",\"dtype\":", jsonString(c.dtype), ",\"bytes\":", c.inBytes, "}"));
+      events.push_back({{"name", c.op}, {"cat", "collective"}, {"ph", "X"}, {"ts", begin}, {"dur", toNs(end - begin)},
+                        {"pid", r}, {"tid", lane + 1},
+                        {"args", {{"op", c.op}, {"group", c.group}, {"seq", c.seq}, {"dtype", c.dtype},
+                                  {"bytes", c.inBytes}}}});
       Members& m = members[{c.group, c.seq}];
       m.op = c.op;
       m.spans.push_back({r, int(lane) + 1, begin, end});
@@ -629,28 +582,30 @@ std::string chromeTrace(const std::vector<RankRecord>& records, const std::vecto
   for (const auto& [key, m] : members) {
     const auto& spans = m.spans;
     const auto& [pid0, tid0, b0, e0] = spans.front();
+    const std::string name = detail::concat(m.op, " ", key.first, " seq ", key.second);
     for (std::size_t i = 1; i < spans.size(); ++i) {
       const auto& [pid, tid, b, e] = spans[i];
       ++id;
-      const std::string common =
-          detail::concat("\"name\":", jsonString(detail::concat(m.op, " ", key.first, " seq ", key.second)),
-                         ",\"cat\":\"collective\",\"id\":", id);
-      event(detail::concat(common, ",\"ph\":\"s\",\"ts\":", us((b0 + e0) / 2), ",\"pid\":", pid0, ",\"tid\":", tid0));
-      event(detail::concat(common, ",\"ph\":\"f\",\"bp\":\"e\",\"ts\":", us((b + e) / 2), ",\"pid\":", pid,
-                           ",\"tid\":", tid));
+      events.push_back({{"name", name}, {"cat", "collective"}, {"id", id}, {"ph", "s"}, {"ts", toNs((b0 + e0) / 2)},
+                        {"pid", pid0}, {"tid", tid0}});
+      events.push_back({{"name", name}, {"cat", "collective"}, {"id", id}, {"ph", "f"}, {"bp", "e"},
+                        {"ts", toNs((b + e) / 2)}, {"pid", pid}, {"tid", tid}});
     }
   }
-  os << "\n],\n\"otherData\":{\"clock\":" << jsonString(clock) << ",\"ranks\":[";
+  Json ranks = Json::array();
   const std::vector<RankSummary> summary = summarize(records, timeline);
   for (std::size_t r = 0; r < summary.size(); ++r) {
     const RankSummary& s = summary[r];
-    os << (r ? "," : "") << "\n  {\"rank\":" << r << ",\"compute_us\":" << us(s.compute)
-       << ",\"communication_us\":" << us(s.communication) << ",\"exposed_us\":" << us(s.exposed)
-       << ",\"overlap_us\":" << us(s.overlap) << ",\"other_us\":" << us(s.other) << ",\"total_us\":" << us(s.total)
-       << "}";
+    ranks.push_back({{"rank", r}, {"compute_us", toNs(s.compute)}, {"communication_us", toNs(s.communication)},
+                     {"exposed_us", toNs(s.exposed)}, {"overlap_us", toNs(s.overlap)}, {"other_us", toNs(s.other)},
+                     {"total_us", toNs(s.total)}});
   }
-  os << "\n]}}\n";
-  return os.str();
+  const Json trace = {{"displayTimeUnit", "ns"},
+                      {"traceEvents", std::move(events)},
+                      {"otherData", {{"clock", clock}, {"ranks", std::move(ranks)}}}};
+  // Bytes that are no part of a UTF-8 character (a path's, say) become U+FFFD, so the file stays
+  // valid JSON; an indent of one keeps it readable line by line.
+  return trace.dump(1, ' ', false, Json::error_handler_t::replace) + "\n";
 }
 
 }  // namespace tpsim::tools
