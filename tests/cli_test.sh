@@ -944,6 +944,15 @@ check ckpt-deep-header 2 "rank-00001.safetensors: expected a JSON header nested 
 hostile no-chunks "$work/ck-small" sealed 'index["tensors"]["empty"] = {"dtype": "F32", "global_shape": [0], "saved_global_shape": [0], "chunks": []}'
 check ckpt-no-chunks 2 "key 'empty': chunks: expected at least one chunk, got none" -- \
   "$tpsim" checkpoint inspect "$work/hostile/no-chunks"
+# A shard larger than the memory there is (sparse here, so the disk need not hold it), its size in
+# the index: refused from the index's sizes before it is read, not paged in until the machine gives out.
+hostile huge-shard "$work/ck-small" sealed 'import os
+size = int([l for l in open("/proc/meminfo") if l.startswith("MemAvailable:")][0].split()[1]) * 1024 + 2**30
+os.truncate(f"{directory}/rank-00000.safetensors", size)
+index["files"]["rank-00000.safetensors"]["size"] = size'
+check ckpt-huge-shard 2 "rank-00000.safetensors: expected a checkpoint whose files fit in memory, got " -- \
+  timeout 60 "$tpsim" checkpoint inspect "$work/hostile/huge-shard"
+rm -rf "$work/hostile/huge-shard"
 # Safetensors data bytes are all indexed: a hole before the first tensor, between two, after the last.
 check ckpt-bias 0 "checkpoint saved" -- "$tpsim" run --layer column --tp 2 --bias --save-checkpoint "$work/ck-bias"
 hostile hole-before "$work/ck-bias" sealed 'hole("rank-00000.safetensors", "before")'

@@ -13,6 +13,7 @@
 
 #include "backends/errors.h"
 #include "tools/lib/input_file.h"
+#include "tools/lib/memory.h"
 #include "tools/lib/output_files.h"
 
 namespace tpsim {
@@ -805,6 +806,10 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
     // file -> its tensors by name, each with whether a chunk names it
     std::map<std::string, std::unordered_map<std::string, std::pair<SafetensorsTensor, bool>>> headers;
     std::map<std::string, int> writers;
+    // Every file is held whole while the checkpoint is read: those read so far and the next, as the
+    // index sizes them, must fit in the memory there was at the start, before the next is read.
+    const std::optional<tools::AvailableMemory> available = tools::availableMemory();
+    double held = 0;
     for (const auto& [file, rec] : readObject(index, "files", where).items()) {
       TPSIM_CHECK(isPlainFileName(file), where, ": expected plain file names, got ", nameText(file));
       const std::string fw = (fs::path(dir) / file).string();
@@ -817,6 +822,10 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
       // Before reading: a file of another size, however large, is never read.
       TPSIM_CHECK(input.size() == size, fw, ": expected ", size, " bytes (the index's size), got ", input.size(),
                   "; the file is truncated or was replaced");
+      held += double(size);
+      TPSIM_CHECK(!available || held <= double(available->bytes), fw,
+                  ": expected a checkpoint whose files fit in memory, got ", tools::bytesText(held), " with this file (the index's sizes), more than the ",
+                  tools::bytesText(double(available->bytes)), " available (", available->source, ")");
       std::vector<char> bytes = input.readAll(size);
       const std::uint64_t n = safetensorsHeaderLength(bytes, fw), header = fnv1a64(bytes.data(), std::size_t(8 + n));
       TPSIM_CHECK(header == wantHeader, fw, ": expected header checksum ", hex64(wantHeader), " (the index's), got ",
