@@ -626,6 +626,21 @@ check ckpt-missing 2 "rank-00002.safetensors: expected a readable safetensors fi
 # a writer), the index up to 64 MiB, and a file only once its size is the index's. The 1 TiB files
 # are sparse: read before that check, they would not fit in memory.
 check ckpt-small 0 "checkpoint saved" -- "$tpsim" run --layer column --save-checkpoint "$work/ck-small"
+# A load waits for a save of another process into the checkpoint's directory (it holds the
+# directory's lock), with a note, then reads the checkpoint whole.
+python3 - "$work/ck-small" <<'PY' &
+import fcntl, os, sys, time
+held = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(held, fcntl.LOCK_EX)
+open(sys.argv[1] + ".held", "w").close()
+time.sleep(2)
+PY
+lock_pid=$!
+until [ -e "$work/ck-small.held" ] || ! kill -0 $lock_pid 2>/dev/null; do sleep 0.01; done
+check ckpt-load-waits 0 "checkpoint $work/ck-small: waiting for another process writing into it" -- \
+  "$tpsim" checkpoint inspect "$work/ck-small"
+wait $lock_pid
+rm -f "$work/ck-small.held"
 mkdir -p "$work/ck-odd"
 odd_checkpoint() {  # odd_checkpoint NAME FILE: a copy of ck-small without FILE, for a test to put one there
   rm -rf "${work:?}/ck-odd/$1"
@@ -766,7 +781,7 @@ print(" ".join(os.listdir(sys.argv[1])), end="")  # what was written while the l
 PY
 lock_pid=$!
 until [ -e "$w/locked.held" ] || ! kill -0 $lock_pid 2>/dev/null; do sleep 0.01; done
-check save-lock 0 "waiting for another process writing into the same directory" -- \
+check save-lock 0 "waiting for another process reading or writing the same directory" -- \
   "$tpsim" run --layer column --save "$w/locked"
 wait $lock_pid
 if [ -s "$w/lock-verdict" ] || [ ! -f "$w/locked/output.npy" ]; then

@@ -770,6 +770,7 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
   // A checkpoint's files lie in its directory: a name that resolves elsewhere (a symlink out of
   // it) is refused once opened, so that what the open refuses (a FIFO behind a link) says so first.
   const fs::path home = fs::canonical(dir);
+  const tools::DirectoryReadLock noWriterMeanwhile(dir);
   // Messages name the file, and what it should be: "checkpoint ck/index.json: expected a readable
   // index (written last by a complete save), got no such file".
   const auto openFile = [&home](const std::string& path, const std::string& kind, const std::string& what) {

@@ -16,6 +16,7 @@
 #include <mutex>
 
 #include "backends/errors.h"
+#include "tools/lib/input_file.h"
 
 namespace fs = std::filesystem;
 
@@ -281,7 +282,7 @@ int OutputFiles::lockDirectoryOf(const std::string& path) {
   }
   int locked = ::flock(fd, LOCK_EX | LOCK_NB);
   if (locked != 0 && errno == EWOULDBLOCK) {
-    std::fprintf(stderr, "tpsim: %s: waiting for another process writing into the same directory\n",
+    std::fprintf(stderr, "tpsim: %s: waiting for another process reading or writing the same directory\n",
                  flag_.rfind("--", 0) == 0 ? flag_.c_str() : "output");
     do {
       locked = ::flock(fd, LOCK_EX);
@@ -297,6 +298,39 @@ int OutputFiles::lockDirectoryOf(const std::string& path) {
   gLocks[key] = {fd, 1};
   locked_.push_back(key);
   return fd;
+}
+
+DirectoryReadLock::DirectoryReadLock(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  struct stat st {};
+  if (fd < 0 || ::fstat(fd, &st) != 0) {
+    if (fd >= 0) ::close(fd);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(gMutex);
+    if (gLocks.count({st.st_dev, st.st_ino})) {
+      ::close(fd);
+      return;
+    }
+  }
+  int locked = ::flock(fd, LOCK_SH | LOCK_NB);
+  if (locked != 0 && errno == EWOULDBLOCK) {
+    std::fprintf(stderr, "tpsim: checkpoint %s: waiting for another process writing into it\n",
+                 printable(dir).c_str());
+    do {
+      locked = ::flock(fd, LOCK_SH);
+    } while (locked != 0 && errno == EINTR);
+  }
+  if (locked != 0) {
+    ::close(fd);
+    return;
+  }
+  fd_ = fd;
+}
+
+DirectoryReadLock::~DirectoryReadLock() {
+  if (fd_ >= 0) ::close(fd_);
 }
 
 void OutputFiles::release() {

@@ -125,4 +125,21 @@ class OutputFiles {
   std::vector<std::pair<dev_t, ino_t>> locked_;  // the directories this set has locked
 };
 
+// A shared lock (flock) on a directory whose files are read as one (a checkpoint's), held while it
+// lives: a writer of another process finishes before the reading starts, and none starts until it
+// ends; waiting for one, it says so on stderr. It takes none on a directory this process writes
+// into (a lock there would wait for itself; FileUses refuses reading one's own outputs), nor where
+// the directory cannot be opened or locked (the reader then names what is wrong, and a write under
+// it shows as a size or checksum that disagrees with the index).
+class DirectoryReadLock {
+ public:
+  explicit DirectoryReadLock(const std::string& dir);
+  ~DirectoryReadLock();
+  DirectoryReadLock(const DirectoryReadLock&) = delete;
+  DirectoryReadLock& operator=(const DirectoryReadLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
 }  // namespace tpsim::tools
