@@ -35,7 +35,7 @@ struct StreamOwner;  // the device and stream a tensor is freed on (gpu_compute.
 //    GpuCompute's stream did not drain within the deadline.
 //  - NaN results of arithmetic may carry other payloads than on the CPU; NaN stays NaN.
 //  - gemm runs on cuBLASLt: fp32 (no TF32), bf16 and fp16 with fp32 accumulation, fp64 in fp64;
-//    a 16-bit c is rounded once. Operands without a unit-stride mode go through a contiguous copy.
+//    a 16-bit c is rounded once (with beta != 0, through an fp32 copy of c). Operands without a unit-stride mode go through a contiguous copy.
 class GpuCompute final : public Compute {
  public:
   // Selects `device` (a CUDA device index) and creates the stream and the cuBLASLt workspace there,

@@ -2,7 +2,7 @@
 // and transposed views (bitwise, but GeLU within a few ulp), gemm within its error bound for every
 // dtype, layout and zero size, the argument checks, memory lifetime, and the deadline on host
 // waits. Without a device these tests skip with the probe's reason; the probe and the environment
-// checks run everywhere. A .cu file: the deadline and lifetime tests launch a kernel that spins.
+// checks run everywhere.
 #include "gpu/gpu_compute.h"
 
 #include <gtest/gtest.h>
@@ -19,6 +19,7 @@
 #include "gpu/check.h"
 #include "gpu/device.h"
 #include "sim/sim_compute.h"
+#include "tests/gpu_stuck_kernel.h"
 #include "tests/gpu_test_util.h"
 
 namespace tpsim::gpu {
@@ -27,6 +28,7 @@ namespace {
 using gputest::Bytes;
 using gputest::EnvGuard;
 using gputest::Layout;
+using gputest::StuckKernel;
 using gputest::Twin;
 
 const Probe& probed() {
@@ -193,10 +195,10 @@ TEST_F(GpuComputeTest, UnstorableValuesAreRejectedBeforeAnyWrite) {
 TEST_F(GpuComputeTest, ChecksNameTheArgumentAsSimComputeDoes) {
   Tensor host = sim_.empty({4}, DType::kFloat32);
   Tensor y = gpu_->empty({4}, DType::kFloat32), bf = gpu_->empty({4}, DType::kBFloat16);
-  expectThrows([&] { gpu_->axpy(1.f, host, y); }, "axpy: x must be CUDA memory, got fp32 (4) on host");
-  expectThrows([&] { gpu_->axpy(1.f, y, bf); }, "axpy: y must have x's dtype fp32 or a wider one, got bf16 (4)");
+  expectThrows([&] { gpu_->axpy(1.f, host, y); }, "axpy: x must be CUDA memory, got fp32 (4,) on host");
+  expectThrows([&] { gpu_->axpy(1.f, y, bf); }, "axpy: y must have x's dtype fp32 or a wider one, got bf16 (4,)");
   expectThrows([&] { gpu_->copy(y, gpu_->empty({5}, DType::kFloat32)); },
-               "copy: y must have x's shape (4), got fp32 (5)");
+               "copy: y must have x's shape (4,), got fp32 (5,)");
   Tensor a = gpu_->empty({2, 3}, DType::kFloat32), b = gpu_->empty({3, 4}, DType::kFloat32);
   Tensor c16 = gpu_->empty({2, 4}, DType::kBFloat16);
   expectThrows([&] { gpu_->gemm(a, b, c16); }, "gemm: c must have a's dtype fp32, got bf16 (2, 4)");
@@ -368,39 +370,6 @@ TEST_F(GpuComputeTest, GemmIsReproducibleAcrossCallsAndRanks) {
 }
 
 // ---- Streams, deadlines and lifetime ------------------------------------------------------------
-
-// Spins until the host sets *flag, or for at most `cycles` clock cycles (so a failing test ends).
-__global__ void spinUntilReleased(const volatile int* flag, long long cycles) {
-  const long long start = clock64();
-  while (*flag == 0 && clock64() - start < cycles) {
-  }
-}
-
-// A kernel that spins on `stream` until release() (or for ~20 s at 2 GHz, so a failing test ends),
-// through a pinned and mapped flag.
-class StuckKernel {
- public:
-  explicit StuckKernel(cudaStream_t stream) {
-    TPSIM_CUDA_CHECK(cudaHostAlloc(&flag_, sizeof(int), cudaHostAllocMapped));
-    *static_cast<volatile int*>(flag_) = 0;
-    int* deviceFlag = nullptr;
-    TPSIM_CUDA_CHECK(cudaHostGetDevicePointer(&deviceFlag, flag_, 0));
-    spinUntilReleased<<<1, 1, 0, stream>>>(deviceFlag, 40'000'000'000LL);
-    TPSIM_CUDA_CHECK_LAUNCH("spinUntilReleased");
-  }
-  ~StuckKernel() {
-    release();
-    cudaDeviceSynchronize();  // the kernel reads the flag until it ends
-    cudaFreeHost(flag_);
-  }
-  StuckKernel(const StuckKernel&) = delete;
-  StuckKernel& operator=(const StuckKernel&) = delete;
-
-  void release() { *static_cast<volatile int*>(flag_) = 1; }
-
- private:
-  int* flag_ = nullptr;
-};
 
 TEST(GpuComputeDeadline, HostWaitsTimeOutInsteadOfHanging) {
   TPSIM_REQUIRE_DEVICE();

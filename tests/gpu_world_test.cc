@@ -6,10 +6,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <thread>
 
@@ -18,6 +18,7 @@
 #include "gpu/gpu_compute.h"
 #include "gpu/world.h"
 #include "sim/world.h"
+#include "tests/gpu_stuck_kernel.h"
 #include "tests/gpu_test_util.h"
 #include "tests/sim_test_util.h"
 
@@ -295,29 +296,22 @@ TEST(GpuWorldFailures, ARankThrowingPastAnExecutedCollectiveLeavesTheWorldUsable
   for (int r = 0; r < o.size; ++r) EXPECT_TRUE(got[r] == want[r]) << "rank " << r;
 }
 
-// Holds a stream from the host: a host function on it returns only once `released` is set.
-std::atomic<bool> released{true};
-void CUDART_CB waitForRelease(void*) {
-  while (!released.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-}
-
-// A stream that never finishes (a kernel that hangs, here a host function that waits) fails run()
-// with kBackend within TPSIM_GPU_TIMEOUT_MS, and the world's teardown returns instead of hanging.
+// A stream that never finishes (a kernel that hangs) fails run() with kBackend within
+// TPSIM_GPU_TIMEOUT_MS, and the world's teardown returns instead of hanging.
 TEST(GpuWorldFailures, AStuckStreamFailsRunAndTeardownWithinTheDeadline) {
   SKIP_WITHOUT_GPU();
   gputest::EnvGuard env("TPSIM_GPU_TIMEOUT_MS", "300");
-  released = false;
+  std::unique_ptr<gputest::StuckKernel> stuck;
   const auto start = std::chrono::steady_clock::now();
   {
     WorldOptions o;
     o.size = 2;
     gpu::World world(o, {gpu::TransportKind::kDeviceFabric, 0});
     try {
-      world.run([](RankContext& ctx) {
+      world.run([&](RankContext& ctx) {
         Tensor x = ctx.compute.zeros({4}, DType::kFloat32);
         if (ctx.comm.rank() == 0)
-          TPSIM_CUDA_CHECK(cudaLaunchHostFunc(static_cast<gpu::GpuCompute&>(ctx.compute).stream(), waitForRelease,
-                                              nullptr));
+          stuck = std::make_unique<gputest::StuckKernel>(static_cast<gpu::GpuCompute&>(ctx.compute).stream());
         ctx.comm.allReduce(x)->wait();  // the fabric's stream, and rank 1's after it, wait for rank 0's
       });
       ADD_FAILURE() << "run() returned normally";
@@ -329,7 +323,7 @@ TEST(GpuWorldFailures, AStuckStreamFailsRunAndTeardownWithinTheDeadline) {
     }
   }
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
-  released = true;  // the streams the world left behind drain on their own
+  stuck.reset();  // released: the streams the world left behind drain on their own
 }
 
 // Rank code that never reads a result on the host still ends with its collectives done: the next
