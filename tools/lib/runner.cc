@@ -241,6 +241,7 @@ ReferenceOptions referenceOptions(const RunConfig& c, std::vector<TensorPlacemen
   o.tp = c.tp;
   o.computeDtype = c.dtype;
   o.outputDtype = c.outputDtype.value_or(c.dtype);
+  o.wgradDtype = c.layer->wgradDtype(c);
   o.gtpRemat = c.gtpRemat;
   o.gtpWireDtype = c.layer->gtpWireDtype(c);
   o.weightFormat = c.weightFormat;
