@@ -57,8 +57,8 @@ struct ReferenceOptions {
   std::int64_t mlpBlockElements = std::int64_t(1) << 21;
 };
 
-// The layer kind's reference (options.layer), with what every kind shares added to its bounds: the
-// GTP_remat reduce-scatter's roundings of weight gradients and gradual underflow.
+// The layer kind's reference (options.layer), with what every kind shares added to its bounds:
+// gradual underflow, the GTP_remat reduce-scatter's on weight gradients included.
 std::map<std::string, Checked> denseReference(const ReferenceOptions& options, const TensorMap& inputs);
 
 // The kinds' references, as their descriptors name them. linearReference: one linear layer
