@@ -6,7 +6,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 
 namespace tpsim::tools {
 namespace {
@@ -394,6 +396,36 @@ TEST(Runner, GroupedExpertsAreExactOnIntegers) {
     for (const Verdict& v : verify(c, in, r.results, VerifyMode::kExact, r.placements))
       EXPECT_EQ(v.outside, 0) << kind << ": " << v.name << " max error " << v.maxError;
   }
+}
+
+// The table's slack is the least bound/|err| over a result's elements: "inf" where every element
+// is exact, "-" under --verify exact, below 1 once an element leaves its bound.
+TEST(Runner, SlackIsTheLeastBoundOverErrorOfAnElement) {
+  RunConfig c;
+  c.tp = 2;
+  c.dtype = DType::kBFloat16;
+  const TensorMap in = generateInputs(c);
+  const RunResult r = runSharded(c, in);
+  const auto reference = referenceFor(c, in, r.placements);
+  TensorMap exact;
+  for (const Verdict& v : verify(c, in, r.results, VerifyMode::kBound, r.placements)) {
+    const Checked& ref = reference.at(v.name);
+    double least = INFINITY;
+    for (std::size_t i = 0; i < ref.bound.size(); ++i)
+      least = std::min(least, ref.bound[i] / std::fabs(r.results.at(v.name).values[i] - ref.value.values[i]));
+    EXPECT_EQ(v.slack, least) << v.name;
+    EXPECT_GT(v.slack, 1) << v.name;
+    char text[32];
+    std::snprintf(text, sizeof text, "%.3g", least);
+    EXPECT_EQ(slackText(v), text) << v.name;
+    exact[v.name] = ref.value;
+  }
+  for (const Verdict& v : verify(c, in, exact, VerifyMode::kBound, r.placements)) EXPECT_EQ(slackText(v), "inf");
+  for (const Verdict& v : verify(c, in, r.results, VerifyMode::kExact, r.placements)) EXPECT_EQ(slackText(v), "-");
+  TensorMap corrupt = r.results;
+  corrupt.at("output").values[3] += 1;
+  for (const Verdict& v : verify(c, in, corrupt, VerifyMode::kBound, r.placements))
+    EXPECT_TRUE(v.name != "output" || v.slack < 1) << v.name << " slack " << v.slack;
 }
 
 TEST(Runner, GroupedExpertIdsOutsideTheExpertsAreNamed) {

@@ -125,14 +125,16 @@ int demoMain(const std::vector<std::string>& args) {
   }
 
   std::printf("\n# verification against the unsharded computation in double precision\n");
-  std::printf("# bound: (reduction length · 2^-24 + rounding stages · u(dtype)) · (the same math on |values|)\n");
-  std::printf("%-18s %-14s %12s %12s %9s  %s\n", "tensor", "shape", "max|err|", "bound", "#outside", "result");
+  std::printf("# bound: ((reduction length + 2) · 2^-24 + roundings · u(dtype)) · (the same math on |values|)\n");
+  std::printf("# slack: the least bound / |err| of an element (docs/bounds.md)\n");
+  std::printf("%-18s %-14s %12s %12s %9s %9s  %s\n", "tensor", "shape", "max|err|", "bound", "slack", "#outside",
+              "result");
   bool ok = true;
   std::string notes;
   for (const Verdict& v : verify(c, inputs, r)) {
     ok = ok && v.outside == 0;
-    std::printf("%-18s %-14s %12.3e %12.3e %9lld  %s\n", v.name.c_str(), v.shape.c_str(), v.maxError, v.maxBound,
-                (long long)v.outside, verdictResult(v).c_str());
+    std::printf("%-18s %-14s %12.3e %12.3e %9s %9lld  %s\n", v.name.c_str(), v.shape.c_str(), v.maxError, v.maxBound,
+                slackText(v).c_str(), (long long)v.outside, verdictResult(v).c_str());
     notes += outsideNote(v) + nonFiniteNote(v);
   }
   if (!notes.empty()) std::printf("\n%s", notes.c_str());

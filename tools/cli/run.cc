@@ -383,11 +383,12 @@ int runMain(const std::vector<std::string>& args) {
     std::printf("\n");
     if (verifyMode == VerifyMode::kExact)
       std::printf("# --verify exact: every element must equal the unsharded result rounded to its dtype\n");
-    std::printf("%-18s %-16s %12s %12s %9s  %s\n", "tensor", "shape", "max|err|", "bound", "#outside", "result");
+    std::printf("%-18s %-16s %12s %12s %9s %9s  %s\n", "tensor", "shape", "max|err|", "bound", "slack", "#outside",
+                "result");
     for (const Verdict& v : verify(c, inputs, result, verifyMode)) {
       ok = ok && v.outside == 0;
-      std::printf("%-18s %-16s %12.3e %12.3e %9lld  %s\n", v.name.c_str(), v.shape.c_str(), v.maxError, v.maxBound,
-                  (long long)v.outside, verdictResult(v).c_str());
+      std::printf("%-18s %-16s %12.3e %12.3e %9s %9lld  %s\n", v.name.c_str(), v.shape.c_str(), v.maxError, v.maxBound,
+                  slackText(v).c_str(), (long long)v.outside, verdictResult(v).c_str());
       notes += outsideNote(v) + nonFiniteNote(v);
     }
   }

@@ -89,6 +89,12 @@ std::string LayerKind::placementOf(const std::string& name) const {
   return name;
 }
 
+DType LayerKind::wgradDtype(const RunConfig& c) const {
+  // GTP_remat turns fusion off; its wgrad is computed in the wire dtype (core/linear.cc, core/embedding.cc).
+  if (c.gtpRemat > 1) return gtpWireDtype(c);
+  return c.gradAccumulationFusion ? c.mainGradDtype : c.dtype;  // the runner allocates main_grad (runner.cc)
+}
+
 const GtpWeightSpec* gtpWeightOf(const RunConfig& c, const std::string& name) {
   for (const GtpWeightSpec& w : c.layer->gtpWeights()) {
     if (w.name == name) return &w;

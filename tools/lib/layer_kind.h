@@ -125,6 +125,10 @@ class LayerKind {
   virtual std::string checkpointKind() const { return name(); }
   // The dtype GTP_remat reduce-scatters a weight gradient in (SPEC 4.5): its main_grad's.
   virtual DType gtpWireDtype(const RunConfig& config) const { return config.mainGradDtype; }
+  // The dtype a weight gradient is rounded into where its sum ends, which its bound counts: the
+  // wire dtype under GTP_remat, main_grad's under gradient-accumulation fusion (the GEMM adds into
+  // it), else the compute dtype (autograd's grad).
+  DType wgradDtype(const RunConfig& config) const;
   // Whether small-integer inputs give results every step computes exactly (--verify exact, the
   // property suite's exact mode): not through GeLU.
   virtual bool exactOnSmallIntegers() const { return true; }

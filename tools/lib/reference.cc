@@ -300,18 +300,33 @@ double unitRoundoff(DType dtype) {
   }
 }
 
-// The relative part of a result's bound: length · u_acc + stages · u_store.
-double relativeBound(double uAcc, std::int64_t length, int stages, DType storeDtype) {
-  return double(length + 2) * uAcc + double(stages) * unitRoundoff(storeDtype);
-}
+// `stages` roundings into `dtype`, relative: stages · u(dtype).
+double roundings(int stages, DType dtype) { return double(stages) * unitRoundoff(dtype); }
 
-// A dense result and its bound: (length · u_acc + stages · u_store) · magnitude. The gradual
+// The relative part of a result's bound: (length + 2) · u_acc + its storage roundings.
+double relativeBound(double uAcc, std::int64_t length, double rounding) { return double(length + 2) * uAcc + rounding; }
+
+// A dense result and its bound: ((length + 2) · u_acc + rounding) · magnitude. The gradual
 // underflow allowance is added once per reference (denseReference).
 Checked checked(double uAcc, std::vector<std::int64_t> shape, DType dtype, Mat value, Mat magnitude,
-                std::int64_t length, int stages, DType storeDtype) {
-  const double rel = relativeBound(uAcc, length, stages, storeDtype);
+                std::int64_t length, double rounding) {
+  const double rel = relativeBound(uAcc, length, rounding);
   for (double& m : magnitude.v) m *= rel;
   return {HostTensor{std::move(shape), dtype, std::move(value.v)}, std::move(magnitude.v)};
+}
+
+// Whether `grad` is a gradient GTP_remat reduce-scatters: one whose placement is a GTP_remat shard's.
+bool gtpReduced(const ReferenceOptions& o, const std::string& grad) {
+  return o.gtpRemat > 1 && std::any_of(o.placements.begin(), o.placements.end(), [&](const TensorPlacement& p) {
+           return p.name == grad && p.gtpShard;
+         });
+}
+
+// The storage roundings of the weight gradient `grad` once its sum is done: one into the dtype it
+// lands in (wgradDtype: main_grad's under fusion) and, when GTP_remat reduce-scatters it, G more in
+// the wire dtype (G − 1 partial sums and MEAN's 1/G pre-scale).
+double wgradRoundings(const ReferenceOptions& o, const std::string& grad) {
+  return roundings(1, o.wgradDtype) + (gtpReduced(o, grad) ? roundings(o.gtpRemat, o.gtpWireDtype) : 0.0);
 }
 
 // The indices along `weight`'s TP dim that TP rank t holds, in the rank's order: the layer's own
@@ -393,30 +408,31 @@ const HostTensor& gemmOperand(const ReferenceOptions& o, const HostTensor& w, co
   return quantized;
 }
 
-// One linear layer y = x·Wᵀ + b and its gradients, written into `out` under `prefix`. wFprop and
-// wDgrad are the weight as the forward and the dgrad GEMM read it (W itself unless quantized).
+// One linear layer y = x·Wᵀ + b and its gradients, written into `out` as output, input.grad,
+// <weight>.grad and bias.grad; `weight` names the weight as its placement does. wFprop and wDgrad
+// are the weight as the forward and the dgrad GEMM read it (W itself unless quantized).
 void linearLayer(const ReferenceOptions& o, const HostTensor& x, const HostTensor& wFprop, const HostTensor& wDgrad,
-                 const HostTensor* b, const HostTensor& dy, const std::string& prefix,
-                 std::map<std::string, Checked>& out, int extraStages) {
+                 const HostTensor* b, const HostTensor& dy, const std::string& weight,
+                 std::map<std::string, Checked>& out) {
   const MatrixView X = viewOf(x), W = viewOf(wFprop), Wd = viewOf(wDgrad), dY = viewOf(dy);
   const Upper aX = upperAbs(X), aW = upperAbs(W), adY = upperAbs(dY);
   const Upper aWd = &wDgrad == &wFprop ? Upper{} : upperAbs(Wd);
   const Upper& dgradMagnitude = &wDgrad == &wFprop ? aW : aWd;
   const std::vector<double>* bias = b ? &b->values : nullptr;
   const DType c = o.computeDtype;
-  const int reduceStages = o.tp;  // partial sums rounded once each, then added in rank order
+  const int stages = 1 + o.tp;  // the GEMM's (or the sum's) rounding; T partial sums rounded and added
   Mat ay = upperLinear(aX, aW);
   if (b) addRows(ay, absColumnSums(viewOf(*b)));
-  out[prefix + "output"] = checked(o.accumulationUnit, withLast(x.shape, W.rows()), o.outputDtype, linear(X, W, bias),
-                                   std::move(ay), X.cols(), 1 + extraStages + reduceStages, o.outputDtype);
-  out[prefix + "input.grad"] = checked(o.accumulationUnit, x.shape, c, matmul(dY, Wd), upperMatmul(adY, dgradMagnitude),
-                                       W.rows(), 1 + extraStages + reduceStages, c);
-  out[prefix + "weight.grad"] = checked(o.accumulationUnit, wFprop.shape, c, transposeMatmul(dY, X),
-                                        upperTransposeMatmul(adY, aX), X.rows(), 1 + extraStages, c);
+  out["output"] = checked(o.accumulationUnit, withLast(x.shape, W.rows()), o.outputDtype, linear(X, W, bias),
+                          std::move(ay), X.cols(), roundings(stages, o.outputDtype));
+  out["input.grad"] = checked(o.accumulationUnit, x.shape, c, matmul(dY, Wd), upperMatmul(adY, dgradMagnitude),
+                              W.rows(), roundings(stages, c));
+  out[weight + ".grad"] = checked(o.accumulationUnit, wFprop.shape, c, transposeMatmul(dY, X),
+                                  upperTransposeMatmul(adY, aX), X.rows(), wgradRoundings(o, weight + ".grad"));
   if (b) {
     Mat db{1, dY.cols(), columnSums(dY)}, adb{1, dY.cols(), absColumnSums(dY)};
-    out[prefix + "bias.grad"] = checked(o.accumulationUnit, b->shape, c, std::move(db), std::move(adb), dY.rows(),
-                                        1 + extraStages + reduceStages, c);
+    out["bias.grad"] = checked(o.accumulationUnit, b->shape, c, std::move(db), std::move(adb), dY.rows(),
+                               roundings(stages, c));
   }
 }
 
@@ -434,7 +450,7 @@ Checked partialDgrads(const ReferenceOptions& o, const HostTensor& x, const Host
     const Mat dYt = evaluate(dY(Eigen::all, owned)), Wt = evaluate(W(owned, Eigen::all));
     const std::int64_t n = std::int64_t(rows.size());
     const Checked part = checked(o.accumulationUnit, x.shape, o.computeDtype, matmul(dYt, Wt),
-                                 upperMatmul(upperAbs(dYt), upperAbs(Wt)), n, 1, o.computeDtype);
+                                 upperMatmul(upperAbs(dYt), upperAbs(Wt)), n, roundings(1, o.computeDtype));
     all.value.values.insert(all.value.values.end(), part.value.values.begin(), part.value.values.end());
     all.bound.insert(all.bound.end(), part.bound.begin(), part.bound.end());
   }
@@ -451,18 +467,12 @@ std::map<std::string, Checked> denseReference(const ReferenceOptions& o, const T
   TPSIM_INTERNAL_ASSERT(o.layer != nullptr, "denseReference: no layer kind");
   std::map<std::string, Checked> out = o.layer->reference(o, in);
   const double underflow = underflowAllowance(o, in);
-  // The GTP_remat reduce-scatter's roundings: each at most u(wire)·magnitude, and the bound holds at
-  // least u(compute)·magnitude (its storage rounding), so they fit in a factor; plus their underflow.
-  const bool gtp = o.gtpRemat > 1;
-  const double gtpFactor = gtp ? 1.0 + o.gtpRemat * unitRoundoff(o.gtpWireDtype) / unitRoundoff(o.computeDtype) : 1.0;
-  const double gtpUnderflow = gtp ? o.gtpRemat * halfSubnormal(o.gtpWireDtype) : 0.0;
+  // The GTP_remat reduce-scatter's roundings are in each kind's weight gradients (wgradRoundings);
+  // their underflow, up to G roundings near zero in the wire dtype, is added here.
+  const double gtpUnderflow = o.gtpRemat * halfSubnormal(o.gtpWireDtype);
   for (auto& [name, c] : out) {
-    // A gradient GTP_remat reduce-scatters is one whose placement is a GTP_remat shard's.
-    const std::string& result = name;
-    const bool gtpWeight = gtp && std::any_of(o.placements.begin(), o.placements.end(), [&](const TensorPlacement& p) {
-                             return p.name == result && p.gtpShard;
-                           });
-    for (double& b : c.bound) b = (gtpWeight ? b * gtpFactor + gtpUnderflow : b) + underflow;
+    const double allowance = underflow + (gtpReduced(o, name) ? gtpUnderflow : 0.0);
+    for (double& b : c.bound) b += allowance;
   }
   return out;
 }
@@ -474,7 +484,7 @@ std::map<std::string, Checked> linearReference(const ReferenceOptions& o, const 
   HostTensor fpropMxfp8, dgradMxfp8;
   const HostTensor& wDgrad = gemmOperand(o, w, "weight", 0, dgradMxfp8);
   linearLayer(o, need(in, "input"), gemmOperand(o, w, "weight", 1, fpropMxfp8), wDgrad,
-              b == in.end() ? nullptr : &b->second, need(in, "grad_output"), "", out, 0);
+              b == in.end() ? nullptr : &b->second, need(in, "grad_output"), "weight", out);
   if (o.disableGradReduce)
     out["input.grad"] = partialDgrads(o, need(in, "input"), wDgrad, need(in, "grad_output"),
                                       placementNamed(o.placements, "weight"));
@@ -499,10 +509,9 @@ std::map<std::string, Checked> embeddingReference(const ReferenceOptions& o, con
       adW.v[std::int64_t(ids.values[i]) * h + j] += std::fabs(dy.values[i * h + j]);
     }
   const Mat eMat = asMat(e);
-  out["output"] = checked(o.accumulationUnit, e.shape, e.dtype, eMat, absMat(eMat), 0, 1 + o.tp, e.dtype);
+  out["output"] = checked(o.accumulationUnit, e.shape, e.dtype, eMat, absMat(eMat), 0, roundings(1 + o.tp, e.dtype));
   out["weight.grad"] = checked(o.accumulationUnit, need(in, "weight").shape, e.dtype, dW, adW,
-                               std::int64_t(ids.values.size()), 1,
-                               e.dtype);
+                               std::int64_t(ids.values.size()), wgradRoundings(o, "weight.grad"));
   return out;
 }
 
@@ -538,10 +547,13 @@ std::map<std::string, Checked> mlpReference(const ReferenceOptions& o, const Ten
   const double uEval = unitRoundoff(DType::kFloat32);
   const double aErr = 1.13 * (double(h + 2) * uAcc + 2 * unitRoundoff(c)) + 4 * uEval;
   const double dhErr = 1.13 * (double(h + 2) * uAcc + 4 * unitRoundoff(c)) + 8 * uEval;
-  const double relY = relativeBound(uAcc, f, stages + T, o.outputDtype);
-  const double relW2 = relativeBound(uAcc, tokens, stages, c);
-  const double relX = relativeBound(uAcc, f, stages + T, c), relW1 = relativeBound(uAcc, tokens, stages, c);
-  const double relB1 = relativeBound(uAcc, tokens, stages + T, c);
+  // A weight gradient's own GEMM rounds into its dtype (main_grad's under fusion), the MLP's two
+  // more stages stay in the compute dtype.
+  const double relY = relativeBound(uAcc, f, roundings(stages + T, o.outputDtype));
+  const double relW2 = relativeBound(uAcc, tokens, roundings(stages - 1, c) + wgradRoundings(o, "fc2.weight.grad"));
+  const double relX = relativeBound(uAcc, f, roundings(stages + T, c));
+  const double relW1 = relativeBound(uAcc, tokens, roundings(stages - 1, c) + wgradRoundings(o, "fc1.weight.grad"));
+  const double relB1 = relativeBound(uAcc, tokens, roundings(stages + T, c));
 
   // Every element of the (tokens, F) intermediates depends on one row of W1 and one column of
   // W2, so F goes through in blocks: the intermediates exist for one block at a time, in
@@ -629,7 +641,7 @@ std::map<std::string, Checked> mlpReference(const ReferenceOptions& o, const Ten
   out["fc1.bias.grad"] = {HostTensor{b1.shape, c, std::move(db1)}, std::move(db1Bound)};
   out["fc2.weight.grad"] = {HostTensor{w2f.shape, c, std::move(dW2.v)}, std::move(boundW2.v)};
   out["fc2.bias.grad"] = checked(uAcc, b2.shape, c, Mat{1, h, columnSums(dY)}, Mat{1, h, absColumnSums(dY)}, tokens,
-                                 stages + T, c);
+                                 roundings(stages + T, c));
   return out;
 }
 
@@ -673,10 +685,10 @@ std::map<std::string, Checked> groupedReference(const ReferenceOptions& o, const
     }
     std::map<std::string, Checked> part;
     const HostTensor& w = need(in, weight);
-    linearLayer(o, rowsOf(x, rows), w, w, b == in.end() ? nullptr : &b->second, rowsOf(dy, rows), "", part, 0);
+    linearLayer(o, rowsOf(x, rows), w, w, b == in.end() ? nullptr : &b->second, rowsOf(dy, rows), weight, part);
     scatter(part.at("output"), rows, out["output"]);
     scatter(part.at("input.grad"), rows, out["input.grad"]);
-    out[weight + ".grad"] = std::move(part.at("weight.grad"));
+    out[weight + ".grad"] = std::move(part.at(weight + ".grad"));
     if (b != in.end()) out[bias + ".grad"] = std::move(part.at("bias.grad"));
   }
   return out;

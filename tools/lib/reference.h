@@ -2,12 +2,14 @@
 //
 // One dense forward and backward per layer kind, on the same (already dtype-rounded) inputs the
 // sharded run received, plus an error bound per element: |sharded - dense| <= bound. The bound
-// is first-order: (reduction length · u_acc + rounding stages · u_dtype) · magnitude, where the
-// magnitude is the same computation on absolute values (|X|·|W|ᵀ + |b|, ...; its products in float
-// or bf16, rounded so that they only err upwards: magnitudeProduct), plus an allowance for
-// gradual underflow ((T + 3)·δ·(1 + 1.13·S), δ half the smallest subnormal, S the largest ℓ1 norm
-// of an input; it matters for fp16 only). It is a tool's tolerance, derived from the data, not a
-// proof.
+// is first-order: ((reduction length + 2) · u_acc + Σ storage roundings, each u of the dtype it
+// rounds into) · magnitude, where the magnitude is the same computation on absolute values
+// (|X|·|W|ᵀ + |b|, ...; its products in float or bf16, rounded so that they only err upwards:
+// magnitudeProduct), plus an allowance for gradual underflow ((T + 3)·δ·(1 + 1.13·S), δ half the
+// smallest subnormal, S the largest ℓ1 norm of an input; it matters for fp16 only). A weight
+// gradient rounds into the dtype it lands in (wgradDtype: main_grad's under fusion, the wire
+// dtype under GTP_remat). It is a tool's tolerance, derived from the data, not a proof;
+// docs/bounds.md gives it per layer kind, with the tests that pin it and show how tight it is.
 #pragma once
 
 #include <map>
@@ -35,6 +37,9 @@ struct ReferenceOptions {
   int tp = 1;                            // number of partial sums a reduction adds
   DType computeDtype = DType::kFloat32;  // the activations' dtype
   DType outputDtype = DType::kFloat32;
+  // The dtype a weight gradient is rounded into where its sum ends (LayerKind::wgradDtype): the
+  // compute dtype, main_grad's under gradient-accumulation fusion, the wire dtype under GTP_remat.
+  DType wgradDtype = DType::kFloat32;
   // GTP_remat: a weight gradient also goes through a reduce-scatter in its wire dtype (up to G
   // roundings: G − 1 partial sums and MEAN's 1/G pre-scale).
   int gtpRemat = 1;
@@ -52,8 +57,8 @@ struct ReferenceOptions {
   std::int64_t mlpBlockElements = std::int64_t(1) << 21;
 };
 
-// The layer kind's reference (options.layer), with what every kind shares added to its bounds: the
-// GTP_remat reduce-scatter's roundings of weight gradients and gradual underflow.
+// The layer kind's reference (options.layer), with what every kind shares added to its bounds:
+// gradual underflow, the GTP_remat reduce-scatter's on weight gradients included.
 std::map<std::string, Checked> denseReference(const ReferenceOptions& options, const TensorMap& inputs);
 
 // The kinds' references, as their descriptors name them. linearReference: one linear layer

@@ -241,6 +241,7 @@ ReferenceOptions referenceOptions(const RunConfig& c, std::vector<TensorPlacemen
   o.tp = c.tp;
   o.computeDtype = c.dtype;
   o.outputDtype = c.outputDtype.value_or(c.dtype);
+  o.wgradDtype = c.layer->wgradDtype(c);
   o.gtpRemat = c.gtpRemat;
   o.gtpWireDtype = c.layer->gtpWireDtype(c);
   o.weightFormat = c.weightFormat;
@@ -284,6 +285,7 @@ std::vector<Verdict> verify(const RunConfig& c, const TensorMap& inputs, const T
     const auto other = otherCopies.find(name);
     const HostTensor* copies = other == otherCopies.end() ? nullptr : &other->second;
     Verdict v{name, shapeText(got.shape)};
+    if (mode == VerifyMode::kExact) v.slack = std::numeric_limits<double>::quiet_NaN();
     for (std::size_t i = 0; i < got.values.size(); ++i) {
       // An element is as wrong as its worst copy.
       const double value = copies && !(std::fabs(copies->values[i] - ref.value.values[i]) <=
@@ -293,6 +295,8 @@ std::vector<Verdict> verify(const RunConfig& c, const TensorMap& inputs, const T
       const double err = std::fabs(value - ref.value.values[i]);
       if (std::isnan(err) || err > v.maxError) v.maxError = err;  // once NaN, max|err| stays NaN
       v.maxBound = std::max(v.maxBound, ref.bound[i]);
+      if (std::isnan(err)) v.slack = err;
+      else if (err > 0 && !std::isnan(v.slack)) v.slack = std::min(v.slack, ref.bound[i] / err);
       if (!(err <= ref.bound[i]) && v.outside++ == 0) {
         v.firstOutside = std::int64_t(i);
         v.firstOutsideError = err;
@@ -303,6 +307,14 @@ std::vector<Verdict> verify(const RunConfig& c, const TensorMap& inputs, const T
     out.push_back(v);
   }
   return out;
+}
+
+std::string slackText(const Verdict& v) {
+  if (std::isnan(v.slack)) return "-";
+  if (std::isinf(v.slack)) return "inf";
+  char text[32];
+  std::snprintf(text, sizeof text, "%.3g", v.slack);
+  return text;
 }
 
 std::string verdictResult(const Verdict& v) { return v.nonFinite ? "NON-FINITE" : v.outside == 0 ? "OK" : "FAIL"; }

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -64,6 +65,10 @@ struct Verdict {
   std::string shape;
   double maxError = 0;
   double maxBound = 0;
+  // The least bound/|err| over the elements: how many times their errors could grow before one
+  // leaves its bound. Inf where every element is exact; NaN under kExact (no tolerance) or once an
+  // error is NaN.
+  double slack = std::numeric_limits<double>::infinity();
   std::int64_t outside = 0;  // elements beyond their bound
   std::int64_t firstOutside = -1;  // flat index of the first, with its error and bound
   double firstOutsideError = 0, firstOutsideBound = 0;
@@ -86,6 +91,8 @@ std::vector<Verdict> verify(const RunConfig& config, const TensorMap& inputs, co
 // The same for a run's result.
 std::vector<Verdict> verify(const RunConfig& config, const TensorMap& inputs, const RunResult& result,
                             VerifyMode mode = VerifyMode::kBound);
+// The table's slack column: %.3g, "inf" where every element is exact, "-" where there is none.
+std::string slackText(const Verdict& v);
 // The table's result column ("OK", "FAIL", "NON-FINITE"), and the lines under the table: for a
 // result outside its bound, how many elements and where the first is; for one holding NaN or Inf,
 // how many and where the first is ("" otherwise).
