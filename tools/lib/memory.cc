@@ -41,7 +41,7 @@ std::optional<double> readNumber(const std::string& file) {
 //              peers split the batch): each rank's input and grad_output as backend tensors (4 bytes
 //              an element), input.grad and output as backend tensors (4) and as doubles (8), and the
 //              holes the conversions' freed doubles leave between them in the one heap (2 to 5,
-//              measured); a share split along the sequence passes whole through the rank's
+//              measured); in a sequence-parallel run a split share passes whole through the rank's
 //              all-gather or reduce-scatter (4 bytes an element of the whole)
 //   shards     (32 + 32(G - 1))Wp: each parameter's shard and gradient as doubles and backend tensors,
 //              main_grad, GTP_remat's gathers
