@@ -138,6 +138,13 @@ class LayerKind {
   // beyond its results, in elements (the memory estimate's terms; 0 for a single GEMM).
   virtual double stepIntermediates(const RunConfig&, const ShapeMap&) const { return 0; }
   virtual double referenceIntermediates(const RunConfig&, const ShapeMap&) const { return 0; }
+  // What one rank holds of the run's input and of its gradient, and of grad_output and the output,
+  // as a fraction of the whole: 1 where TP replicates it (the default, the most a rank can hold),
+  // 1/T where TP splits it (the memory estimate's rank copies).
+  struct RankShare {
+    double input = 1, output = 1;
+  };
+  virtual RankShare rankShare(const RunConfig&) const { return {}; }
 
   // The groups a rank's modules run on: the dense TP, GTP_remat and DP-CP groups (the experts: the
   // expert grid's).

@@ -29,29 +29,26 @@ std::optional<double> readNumber(const std::string& file) {
 
 }  // namespace
 
-// Counted in doubles (8 bytes), as the tools hold every unsharded tensor. With X, Y and W the
-// input, output-gradient and parameter elements, H the MLP's tokens x F, T ranks and G GTP_remat
-// peers:
-//   run:    8(X + Y)  the inputs, the per-rank results as doubles, their reassembly
-//         + T(2X + Y) each rank's own copy of the full input and output gradient, and of x
-//         + (8 + 4(G - 1))Wp shards, backend copies, gradients, main_grad, GTP_remat gathers, with
-//                     Wp the parameters' elements with GTP_remat's pad rows
-//         + S         the kind's per-rank intermediates (LayerKind::stepIntermediates: the MLP's
-//                     H, GeLU(H), dA, dH in fp32, 2H)
-//   verify: 4W + R    the reference's |W| copies and products, and what the kind's reference holds
-//                     at once (LayerKind::referenceIntermediates: the MLP's (tokens, F) matrices,
-//                     for a block of F at a time, 8·min(H, max(2^21, 256 tokens))); freed run memory
-//                     that malloc keeps is why it adds to the run, not maxes.
-// Estimate / peak RSS measured with /usr/bin/time -v (Release, 2-core VM), 26 runs: 1.17-1.62.
-// column (s=256, b=4, K=N=1024) T=1 1.46, T=4 1.47 (--verify none 1.34), T=8 SP bias 1.50,
-// T=4 G=2 1.49, --disable-grad-reduce 1.46; (s=16, b=2, K=2048, N=4096) T=2 1.56 (none 1.17);
-// mxfp8 T=8 G=4 1.44; row T=4 1.24, SP 1.60; embedding (V=8192, h=512) T=1 1.36, T=4 1.21,
-// T=4 G=2 1.26; mlp (s=128, b=4, h=256, F=2048) T=4 1.31 (none 1.36), T=2 G=2 SP 1.41, --load
-// T=2 1.27; (s=64, b=4, h=128, F=4096) T=1 1.40, T=8 1.62. Since the reference takes F in blocks
-// and the CLI keeps freed memory for reuse (tools/cli/main.cc), 6 runs: 1.47-2.39: mlp (s=512, b=4,
-// h=1024, F=4096) T=4 SP 2.39 (none 1.92), (s=128, b=4, h=256, F=2048) T=4 1.57, (s=64, b=4,
-// h=128, F=4096) T=1 1.48, T=8 1.47, (s=256, b=8, h=512, F=8192) T=2 1.88; column (s=256, b=4,
-// K=N=1024) T=4 2.01.
+// The sum of what holds memory at the peak, in bytes (docs/memory.md has the measurements). With X,
+// Y and W the input, output-gradient and parameter elements (Wp: with GTP_remat's pad rows), T ranks
+// and G GTP_remat peers, and every tensor the tools hold unsharded counted as doubles:
+//   program    16 MiB + 256 KiB a rank: the binary, its libraries, the threads' and fibers' stacks
+//   inputs     8(X + Y + W): the unsharded tensors, held through the run and the verification
+//   results    8(X + Y + W), and at T > 1 8(X + Y): the results reassembled, and the farthest copy of
+//              each one the ranks replicate (output, input.grad)
+// then the larger of the run's working set and the verification's, which reuses what the ranks freed:
+//   copies     21T(fX·X + fY·Y), with f the rank's share of the tensor (LayerKind::rankShare; the G
+//              peers split the batch): each rank's input and grad_output as backend tensors (4 bytes
+//              an element), input.grad and output as backend tensors (4) and as doubles (8), and the
+//              holes the conversions' freed doubles leave between them in the one heap (2 to 5,
+//              measured); in a sequence-parallel run a split share passes whole through the rank's
+//              all-gather or reduce-scatter (4 bytes an element of the whole)
+//   shards     (32 + 32(G - 1))Wp: each parameter's shard and gradient as doubles and backend tensors,
+//              main_grad, GTP_remat's gathers
+//   step       8S: the kind's other per-rank intermediates (LayerKind::stepIntermediates, in doubles)
+//   reference  48(X + Y + W) + 8R: the dense results, their bounds and the magnitudes behind them, the
+//              operands' magnitudes, the holes between them, and what the kind's reference holds at
+//              once besides (LayerKind::referenceIntermediates, in doubles)
 double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode verify) {
   const double T = c.tp, G = c.gtpRemat;
   const double x = numel(shapes, "input"), y = numel(shapes, "grad_output");
@@ -72,11 +69,19 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
     const double padRows = double(slices) * double(gtpRematShardDim0(rows / slices, c.gtpRemat, c.padForAlignment).padLength);
     held += padRows * (n / double(rows));
   }
-  double doubles = 8 * (x + y) + T * (2 * x + y) + (8 + 4 * (G - 1)) * held + c.layer->stepIntermediates(c, shapes);
-  if (c.disableGradReduce) doubles += 3 * T * x;  // input.grad is (T, s, b, K): results and reference
-  if (verify != VerifyMode::kNone) doubles += 4 * w + c.layer->referenceIntermediates(c, shapes);
-  const double base = 16.0 * (1 << 20) + 256.0 * 1024 * T * G;  // the program, threads, fiber stacks
-  return base + 8 * doubles;
+  const double program = 16.0 * (1 << 20) + 256.0 * 1024 * T * G;
+  const double inputs = 8 * (x + y + w);
+  double results = 8 * (x + y + w) + (c.tp > 1 ? 8 * (x + y) : 0);
+  if (c.disableGradReduce) results += 24 * T * x;  // input.grad is (T, s, b, K): results and reference
+  const LayerKind::RankShare share = c.layer->rankShare(c);
+  const bool sequenceSplit = c.sequenceParallel || c.reduceScatterEmbeddings;
+  auto rankCopies = [&](double f, double n) { return T * (21 * f * n + (f < 1 && sequenceSplit ? 4 * n : 0)); };
+  const double copies = rankCopies(share.input, x) + rankCopies(share.output, y);
+  const double shards = (32 + 32 * (G - 1)) * held;
+  const double step = 8 * c.layer->stepIntermediates(c, shapes);
+  const double reference =
+      verify == VerifyMode::kNone ? 0 : 48 * (x + y + w) + 8 * c.layer->referenceIntermediates(c, shapes);
+  return program + inputs + results + std::max(copies + shards + step, reference);
 }
 
 std::optional<AvailableMemory> availableMemory() {

@@ -1,9 +1,10 @@
 // How much memory a `tpsim run` will take at its peak, estimated from its configuration and input
 // shapes before any tensor is allocated, and how much this machine has to give it.
 //
-// The estimate is a model of the run's largest buffers (the global tensors as doubles, every
-// rank's copies and shards, the verifier's double-precision working set) with coefficients fitted
-// to measured peaks so that it errs high, not an accounting of every allocation.
+// The estimate is a sum of what holds memory at the peak (the global tensors as doubles, every
+// rank's copies and shards, the verifier's double-precision working set), each term's bytes per
+// element measured so that it errs high: within 1.3 times the peak where the ranks' copies dominate
+// (tests/memory_estimate_test.cc), not an accounting of every allocation (docs/memory.md).
 #pragma once
 
 #include <cstdint>

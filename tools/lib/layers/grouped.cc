@@ -133,6 +133,12 @@ class GroupedKind final : public LayerKind {
     return t;
   }
   const std::vector<GtpWeightSpec>& gtpWeights() const override { return gtpWeights_; }
+  // Column: the tokens whole, the output split along N. Row: the tokens split along K, the output
+  // each rank's partial sum, whole.
+  RankShare rankShare(const RunConfig& c) const override {
+    const double split = 1.0 / double(c.tp);
+    return mode_ == GroupedParallelMode::kColumn ? RankShare{1.0, split} : RankShare{split, 1.0};
+  }
   // The experts' weights and biases are saved as one key each, expert i at index i of its leading axis.
   CheckpointSlot checkpointSlot(const std::string& parameter) const override {
     const std::size_t digits = parameter.find_first_of("0123456789");

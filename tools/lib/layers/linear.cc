@@ -70,7 +70,7 @@ template <class Linear>
 class LinearKind : public LayerKind {
  public:
   LinearKind(const char* name, bool cutsOutput, std::vector<LayerOption> options, GtpWeightSpec gtpWeight)
-      : name_(name), options_(std::move(options)), gtpWeights_{std::move(gtpWeight)} {
+      : name_(name), cutsOutput_(cutsOutput), options_(std::move(options)), gtpWeights_{std::move(gtpWeight)} {
     using D = SizeSpec::Divisor;
     sizes_ = {{"s", "seq", &RunConfig::seq, "the sequence length s", "input", 0, D::kSequenceSplit},
               {"b", "batch", &RunConfig::batch, "the batch b", "input", 1, D::kGtpRemat},
@@ -99,9 +99,17 @@ class LinearKind : public LayerKind {
   std::map<std::string, Checked> reference(const ReferenceOptions& o, const TensorMap& in) const override {
     return linearReference(o, in);
   }
+  // Column: the input whole unless sequence-parallel, the output split unless gathered. Row: the
+  // input split only when it comes parallel, the output whole unless sequence-parallel.
+  RankShare rankShare(const RunConfig& c) const override {
+    const double split = 1.0 / double(c.tp);
+    if (cutsOutput_) return {c.sequenceParallel ? split : 1.0, c.gatherOutput ? 1.0 : split};
+    return {c.inputIsParallel ? split : 1.0, c.sequenceParallel ? split : 1.0};
+  }
 
  private:
   const char* name_;
+  bool cutsOutput_;
   std::vector<LayerOption> options_;
   std::vector<SizeSpec> sizes_;
   std::vector<GtpWeightSpec> gtpWeights_;

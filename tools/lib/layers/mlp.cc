@@ -113,6 +113,11 @@ class MlpKind final : public LayerKind {
     double tokens = 0;
     return 2 * hiddenElements(shapes, tokens);
   }
+  // The block's input and output: whole on every rank, split along the sequence when sequence-parallel.
+  RankShare rankShare(const RunConfig& c) const override {
+    const double share = c.sequenceParallel ? 1.0 / double(c.tp) : 1.0;
+    return {share, share};
+  }
   // The reference holds its (tokens, F) matrices for a block of F at a time (mlpReference).
   double referenceIntermediates(const RunConfig&, const ShapeMap& shapes) const override {
     double tokens = 0;

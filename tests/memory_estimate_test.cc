@@ -1,0 +1,88 @@
+// The memory estimate measured: `tpsim run` at 1, 4, 16 and 64 ranks, on a row layer whose input
+// and output every rank holds whole, so that the ranks' copies dominate the peak. The estimate
+// `tpsim run` checks (parseRunArgs, tensorShapes, estimateRunBytes: what runMain calls) must be at
+// least the child's peak resident memory, and at most 1.3 times it.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "tools/cli/cli.h"
+#include "tools/lib/memory.h"
+
+namespace tpsim::tools {
+namespace {
+
+struct Peak {
+  long maxRssKiB = -1;
+  int status = -1;  // the run's wait status
+};
+
+// Runs `tpsim args...` with its output discarded, from a process forked for it alone, so that
+// getrusage(RUSAGE_CHILDREN) there reports this run's peak and no earlier one's.
+Peak peakOf(const std::vector<std::string>& args) {
+  std::vector<std::string> argv{TPSIM_BINARY};
+  argv.insert(argv.end(), args.begin(), args.end());
+  std::vector<char*> cargv;
+  for (std::string& a : argv) cargv.push_back(a.data());
+  cargv.push_back(nullptr);
+  int fds[2];
+  if (pipe(fds) != 0) return {};
+  const pid_t measurer = fork();
+  if (measurer == 0) {  // only async-signal-safe calls from here on
+    close(fds[0]);
+    Peak p;
+    const pid_t run = fork();
+    if (run == 0) {
+      const int null = open("/dev/null", O_WRONLY);
+      dup2(null, STDOUT_FILENO);
+      execv(cargv[0], cargv.data());
+      _exit(127);
+    }
+    rusage usage{};
+    if (run > 0 && waitpid(run, &p.status, 0) == run && getrusage(RUSAGE_CHILDREN, &usage) == 0)
+      p.maxRssKiB = usage.ru_maxrss;
+    _exit(write(fds[1], &p, sizeof p) == ssize_t(sizeof p) ? 0 : 1);
+  }
+  close(fds[1]);
+  Peak p;
+  if (measurer < 0 || read(fds[0], &p, sizeof p) != ssize_t(sizeof p)) p = {};
+  close(fds[0]);
+  if (measurer > 0) waitpid(measurer, nullptr, 0);
+  return p;
+}
+
+class MemoryEstimate : public ::testing::TestWithParam<int> {};
+
+TEST_P(MemoryEstimate, CoversTheMeasuredPeakWithin30Percent) {
+  const int tp = GetParam();
+  const std::vector<std::string> args{"--layer", "row", "--tp", std::to_string(tp), "--batch", "16", "--seq", "64",
+                                      "--in-features", "1024", "--out-features", "256", "--threads", "2"};
+  const RunArgs parsed = parseRunArgs(args);
+  const double estimate = estimateRunBytes(parsed.config, tensorShapes(parsed.config), parsed.verify);
+  std::vector<std::string> run{"run"};
+  run.insert(run.end(), args.begin(), args.end());
+  const Peak peak = peakOf(run);
+  ASSERT_GT(peak.maxRssKiB, 0) << "T=" << tp << ": no peak resident memory read for the run";
+  ASSERT_TRUE(WIFEXITED(peak.status) && WEXITSTATUS(peak.status) == 0)
+      << "T=" << tp << ": tpsim run ended with wait status " << peak.status;
+  const double measured = double(peak.maxRssKiB) * 1024, ratio = estimate / measured;
+  char ratioText[16];
+  std::snprintf(ratioText, sizeof ratioText, "%.3f", ratio);
+  const std::string figures = "T=" + std::to_string(tp) + ": estimate " + bytesText(estimate) + ", peak RSS " +
+                              bytesText(measured) + ", ratio " + ratioText;
+  EXPECT_GE(ratio, 1.0) << figures << ": the estimate must not be under the peak";
+  EXPECT_LE(ratio, 1.3) << figures << ": the estimate must be within 1.3 times the peak";
+  std::printf("%s\n", figures.c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, MemoryEstimate, ::testing::Values(1, 4, 16, 64),
+                         [](const ::testing::TestParamInfo<int>& info) { return "T" + std::to_string(info.param); });
+
+}  // namespace
+}  // namespace tpsim::tools
