@@ -75,6 +75,34 @@ else
     echo "FAIL layout-no-colour: ANSI colour with NO_COLOR set"; failures=$((failures + 1))
   fi
 fi
+# A run's progress on a terminal (script(1) gives stderr one; stdout goes to /dev/null): the phase
+# line, then each phase's time; none with --quiet, before TPSIM_PROGRESS_AFTER_MS (2 s), or where
+# stderr is not a terminal; a failed run's error on a clean line with no times above it.
+fail_progress() { echo "FAIL $1:"; cat -v <<<"$2" | tail -n 5; failures=$((failures + 1)); }
+if ! command -v script >/dev/null || ! script -qc true /dev/null >/dev/null 2>&1; then
+  echo "skip progress-*: script(1) cannot open a pseudo-terminal here"
+else
+  shown=$(script -qec "TPSIM_PROGRESS_AFTER_MS=0 '$tpsim' run --layer mlp --tp 4 --sequence-parallel --save '$work/progress' >/dev/null" /dev/null)
+  phases='tpsim run: [0-9.]+ s: generate [0-9.]+ s, forward [0-9.]+ s, backward [0-9.]+ s, assemble [0-9.]+ s, verify [0-9.]+ s, save [0-9.]+ s'
+  if ! grep -qF $'\r\033[Ktpsim run: ' <<<"$shown" || ! grep -qE "$phases" <<<"$shown"; then
+    fail_progress progress-terminal "$shown"
+  else
+    echo "ok   progress-terminal"; passed=$((passed + 1))
+  fi
+  for args in "TPSIM_PROGRESS_AFTER_MS=0 '$tpsim' run --layer row --tp 2 --quiet" "'$tpsim' run --layer row --tp 2"; do
+    shown=$(script -qec "$args >/dev/null" /dev/null)
+    if [ -n "$shown" ]; then fail_progress "progress-silent ($args)" "$shown"; else echo "ok   progress-silent"; passed=$((passed + 1)); fi
+  done
+  shown=$(script -qec "TPSIM_PROGRESS_AFTER_MS=0 '$tpsim' run --layer mlp --tp 2 --sequence-parallel --inject 1:1:op >/dev/null" /dev/null)
+  if grep -qE 'tpsim run: [0-9.]+ s:' <<<"$shown" || ! grep -qF $'\r\033[Ktpsim run: the simulated world failed' <<<"$shown"; then
+    fail_progress progress-failed "$shown"
+  else
+    echo "ok   progress-failed"; passed=$((passed + 1))
+  fi
+fi
+check progress-not-terminal 0 "" -- bash -c "TPSIM_PROGRESS_AFTER_MS=0 '$tpsim' run --layer row --tp 2 2>&1 >/dev/null | grep -c . && exit 1; exit 0"
+check progress-delay-bad 2 "TPSIM_PROGRESS_AFTER_MS: expected whole milliseconds from 0 to 999999999, got '2s'" -- \
+  env TPSIM_PROGRESS_AFTER_MS=2s "$tpsim" run --layer row
 check layout-svg 0 "wrote $work/col.svg" -- "$tpsim" layout --layer column --tp 2 --gtp-remat 2 --bias --svg "$work/col.svg"
 check layout-svg-tiles 0 "panels tile exactly" -- /usr/bin/python3 "$(dirname "$0")/layout_svg_check.py" "$work/col.svg" \
   weight bias output input.grad.partial weight.grad

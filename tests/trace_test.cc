@@ -182,8 +182,9 @@ TEST(Trace, FileIsStrictJsonWithEveryEventAndNamesMadeValidUtf8) {
   EXPECT_EQ(trace["otherData"]["clock"], "model (/tmp/\xEF\xBF\xBD(device.txt)");
   std::size_t spans = 0;
   for (const nlohmann::json& e : trace["traceEvents"]) {
-    if (e["ph"] == "M" && e["name"] == "process_name" && e["pid"] == 0)
+    if (e["ph"] == "M" && e["name"] == "process_name" && e["pid"] == 0) {
       EXPECT_EQ(e["args"]["name"], "rank \xEF\xBF\xBD\"0\n");
+    }
     if (e["ph"] == "X") ++spans;
   }
   std::size_t logged = 0;

@@ -40,6 +40,8 @@ struct RunArgs {
   std::string loadCheckpoint, saveCheckpoint;  // "" when not given
   std::optional<std::int64_t> maxMemory;   // --max-memory, bytes
   TraceOptions trace;                      // --trace, --clock, --device-model
+  bool quiet = false;                      // --quiet: no progress line on stderr
+  std::chrono::milliseconds progressAfter{0};  // TPSIM_PROGRESS_AFTER_MS
   std::string help;                        // --help: the text to print (and nothing to run)
 };
 RunArgs parseRunArgs(const std::vector<std::string>& args);

@@ -276,7 +276,10 @@ RunArgs parseRunArgs(const std::vector<std::string>& args) {
        "--dtype (input and grad_output still from --load or generated)")
       ("save-checkpoint", po::value(&out.saveCheckpoint),
        "write the parameters (as loaded or generated: run takes no step) as a sharded checkpoint to DIR")
-      ("timeout", po::value(&timeout)->default_value(timeout)->value_name("SECONDS"), kTimeoutHelp);
+      ("timeout", po::value(&timeout)->default_value(timeout)->value_name("SECONDS"), kTimeoutHelp)
+      ("quiet,q", po::bool_switch(&out.quiet),
+       "no progress line on stderr (shown only where stderr is a terminal, once a run has lasted "
+       "TPSIM_PROGRESS_AFTER_MS, default 2000)");
   po::options_description faults("Faults (what a broken rank looks like to its peers)");
   faults.add_options()("inject", po::value(&injects)->composing()->value_name("RANK:K:FAULT"), kInjectHelp);
   po::options_description timeline("Timeline");
@@ -328,6 +331,7 @@ RunArgs parseRunArgs(const std::vector<std::string>& args) {
   checkTraceOptions(trace, !vm["clock"].defaulted(), !vm["device-model"].defaulted());
   c.record = !trace.file.empty();
   if (!out.loadCheckpoint.empty() || !out.saveCheckpoint.empty()) checkCheckpointable(c);
+  out.progressAfter = progressDelay();
   return out;
 }
 
@@ -337,6 +341,7 @@ int runMain(const std::vector<std::string>& args) {
     std::cout << parsed.help;
     return 0;
   }
+  Progress progress("tpsim run", progressWanted(parsed.quiet), parsed.progressAfter);
   RunConfig c = parsed.config;
   const std::string &loadDir = parsed.loadDir, &saveDir = parsed.saveDir;
   const std::string &loadCheckpoint = parsed.loadCheckpoint, &saveCheckpoint = parsed.saveCheckpoint;
@@ -346,6 +351,7 @@ int runMain(const std::vector<std::string>& args) {
   std::optional<CheckpointReader> reader;
   TensorMap params;
   if (!loadCheckpoint.empty()) {
+    progress.phase("load checkpoint");
     reader.emplace(loadCheckpoint);
     params = checkpointParams(c, *reader, loadCheckpoint);
   }
@@ -361,57 +367,72 @@ int runMain(const std::vector<std::string>& args) {
 
   if (!saveDir.empty()) prepareSaveDir("save", saveDir);
   if (!saveCheckpoint.empty()) prepareSaveDir("save-checkpoint", saveCheckpoint);
-  std::printf("# tpsim run: %s\n", c.str().c_str());
+  progress.above([&] { std::printf("# tpsim run: %s\n", c.str().c_str()); });
+  progress.phase(loadDir.empty() ? "generate" : "load");
   TensorMap inputs = loadDir.empty() ? generateInputs(c) : load(c, loadDir, !reader);
   for (auto& [name, t] : params) inputs[name] = std::move(t);
   checkInputs(c, inputs, sources);
-  std::printf("# inputs (%s%s%s):", loadDir.empty() ? "generated" : loadDir.c_str(),
-              reader ? "; parameters from checkpoint " : "", reader ? loadCheckpoint.c_str() : "");
-  for (const auto& [name, t] : inputs) std::printf(" %s %s", name.c_str(), shapeText(t.shape).c_str());
-  std::printf("\n");
+  progress.above([&] {
+    std::printf("# inputs (%s%s%s):", loadDir.empty() ? "generated" : loadDir.c_str(),
+                reader ? "; parameters from checkpoint " : "", reader ? loadCheckpoint.c_str() : "");
+    for (const auto& [name, t] : inputs) std::printf(" %s %s", name.c_str(), shapeText(t.shape).c_str());
+    std::printf("\n");
+  });
   CheckpointWriter writer(c.layer->name());
-  const RunResult result =
-      runSharded(c, inputs, {reader ? &*reader : nullptr, saveCheckpoint.empty() ? nullptr : &writer});
+  const RunResult result = runSharded(
+      c, inputs, {reader ? &*reader : nullptr, saveCheckpoint.empty() ? nullptr : &writer}, &progress);
   std::size_t collectives = 0, splits = 0;
   for (const auto& events : result.trace)
     for (const auto& e : events) ++(e.op == "split" ? splits : collectives);
-  std::printf("# %d ranks issued %zu collectives (and %zu group splits)\n", c.tp * c.gtpRemat, collectives, splits);
+  progress.above([&] {
+    std::printf("# %d ranks issued %zu collectives (and %zu group splits)\n", c.tp * c.gtpRemat, collectives, splits);
+  });
 
   bool ok = true;
   std::string notes;
   if (verifyMode != VerifyMode::kNone) {
-    std::printf("\n");
-    if (verifyMode == VerifyMode::kExact)
-      std::printf("# --verify exact: every element must equal the unsharded result rounded to its dtype\n");
-    std::printf("%-18s %-16s %12s %12s %9s %9s  %s\n", "tensor", "shape", "max|err|", "bound", "slack", "#outside",
-                "result");
-    for (const Verdict& v : verify(c, inputs, result, verifyMode)) {
-      ok = ok && v.outside == 0;
-      std::printf("%-18s %-16s %12.3e %12.3e %9s %9lld  %s\n", v.name.c_str(), v.shape.c_str(), v.maxError, v.maxBound,
-                  slackText(v).c_str(), (long long)v.outside, verdictResult(v).c_str());
-      notes += outsideNote(v) + nonFiniteNote(v);
-    }
+    progress.phase("verify");
+    const std::vector<Verdict> verdicts = verify(c, inputs, result, verifyMode);
+    progress.above([&] {
+      std::printf("\n");
+      if (verifyMode == VerifyMode::kExact)
+        std::printf("# --verify exact: every element must equal the unsharded result rounded to its dtype\n");
+      std::printf("%-18s %-16s %12s %12s %9s %9s  %s\n", "tensor", "shape", "max|err|", "bound", "slack", "#outside",
+                  "result");
+      for (const Verdict& v : verdicts) {
+        ok = ok && v.outside == 0;
+        std::printf("%-18s %-16s %12.3e %12.3e %9s %9lld  %s\n", v.name.c_str(), v.shape.c_str(), v.maxError,
+                    v.maxBound, slackText(v).c_str(), (long long)v.outside, verdictResult(v).c_str());
+        notes += outsideNote(v) + nonFiniteNote(v);
+      }
+      if (!notes.empty()) std::printf("\n%s", notes.c_str());
+    });
   }
-  if (!notes.empty()) std::printf("\n%s", notes.c_str());
+  if (!saveDir.empty() || !saveCheckpoint.empty() || c.record) progress.phase("save");
   if (!saveDir.empty()) {
     TensorMap outputs = result.results;
     if (loadDir.empty()) outputs.insert(inputs.begin(), inputs.end());
     save(saveDir, outputs);
-    std::printf("\nsaved to %s\n", saveDir.c_str());
+    progress.above([&] { std::printf("\nsaved to %s\n", saveDir.c_str()); });
   }
   if (!saveCheckpoint.empty()) {
     writer.commit(saveCheckpoint);
-    std::printf("\ncheckpoint saved to %s (tpsim checkpoint inspect %s)\n", saveCheckpoint.c_str(),
-                saveCheckpoint.c_str());
+    progress.above([&] {
+      std::printf("\ncheckpoint saved to %s (tpsim checkpoint inspect %s)\n", saveCheckpoint.c_str(),
+                  saveCheckpoint.c_str());
+    });
   }
   if (c.record) {
     writeTrace(trace, result.records, LayerGrid(c.tp, c.gtpRemat));
-    std::printf("\ntrace (clock %s) written to %s\n", trace.clockText().c_str(), trace.file.c_str());
+    progress.above([&] {
+      std::printf("\ntrace (clock %s) written to %s\n", trace.clockText().c_str(), trace.file.c_str());
+    });
   }
   const char* conclusion = verifyMode == VerifyMode::kNone    ? "verification skipped (--verify none)"
                            : !ok                               ? "MISMATCH"
                            : verifyMode == VerifyMode::kExact ? "sharded results equal the unsharded computation"
                                                                : "sharded results agree with the unsharded computation";
+  progress.finish();
   std::printf("\n%s\n", conclusion);
   return ok ? 0 : 1;
 }

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -84,8 +85,9 @@ class LayerModules {
   virtual std::vector<TensorPlacement> placements() = 0;
   // The rank's sharded_state_dict: what a checkpoint saves and loads.
   virtual ShardedStateDict stateDict(ProcessGroups& groups) = 0;
-  // Forward on the rank's input, then backward from its grad_output.
-  virtual RankStep step(Compute& compute, const RankInputs& inputs) = 0;
+  // Forward on the rank's input, then backward from its grad_output; forwardDone() in between,
+  // once the forward's work is issued (a progress display counts the ranks past it).
+  virtual RankStep step(Compute& compute, const RankInputs& inputs, const std::function<void()>& forwardDone) = 0;
 };
 
 class LayerKind {

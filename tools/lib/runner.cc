@@ -95,7 +95,7 @@ std::vector<TensorPlacement> placementsOf(const RunConfig& config) {
   return out;
 }
 
-RunResult runSharded(const RunConfig& config, const TensorMap& in, const CheckpointHooks& hooks) {
+RunResult runSharded(const RunConfig& config, const TensorMap& in, const CheckpointHooks& hooks, Progress* progress) {
   config.validate();
   checkInputs(config, in);
   if (hooks.load || hooks.save) checkCheckpointable(config);
@@ -163,7 +163,9 @@ RunResult runSharded(const RunConfig& config, const TensorMap& in, const Checkpo
     for (const TensorSpec& spec : kind.tensors(c))
       if (spec.role != TensorRole::kParameter)
         inputs[spec.name] = toBackend(compute, shardOfInput(kind.placementOf(spec.name), spec.name));
-    RankStep step = layer.modules->step(compute, inputs);
+    RankStep step = layer.modules->step(compute, inputs, [progress] {
+      if (progress) progress->passed("forward");
+    });
     layer.reducer.drain();
     // finalize_model_grads' TP step: the parameters' sequence_parallel tags decide what it sums.
     std::vector<Parameter*> finalized;
@@ -172,8 +174,11 @@ RunResult runSharded(const RunConfig& config, const TensorMap& in, const Checkpo
     per.put(r, "output", fromBackend(compute, step.output));
     if (step.inputGrad.defined()) per.put(r, "input.grad", fromBackend(compute, step.inputGrad));
     for (const auto& [name, param] : params) per.put(r, name + ".grad", gradOf(compute, *param));
+    if (progress) progress->passed("backward");
   };
+  if (progress) progress->counted({"forward", "backward"}, grid.size());
   runWorld(*world, rankMain);
+  if (progress) progress->phase("assemble");
 
   // Back to the unsharded layout, each result through its placement.
   RunResult r;

@@ -21,6 +21,7 @@
 #include "core/placement.h"
 #include "tools/lib/checkpoint_files.h"
 #include "tools/lib/layer_kind.h"
+#include "tools/lib/progress.h"
 #include "tools/lib/reference.h"
 #include "tools/lib/run_config.h"
 #include "tools/lib/trace.h"
@@ -47,8 +48,10 @@ struct CheckpointHooks {
 };
 
 // Checks the configuration and the inputs (checkInputs), and checkCheckpointable with a hook, then
-// runs forward and backward on every rank.
-RunResult runSharded(const RunConfig& config, const TensorMap& inputs, const CheckpointHooks& hooks = {});
+// runs forward and backward on every rank. With `progress`, its phases are forward and backward
+// (counting the ranks past each), then assemble.
+RunResult runSharded(const RunConfig& config, const TensorMap& inputs, const CheckpointHooks& hooks = {},
+                     Progress* progress = nullptr);
 
 // The names of runSharded's results for config: output, input.grad (unless the input is token ids)
 // and <parameter>.grad for each parameter; what `tpsim run --save` writes, known before the run.

@@ -23,8 +23,9 @@ class EmbeddingModules final : public LayerModules {
   ShardedStateDict stateDict(ProcessGroups& pg) override {
     return shardedStateDict(layer_, "", {}, pg.tp(), &pg.dpCpGtp());
   }
-  RankStep step(Compute&, const RankInputs& in) override {
+  RankStep step(Compute&, const RankInputs& in, const std::function<void()>& forwardDone) override {
     Tensor y = layer_.forward(in.at("input"));  // token ids
+    forwardDone();
     layer_.backward(in.at("grad_output"));
     return {std::move(y), Tensor()};  // token ids have no gradient
   }

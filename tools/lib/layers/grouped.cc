@@ -46,7 +46,7 @@ class GroupedModules final : public LayerModules {
   ShardedStateDict stateDict(ProcessGroups& pg) override {
     return shardedStateDict(layer_, "", {}, pg.expertTp(), pg.ep(), &pg.expertDp());
   }
-  RankStep step(Compute& compute, const RankInputs& in) override {
+  RankStep step(Compute& compute, const RankInputs& in, const std::function<void()>& forwardDone) override {
     const ConstView x = in.at("input"), dy = in.at("grad_output");
     // The tokens sorted by expert: row i of the sorted tokens is token order[i].
     const std::vector<double> ids = idsOf(compute, in.at("expert_ids"));
@@ -62,6 +62,7 @@ class GroupedModules final : public LayerModules {
     const Tensor xs = rowsBy(compute, x, sort);
     Tensor ys = layer_.forward(xs, splits);
     Tensor y = rowsBy(compute, ys, unsort);
+    forwardDone();
     const Tensor dys = rowsBy(compute, dy, sort);
     Tensor dxs = layer_.backward(dys);
     return {std::move(y), rowsBy(compute, dxs, unsort)};

@@ -22,11 +22,13 @@ InitMethod uninitialized();
 // Forward and backward of a column or row layer as its caller uses it: a bias the layer returns
 // (skip_bias_add) is added by the caller, so its gradient is the row sums of dy.
 template <class Linear>
-RankStep linearStep(Compute& compute, Linear& layer, ConstView x, ConstView dy, DType dtype) {
+RankStep linearStep(Compute& compute, Linear& layer, ConstView x, ConstView dy, DType dtype,
+                    const std::function<void()>& forwardDone) {
   LayerOutput out = layer.forward(x);
   Tensor db;
+  if (out.outputBias) compute.addBias(out.outputBias->data, out.output);
+  forwardDone();
   if (out.outputBias) {
-    compute.addBias(out.outputBias->data, out.output);
     db = compute.empty({dy.dim(-1)}, dtype);
     compute.sumRows(dy, db);
   }

@@ -54,8 +54,8 @@ class LinearModules final : public LayerModules {
   ShardedStateDict stateDict(ProcessGroups& pg) override {
     return shardedStateDict(layer_, "", {}, pg.tp(), &pg.dpCpGtp());
   }
-  RankStep step(Compute& compute, const RankInputs& in) override {
-    return linearStep(compute, layer_, in.at("input"), in.at("grad_output"), dtype_);
+  RankStep step(Compute& compute, const RankInputs& in, const std::function<void()>& forwardDone) override {
+    return linearStep(compute, layer_, in.at("input"), in.at("grad_output"), dtype_, forwardDone);
   }
 
  private:

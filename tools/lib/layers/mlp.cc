@@ -32,12 +32,13 @@ class MlpModules final : public LayerModules {
     for (ShardedEntry& e : shardedStateDict(fc2_, "fc2.", {}, pg.tp(), &pg.dpCpGtp())) out.push_back(std::move(e));
     return out;
   }
-  RankStep step(Compute& compute, const RankInputs& in) override {
+  RankStep step(Compute& compute, const RankInputs& in, const std::function<void()>& forwardDone) override {
     const ConstView x = in.at("input"), dy = in.at("grad_output");
     Tensor h = fc1_.forward(x).output;  // (s, b, F/T)
     Tensor a = compute.empty(h.shape(), h.dtype());
     compute.gelu(h, a);
     Tensor y = fc2_.forward(a).output;  // (s, b, h), or (s/T, b, h) under SP
+    forwardDone();
     Tensor dA = fc2_.backward(dy);
     Tensor dH = compute.empty(h.shape(), h.dtype());
     compute.geluBackward(h, dA, dH);
