@@ -889,6 +889,43 @@ cp "$work/ck-small/rank-00001.safetensors" "$work/ck-odd/shard-beside/copy.bin"
 ln -s copy.bin "$work/ck-odd/shard-beside/rank-00001.safetensors"
 check ckpt-shard-beside 0 "sharded results agree" -- "$tpsim" run --layer column --load-checkpoint "$work/ck-odd/shard-beside"
 
+# A symlink at an output name that leads to something other than a regular file stands for what
+# the user still needs (/dev/stdout, a FIFO, a directory): refused before anything is written, the
+# link kept. A dangling one is replaced.
+ln -s /proc/self/fd/1 "$work/to-stdout.svg"
+check svg-symlink-to-stdout 2 "--svg: expected $work/to-stdout.svg to be absent, a regular file or a symlink to one, got a symlink to " -- \
+  "$tpsim" layout --layer row --svg "$work/to-stdout.svg"
+mkfifo "$work/fifo-target"
+mkdir -p "$work/linked-fifo"
+ln -s "$work/fifo-target" "$work/linked-fifo/output.npy"
+check save-symlink-to-fifo 2 "to be absent, a regular file or a symlink to one, got a symlink to a FIFO" -- \
+  timeout 10 "$tpsim" run --layer column --save "$work/linked-fifo"
+ln -s "$work" "$work/to-dir.json"
+check trace-symlink-to-dir 2 "to be absent, a regular file or a symlink to one, got a symlink to a directory" -- \
+  "$tpsim" run --layer row --trace "$work/to-dir.json"
+if [ ! -L "$work/to-stdout.svg" ] || [ ! -L "$work/linked-fifo/output.npy" ] || [ ! -L "$work/to-dir.json" ] ||
+  [ -n "$(ls -A "$work/linked-fifo" | grep -v '^output.npy$')" ]; then
+  echo "FAIL symlink-kept: a refused output's symlink was replaced, or files were written beside it"
+  failures=$((failures + 1))
+fi
+ln -s "$work/no-such-target" "$work/dangling.svg"
+check svg-symlink-dangling 0 "wrote $work/dangling.svg" -- "$tpsim" layout --layer row --svg "$work/dangling.svg"
+[ -f "$work/dangling.svg" ] && [ ! -L "$work/dangling.svg" ] && [ ! -e "$work/no-such-target" ] ||
+  { echo "FAIL svg-symlink-dangling: not replaced by the file"; failures=$((failures + 1)); }
+# A trace onto the directory --save or --save-checkpoint writes into: refused before either exists.
+check trace-onto-save-dir 2 "--trace: expected a file other than --save's directory, got the same file $work/clash-dir" -- \
+  "$tpsim" run --layer column --save "$work/clash-dir" --trace "$work/clash-dir"
+check trace-onto-checkpoint-dir 2 "--trace: expected a file other than --save-checkpoint's directory, got the same file $work/clash-ck" -- \
+  "$tpsim" run --layer column --save-checkpoint "$work/clash-ck/" --trace "$work/clash-ck"
+if [ -e "$work/clash-dir" ] || [ -e "$work/clash-ck" ]; then
+  echo "FAIL trace-onto-dir: a refused run created its directory"; failures=$((failures + 1))
+fi
+# Paths in what a command prints show control bytes as \xNN, as its error messages do.
+check path-escaped 0 'written to '"$work"'/tr\x1b[31m.json' -- "$tpsim" run --layer row --trace "$work/tr"$'\e'"[31m.json"
+if "$tpsim" run --layer row --trace "$work/tr"$'\e'"[31m.json" | grep -q $'\x1b'; then
+  echo "FAIL path-escaped: an escape byte of a path reached stdout"; failures=$((failures + 1))
+fi
+
 # Hostile checkpoints, edited as a user who knows the format would: hostile NAME FROM sealed|unsealed
 # CODE copies checkpoint FROM to $work/hostile/NAME and runs Python CODE on its index (`index`), its
 # shards (shard, hole) and the index's text (`post`); `sealed` then recomputes the index's checksum
@@ -962,6 +999,15 @@ check ckpt-sealed-padding 2 "key 'fc1.weight': expected every chunk to share one
 hostile sealed-data-offsets "$work/ck-small" sealed 'chunks("weight")[0]["data_offsets"] = [0, 256]'
 check ckpt-sealed-data-offsets 2 "expected F32 (8, 16) at data_offsets [0, 256) (the index's), got F32 (8, 16) at [0, 512) in the file" -- \
   "$tpsim" checkpoint inspect "$work/hostile/sealed-data-offsets"
+# A shard named like a save's temporary would be removed by the next save into the directory.
+hostile temporary-name "$work/ck-small" sealed 'import os
+os.rename(f"{directory}/rank-00000.safetensors", f"{directory}/.tpsim-1-1.partial")
+index["files"][".tpsim-1-1.partial"] = index["files"].pop("rank-00000.safetensors")
+for t in index["tensors"].values():
+    for c in t["chunks"]:
+        if c["file"] == "rank-00000.safetensors": c["file"] = ".tpsim-1-1.partial"'
+check ckpt-temporary-name 2 "expected file names other than a save's temporaries (.tpsim-*.partial), which the next save into the directory removes, got '.tpsim-1-1.partial'" -- \
+  "$tpsim" checkpoint inspect "$work/hostile/temporary-name"
 # Integers only, in range: a fraction is not truncated, 2^32 not wrapped to 0 in an int.
 hostile fraction-size "$work/ck-small" sealed 'index["files"]["rank-00000.safetensors"]["size"] += 0.9'
 check ckpt-fraction-size 2 "size: expected an integer in [0, 9223372036854775807], got " -- \

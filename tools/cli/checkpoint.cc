@@ -52,7 +52,7 @@ int inspect(const std::string& dir) {
       files[c.file].first = c.writer;
       ++files[c.file].second;
     }
-  std::printf("# checkpoint %s: %zu tensors, %zu objects, %zu files (checksums verified)\n\n", dir.c_str(),
+  std::printf("# checkpoint %s: %zu tensors, %zu objects, %zu files (checksums verified)\n\n", terminalText(dir).c_str(),
               reader.keys().size(), reader.objects().size(), files.size());
   std::printf("%-22s %-5s %-14s %-14s %6s  %-10s %s\n", "key", "dtype", "global shape", "saved shape", "chunks",
               "writers", "GTP_remat padding (not stored)");
@@ -111,8 +111,8 @@ int consolidate(const std::string& dir, const std::string& file, std::optional<D
   OutputFiles output("consolidate: FILE");
   output.write(file, safetensorsBytes(tensors, {{"source", "tpsim checkpoint consolidate"}}));
   output.commit();
-  std::printf("# consolidated %s: %zu tensors, pad rows dropped, into %s\n", dir.c_str(), tensors.size(),
-              file.c_str());
+  std::printf("# consolidated %s: %zu tensors, pad rows dropped, into %s\n", terminalText(dir).c_str(), tensors.size(),
+              terminalText(file).c_str());
   for (const auto& t : tensors)
     std::printf("%-22s %-5s %s\n", printable(t.name).c_str(), safetensorsDtype(t.dtype), shapeText(t.shape).c_str());
   return 0;

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "tools/lib/backend.h"
+#include "tools/lib/input_file.h"
 #include "tools/cli/cli.h"
 #include "tools/lib/output_files.h"
 #include "tools/lib/runner.h"
@@ -143,7 +144,7 @@ int demoMain(const std::vector<std::string>& args) {
     std::printf("\n# timeline, clock %s, written to %s; per rank in µs: compute ops, collectives from issue to "
                 "completion,\n# exposed = waiting for one, overlap = collectives under compute, other = the rest "
                 "(host work outside ops)\n%s",
-                trace.clockText().c_str(), trace.file.c_str(), summaryTable(summary).c_str());
+                terminalText(trace.clockText()).c_str(), terminalText(trace.file).c_str(), summaryTable(summary).c_str());
   }
   std::printf("\n%s\n", ok ? "every output and gradient agrees with the unsharded MLP" : "MISMATCH");
   return ok ? 0 : 1;

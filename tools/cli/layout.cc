@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include "tools/cli/cli.h"
+#include "tools/lib/input_file.h"
 #include "tools/lib/layout.h"
 #include "tools/lib/output_files.h"
 
@@ -61,7 +62,7 @@ int layoutMain(const std::vector<std::string>& args) {
     output.commit();
   }
   std::fputs(layoutText(c, placements, colour).c_str(), stdout);
-  if (!svg.empty()) std::printf("\nwrote %s\n", svg.c_str());
+  if (!svg.empty()) std::printf("\nwrote %s\n", terminalText(svg).c_str());
   return 0;
 }
 

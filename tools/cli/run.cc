@@ -200,6 +200,8 @@ void checkFileUses(const RunConfig& c, const RunArgs& a, const CheckpointReader*
   if (reader)
     for (const std::string& path : reader->paths()) uses.read({"--load-checkpoint", name(path)}, path);
   if (const std::string model = a.trace.modelFile(); !model.empty()) uses.read({"--device-model"}, model);
+  if (!a.saveDir.empty()) uses.outputDirectory({"--save", "directory"}, a.saveDir);
+  if (!a.saveCheckpoint.empty()) uses.outputDirectory({"--save-checkpoint", "directory"}, a.saveCheckpoint);
   if (!a.saveDir.empty()) {
     std::vector<std::string> saved = resultNames(c);
     if (a.loadDir.empty())
@@ -373,8 +375,8 @@ int runMain(const std::vector<std::string>& args) {
   for (auto& [name, t] : params) inputs[name] = std::move(t);
   checkInputs(c, inputs, sources);
   progress.above([&] {
-    std::printf("# inputs (%s%s%s):", loadDir.empty() ? "generated" : loadDir.c_str(),
-                reader ? "; parameters from checkpoint " : "", reader ? loadCheckpoint.c_str() : "");
+    std::printf("# inputs (%s%s%s):", loadDir.empty() ? "generated" : terminalText(loadDir).c_str(),
+                reader ? "; parameters from checkpoint " : "", reader ? terminalText(loadCheckpoint).c_str() : "");
     for (const auto& [name, t] : inputs) std::printf(" %s %s", name.c_str(), shapeText(t.shape).c_str());
     std::printf("\n");
   });
@@ -413,19 +415,20 @@ int runMain(const std::vector<std::string>& args) {
     TensorMap outputs = result.results;
     if (loadDir.empty()) outputs.insert(inputs.begin(), inputs.end());
     save(saveDir, outputs);
-    progress.above([&] { std::printf("\nsaved to %s\n", saveDir.c_str()); });
+    progress.above([&] { std::printf("\nsaved to %s\n", terminalText(saveDir).c_str()); });
   }
   if (!saveCheckpoint.empty()) {
     writer.commit(saveCheckpoint);
     progress.above([&] {
-      std::printf("\ncheckpoint saved to %s (tpsim checkpoint inspect %s)\n", saveCheckpoint.c_str(),
-                  saveCheckpoint.c_str());
+      const std::string shown = terminalText(saveCheckpoint);
+      std::printf("\ncheckpoint saved to %s (tpsim checkpoint inspect %s)\n", shown.c_str(), shown.c_str());
     });
   }
   if (c.record) {
     writeTrace(trace, result.records, LayerGrid(c.tp, c.gtpRemat));
     progress.above([&] {
-      std::printf("\ntrace (clock %s) written to %s\n", trace.clockText().c_str(), trace.file.c_str());
+      std::printf("\ntrace (clock %s) written to %s\n", terminalText(trace.clockText()).c_str(),
+                  terminalText(trace.file).c_str());
     });
   }
   const char* conclusion = verifyMode == VerifyMode::kNone    ? "verification skipped (--verify none)"

@@ -813,6 +813,10 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
     double held = 0;
     for (const auto& [file, rec] : readObject(index, "files", where).items()) {
       TPSIM_CHECK(isPlainFileName(file), where, ": expected plain file names, got ", nameText(file));
+      TPSIM_CHECK(!tools::isTemporaryName(file), where,
+                  ": expected file names other than a save's temporaries (.tpsim-*.partial), which the next save "
+                  "into the directory removes, got ",
+                  nameText(file));
       const std::string fw = (fs::path(dir) / file).string();
       TPSIM_CHECK(rec.is_object(), where, ": file ", nameText(file), ": expected an object, got ", excerpt(rec));
       writers[file] = int(readInt(rec, "writer", where + ": file " + nameText(file), 0, INT32_MAX));

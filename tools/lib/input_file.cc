@@ -43,6 +43,21 @@ std::string printable(std::string_view bytes, std::size_t maxChars) {
   return out;
 }
 
+std::string terminalText(std::string_view text) {
+  std::string out;
+  for (const char ch : text) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c >= 0x20 && c != 0x7f) {
+      out += ch;
+    } else {
+      char hex[5];
+      std::snprintf(hex, sizeof hex, "\\x%02x", c);
+      out += hex;
+    }
+  }
+  return out;
+}
+
 InputFile::InputFile(const std::string& path, std::string where, const std::string& kind,
                      const std::function<std::string(int error)>& cannotOpen)
     : path_(path), where_(std::move(where)) {

@@ -25,6 +25,10 @@ namespace tpsim::tools {
 // control bytes to a terminal or makes a message as long as itself.
 std::string printable(std::string_view bytes, std::size_t maxChars = 200);
 
+// A path or name as a command's output shows it: control bytes (below 0x20, and 0x7f) as \xNN,
+// every other byte as is (UTF-8 names stay readable), so that no path drives the terminal.
+std::string terminalText(std::string_view text);
+
 class InputFile {
  public:
   // Opens `path`. Throws InvalidArgument with cannotOpen(errno) when it cannot be opened (each

@@ -29,11 +29,6 @@ constexpr char kTemporaryPrefix[] = ".tpsim-";
 constexpr char kTemporarySuffix[] = ".partial";
 constexpr std::size_t kTemporaryNameSize = 64;
 
-bool isTemporaryName(const std::string& name) {
-  const std::size_t prefix = sizeof kTemporaryPrefix - 1, suffix = sizeof kTemporarySuffix - 1;
-  return name.size() > prefix + suffix && name.compare(0, prefix, kTemporaryPrefix) == 0 &&
-         name.compare(name.size() - suffix, suffix, kTemporarySuffix) == 0;
-}
 
 // The decimal digits of v at out; returns their end. Async-signal-safe, as is temporaryName.
 char* appendDecimal(char* out, std::uint64_t v) {
@@ -187,13 +182,39 @@ void checkKind(const std::string& flag, const std::string& path, bool writable) 
   TPSIM_CHECK(writable, flag, ": expected ", path, " to be absent or a regular file, got another kind of file");
 }
 
+const char* kindOf(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  return "another kind of file";
+}
+
+// A symlink at a target is replaced, unless it leads to a file other than a regular one: one to
+// /proc/self/fd/1 or a device stands for something the user still needs. A dangling one goes.
+void checkSymlinkTarget(const std::string& flag, const std::string& path, int followed, const struct stat& target) {
+  TPSIM_CHECK(followed != 0 || S_ISREG(target.st_mode), flag, ": expected ", path,
+              " to be absent, a regular file or a symlink to one, got a symlink to ", kindOf(target.st_mode));
+}
+
 void checkWritable(const std::string& flag, const std::string& path) {
   const fs::file_type type = fs::symlink_status(path).type();
   checkKind(flag, path, type == fs::file_type::not_found || type == fs::file_type::regular || type == fs::file_type::symlink);
+  if (type == fs::file_type::symlink) {
+    struct stat target {};
+    checkSymlinkTarget(flag, path, ::stat(path.c_str(), &target), target);
+  }
   targetName(flag, path);
 }
 
 }  // namespace
+
+bool isTemporaryName(const std::string& name) {
+  const std::size_t prefix = sizeof kTemporaryPrefix - 1, suffix = sizeof kTemporarySuffix - 1;
+  return name.size() > prefix + suffix && name.compare(0, prefix, kTemporaryPrefix) == 0 &&
+         name.compare(name.size() - suffix, suffix, kTemporarySuffix) == 0;
+}
 
 // ---- FileUses
 
@@ -232,6 +253,12 @@ void FileUses::write(const FileUse& use, const std::string& path) {
   checkWritable(use.flag, path);
   const fs::path p(path);
   add(use, path, entryIn(directoryOf(p), p.filename().string()), true);
+}
+
+void FileUses::outputDirectory(const FileUse& use, const std::string& dir) {
+  fs::path p = fs::path(dir).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();  // "out/" names out
+  add(use, dir, entryIn(directoryOf(p), p.filename().string()), false);
 }
 
 void FileUses::add(const FileUse& use, const std::string& path, Entry entry, bool output) {
@@ -359,6 +386,10 @@ void OutputFiles::write(const std::string& path, const std::function<void(std::F
   struct stat st {};
   if (::fstatat(dir, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
     checkKind(flag_, path, S_ISREG(st.st_mode) || S_ISLNK(st.st_mode));
+    if (S_ISLNK(st.st_mode)) {
+      struct stat target {};
+      checkSymlinkTarget(flag_, path, ::fstatat(dir, name.c_str(), &target, 0), target);
+    }
   } else {
     TPSIM_CHECK(errno == ENOENT, flag_, ": cannot write ", path, " (", std::strerror(errno), ")");
   }

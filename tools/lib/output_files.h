@@ -12,8 +12,9 @@
 //   with a note on stderr. Under a fresh lock, temporaries left there by a killed process are removed.
 // - Never through a symlink: rename() replaces a symlink at a target instead of following it, so
 //   nothing outside the target's directory is written; a temporary is created exclusively.
-// - Only over a regular file: any other kind of file at a target (a directory, a FIFO, a device)
-//   is refused before a byte is written.
+// - Only over a regular file: any other kind of file at a target (a directory, a FIFO, a device),
+//   or a symlink to one (a terminal's /dev/stdout, say, which replacing would take away), is
+//   refused before a byte is written.
 // - No output over another use's file: FileUses refuses, before anything is written, a command
 //   whose output is one of its inputs or another of its outputs.
 // Sets are made and used on one thread at a time.
@@ -47,6 +48,10 @@ struct FileUse {
 // absolute path where they do not yet. An input's path is resolved through its symlinks, as
 // reading it does; an output's last component is not, as the rename replaces a symlink there. A
 // hard link to an input is another entry: replacing it leaves the input as it was.
+// True for the names OutputFiles gives its temporaries (".tpsim-PID-N.partial"): a set removes
+// those it finds in a directory it locks, so nothing else may be named so.
+bool isTemporaryName(const std::string& name);
+
 class FileUses {
  public:
   // Throws InvalidArgument "<output flag>: expected a file other than <other use>, got the same
@@ -55,6 +60,9 @@ class FileUses {
   void read(const FileUse& use, const std::string& path);
   // Also throws, naming the flag, unless `path` may be written (OutputFiles::write's rules).
   void write(const FileUse& use, const std::string& path);
+  // A directory the command writes its outputs into: no output may be that directory itself
+  // (registered as a use, not an output, as two sets may share a directory).
+  void outputDirectory(const FileUse& use, const std::string& dir);
 
  private:
   struct Entry {
