@@ -12,6 +12,7 @@
 
 #include "sim/sim_compute.h"
 #include "sim/world.h"
+#include "tools/lib/input_file.h"
 #include "tools/lib/runner.h"
 
 namespace tpsim::tools {
@@ -212,8 +213,19 @@ TEST(Trace, DeviceModelsArePresetsOrKeyValueFiles) {
     std::ofstream f(path);
     f << "tflops.fp32 = fast\n";
   }
-  EXPECT_THAT([&] { deviceModel(path); }, ::testing::ThrowsMessage<InvalidArgument>(
-                                               HasSubstr(":1: expected tflops.fp32 > 0, got 'fast'")));
+  EXPECT_THAT([&] { deviceModel(path); }, ::testing::ThrowsMessage<InvalidArgument>(HasSubstr(
+                                               ":1: expected tflops.fp32 to be a decimal number > 0, got 'fast'")));
+  // strtod's other spellings are no decimal numbers; a NUL byte is shown, not the end of the message.
+  for (const std::string& value : std::vector<std::string>{"0x14", "inf", "nan", "1e999", std::string("20\0x", 4)}) {
+    {
+      std::ofstream f(path);
+      f << "tflops.fp32 = " << value << "\n";
+    }
+    EXPECT_THAT([&] { deviceModel(path); },
+                ::testing::ThrowsMessage<InvalidArgument>(HasSubstr(
+                    ":1: expected tflops.fp32 to be a decimal number > 0, got '" + printable(value) + "'")))
+        << printable(value);
+  }
   {
     std::ofstream f(path);
     f << "tflops.fp32 = 1\n";

@@ -279,22 +279,26 @@ DeviceModel fromFile(const std::string& path) {
     const std::string key = trim(line.substr(0, eq)), text = eq == std::string::npos ? "" : trim(line.substr(eq + 1));
     TPSIM_CHECK(eq != std::string::npos && keys.count(key), where, ":", number,
                 ": expected key = value with a key of tflops.fp32, tflops.bf16, tflops.fp16, tflops.fp64, "
-                "memory_gbps, link_latency_us, link_gbps, got '", trim(line), "'");
+                "memory_gbps, link_latency_us, link_gbps, got '", printable(trim(line)), "'");
     TPSIM_CHECK(!seen.count(key), where, ":", number, ": expected each key once, got ", key, " again");
+    // Decimal numbers only: strtod would also read hex (0x14), "inf" and "nan".
     std::size_t used = 0;
     double v = -1;
-    try {
-      v = std::stod(text, &used);
-    } catch (const std::exception&) {
-      used = 0;
+    if (!text.empty() && text.find_first_not_of("0123456789.eE+-") == std::string::npos) {
+      try {
+        v = std::stod(text, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
     }
     const bool latency = key == "link_latency_us";
     TPSIM_CHECK(used != 0 && used == text.size() && std::isfinite(v) && (latency ? v >= 0 : v > 0), where, ":",
-                number, ": expected ", key, latency ? " >= 0" : " > 0", ", got '", text, "'");
+                number, ": expected ", key, " to be a decimal number", latency ? " >= 0" : " > 0", ", got '",
+                printable(text), "'");
     // Rates and latencies a machine can have: any op or collective then costs a finite time.
     const double lowest = latency ? 0 : kSlowestRate, highest = latency ? kLongestLatencyUs : kFastestRate;
     TPSIM_CHECK(v >= lowest && v <= highest, where, ":", number, ": expected ", key, " in [", lowest, ", ", highest,
-                "], got '", text, "'");
+                "], got '", printable(text), "'");
     *keys[key] = v;
     seen[key] = true;
   }
