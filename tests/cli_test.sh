@@ -999,6 +999,10 @@ check ckpt-sealed-padding 2 "key 'fc1.weight': expected every chunk to share one
 hostile sealed-data-offsets "$work/ck-small" sealed 'chunks("weight")[0]["data_offsets"] = [0, 256]'
 check ckpt-sealed-data-offsets 2 "expected F32 (8, 16) at data_offsets [0, 256) (the index's), got F32 (8, 16) at [0, 512) in the file" -- \
   "$tpsim" checkpoint inspect "$work/hostile/sealed-data-offsets"
+# A field of the wrong JSON type is named, not reported as the JSON library's exception.
+hostile dtype-object "$work/ck-small" sealed 'index["tensors"]["weight"]["dtype"] = {"F32": 1}'
+check ckpt-dtype-object 2 "key 'weight': dtype: expected a string, got an object of 1 fields" -- \
+  "$tpsim" checkpoint inspect "$work/hostile/dtype-object"
 # A shard named like a save's temporary would be removed by the next save into the directory.
 hostile temporary-name "$work/ck-small" sealed 'import os
 os.rename(f"{directory}/rank-00000.safetensors", f"{directory}/.tpsim-1-1.partial")

@@ -444,9 +444,16 @@ const json& readObject(const json& j, const char* field, const std::string& wher
   return v;
 }
 
+std::string readString(const json& j, const char* field, const std::string& where) {
+  TPSIM_CHECK(j.contains(field), where, ": ", field, ": expected a string, got none");
+  const json& v = j.at(field);
+  TPSIM_CHECK(v.is_string(), where, ": ", field, ": expected a string, got ", excerpt(v));
+  return v.get<std::string>();
+}
+
 // The 16 hex digits hex64 writes; anything else is a corrupt index, not a number.
 std::uint64_t readHex64(const json& j, const std::string& where, const char* field) {
-  const std::string text = j.at(field).get<std::string>();
+  const std::string text = readString(j, field, where);
   TPSIM_CHECK(text.size() == 16 && text.find_first_not_of("0123456789abcdef") == std::string::npos, where, ": ",
               field, ": expected 16 lowercase hex digits, got ", nameText(text));
   return std::stoull(text, nullptr, 16);
@@ -848,7 +855,7 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
       TPSIM_CHECK(t.is_object(), kw, ": expected an object, got ", excerpt(t));
       CheckpointKey k;
       k.key = name;
-      const auto dtype = parseSafetensorsDtype(t.at("dtype").get<std::string>());
+      const auto dtype = parseSafetensorsDtype(readString(t, "dtype", kw));
       TPSIM_CHECK(dtype, kw, ": expected a known dtype, got ", excerpt(t.at("dtype")));
       k.dtype = *dtype;
       k.globalShape = readShape(t, kw, "global_shape");
@@ -868,8 +875,8 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
       for (const auto& cj : chunks) {
         TPSIM_CHECK(cj.is_object(), kw, ": expected chunk objects, got ", excerpt(cj));
         CheckpointChunk c;
-        c.file = cj.at("file").get<std::string>();
-        c.tensor = cj.at("tensor").get<std::string>();
+        c.file = readString(cj, "file", kw);
+        c.tensor = readString(cj, "tensor", kw);
         const std::string cw = detail::concat(kw, " chunk ", nameText(c.tensor), " in ", tools::printable(c.file, 80));
         c.writer = int(readInt(cj, "writer", cw, 0, INT32_MAX));
         c.globalOffset = readShape(cj, cw, "global_offset");
