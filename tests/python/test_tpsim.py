@@ -277,3 +277,16 @@ def test_runs_from_several_threads_at_once_give_the_same_bits():
     for r in got:
         assert r.ok
         assert_bitwise_equal(r.results, want.results)
+
+
+def test_a_corrupted_collective_fails_verification_as_in_the_cli():
+    args = dict(layer="column", tp=2, bias=True, inject="1:1:corrupt")
+    r = tpsim.run(**args)
+    assert not r.ok
+    failed = [v for v in r.verification if not v.ok]
+    assert failed and all(v.result == "FAIL" and v.outside > 0 and v.note for v in failed)
+    done = cli("run", *flags(args), check=False)
+    assert done.returncode == 1
+    # The configuration line, the table and the notes under it, as the CLI prints them.
+    for line in str(r).splitlines():
+        assert line in done.stdout.splitlines(), line

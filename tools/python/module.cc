@@ -298,7 +298,8 @@ PYBIND11_MODULE(tpsim, m) {
         if (r.verification.empty()) return "# tpsim run: " + r.config + "\nverification skipped (verify='none')";
         std::string notes;
         for (const Verdict& v : r.verification) notes += outsideNote(v) + nonFiniteNote(v);
-        std::string text = "# tpsim run: " + r.config + "\n" + verificationTable(r.verification) + notes;
+        std::string text = "# tpsim run: " + r.config + "\n" + verificationTable(r.verification) +
+                           (notes.empty() ? "" : "\n" + notes);
         text.pop_back();  // print() ends the line
         return text;
       })
