@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs missing dependencies, configures and builds tpsim.
-#   tools/build.sh                      Release build of the tpsim CLI in build/
+#   tools/build.sh                      Release build of the tpsim CLI (and the Python module) in build/
 #   tools/build.sh --all                every target: the CLI, the unit tests and the property suite
 #   tools/build.sh --sanitize=thread    ThreadSanitizer build in build-thread/
 #   tools/build.sh --sanitize=address,undefined   ASan+UBSan build in build-address-undefined/
@@ -33,4 +33,8 @@ fi
 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE="$build_type" -DTPSIM_SANITIZE="$sanitize" \
   "${cmake_args[@]}" >"$build_dir.configure.log" 2>&1 || { cat "$build_dir.configure.log"; exit 1; }
 grep '^-- tpsim:' "$build_dir.configure.log" || true
+# The Python module too where it is configured (build/tools/python, for PYTHONPATH).
+if [ ${#targets[@]} -gt 0 ] && grep -q '^-- tpsim: python module ON' "$build_dir.configure.log"; then
+  targets+=(tpsim_python)
+fi
 cmake --build "$build_dir" -j "$(nproc)" "${targets[@]}"

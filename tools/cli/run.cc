@@ -46,16 +46,6 @@ std::string joinNames(const std::vector<TensorSpec>& tensors, const std::string&
   return all;
 }
 
-HostTensor fromNpy(const NpyArray& a, DType want, const std::string& file) {
-  const bool ids = want == DType::kInt64;
-  TPSIM_CHECK(ids == (a.dtype == DType::kInt64), file, ": expected ", ids ? "int64 token ids" : "float32 or float16 values",
-              ", got ", dtypeName(a.dtype));
-  const std::size_t n = a.data.size() / dtypeSize(a.dtype);
-  std::vector<double> values(n);
-  for (std::size_t i = 0; i < n; ++i) values[i] = loadAsDouble(a.dtype, a.data.data() + i * dtypeSize(a.dtype));
-  return makeHost(a.shape, want, std::move(values));  // 16-bit --dtype: rounded once, here
-}
-
 // DIR/NAME.npy for each tensor --load reads, checked to exist, with whether it holds token ids.
 struct InputFile {
   std::string name, path;
@@ -83,8 +73,10 @@ ShapeMap loadShapes(const RunConfig& c, const std::string& dir, bool withParams)
 
 TensorMap load(const RunConfig& c, const std::string& dir, bool withParams) {
   TensorMap m;
-  for (const InputFile& f : inputFiles(c, dir, withParams))
-    m[f.name] = fromNpy(readNpy(f.path), f.ids ? DType::kInt64 : c.dtype, f.path);
+  for (const InputFile& f : inputFiles(c, dir, withParams)) {
+    const NpyArray a = readNpy(f.path);
+    m[f.name] = hostTensorOf(a.dtype, a.shape, a.data.data(), f.ids ? DType::kInt64 : c.dtype, f.path);
+  }
   return m;
 }
 
@@ -395,18 +387,15 @@ int runMain(const std::vector<std::string>& args) {
   if (verifyMode != VerifyMode::kNone) {
     progress.phase("verify");
     const std::vector<Verdict> verdicts = verify(c, inputs, result, verifyMode);
+    for (const Verdict& v : verdicts) {
+      ok = ok && v.outside == 0;
+      notes += outsideNote(v) + nonFiniteNote(v);
+    }
     progress.above([&] {
       std::printf("\n");
       if (verifyMode == VerifyMode::kExact)
         std::printf("# --verify exact: every element must equal the unsharded result rounded to its dtype\n");
-      std::printf("%-18s %-16s %12s %12s %9s %9s  %s\n", "tensor", "shape", "max|err|", "bound", "slack", "#outside",
-                  "result");
-      for (const Verdict& v : verdicts) {
-        ok = ok && v.outside == 0;
-        std::printf("%-18s %-16s %12.3e %12.3e %9s %9lld  %s\n", v.name.c_str(), v.shape.c_str(), v.maxError,
-                    v.maxBound, slackText(v).c_str(), (long long)v.outside, verdictResult(v).c_str());
-        notes += outsideNote(v) + nonFiniteNote(v);
-      }
+      std::fputs(verificationTable(verdicts).c_str(), stdout);
       if (!notes.empty()) std::printf("\n%s", notes.c_str());
     });
   }

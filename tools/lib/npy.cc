@@ -393,4 +393,17 @@ void writeNpy(std::FILE* file, const std::string& where, DType dtype, const std:
               " bytes, got '", std::strerror(errno), "'");
 }
 
+HostTensor hostTensorOf(DType dtype, const std::vector<std::int64_t>& shape, const void* data, DType want,
+                        const std::string& where) {
+  const bool ids = want == DType::kInt64;
+  TPSIM_CHECK(ids == (dtype == DType::kInt64), where, ": expected ",
+              ids ? "int64 token ids" : "float32, float64 or float16 values", ", got ", dtypeName(dtype));
+  std::size_t n = 1;
+  for (std::int64_t d : shape) n *= std::size_t(d);
+  const char* bytes = static_cast<const char*>(data);
+  std::vector<double> values(n);
+  for (std::size_t i = 0; i < n; ++i) values[i] = loadAsDouble(dtype, bytes + i * dtypeSize(dtype));
+  return makeHost(shape, want, std::move(values));
+}
+
 }  // namespace tpsim::tools

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "backends/dtype.h"
+#include "tools/lib/host_tensor.h"
 
 namespace tpsim::tools {
 
@@ -29,6 +30,14 @@ NpyArray readNpy(const std::string& path);
 // readNpy's dtype and shape, with the same checks of the header and the file size, but no data
 // read (`data` stays empty): what a caller needs to size the work before reading it.
 NpyArray readNpyHeader(const std::string& path);
+
+// The array at `data` (row-major, `dtype` as NpyArray holds it) as a HostTensor of dtype `want`:
+// int64 token ids stay int64, float32, float64 and float16 values are rounded to `want` (makeHost).
+// The one conversion of every array a run reads: --load's files and the Python module's arrays.
+// Throws InvalidArgument starting with `where` when ids are expected and values given, or the other
+// way round.
+HostTensor hostTensorOf(DType dtype, const std::vector<std::int64_t>& shape, const void* data, DType want,
+                        const std::string& where);
 
 // Writes `data` (row-major, little-endian, one element per index of `shape`) to `path` byte for
 // byte as numpy.save does: version 1.0, or 2.0 if the header would exceed 65535 bytes. bf16 has

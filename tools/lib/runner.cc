@@ -322,6 +322,19 @@ std::string slackText(const Verdict& v) {
   return text;
 }
 
+std::string verificationTable(const std::vector<Verdict>& verdicts) {
+  char line[512];
+  std::snprintf(line, sizeof line, "%-18s %-16s %12s %12s %9s %9s  %s\n", "tensor", "shape", "max|err|", "bound",
+                "slack", "#outside", "result");
+  std::string table = line;
+  for (const Verdict& v : verdicts) {
+    std::snprintf(line, sizeof line, "%-18s %-16s %12.3e %12.3e %9s %9lld  %s\n", v.name.c_str(), v.shape.c_str(),
+                  v.maxError, v.maxBound, slackText(v).c_str(), (long long)v.outside, verdictResult(v).c_str());
+    table += line;
+  }
+  return table;
+}
+
 std::string verdictResult(const Verdict& v) { return v.nonFinite ? "NON-FINITE" : v.outside == 0 ? "OK" : "FAIL"; }
 
 std::string outsideNote(const Verdict& v) {

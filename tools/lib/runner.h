@@ -94,6 +94,9 @@ std::vector<Verdict> verify(const RunConfig& config, const TensorMap& inputs, co
 // The same for a run's result.
 std::vector<Verdict> verify(const RunConfig& config, const TensorMap& inputs, const RunResult& result,
                             VerifyMode mode = VerifyMode::kBound);
+// The verification table as `tpsim run` prints it: a header line, then a row per verdict (tensor,
+// shape, max|err|, bound, slack, #outside, result).
+std::string verificationTable(const std::vector<Verdict>& verdicts);
 // The table's slack column: %.3g, "inf" where every element is exact, "-" where there is none.
 std::string slackText(const Verdict& v);
 // The table's result column ("OK", "FAIL", "NON-FINITE"), and the lines under the table: for a

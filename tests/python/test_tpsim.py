@@ -1,0 +1,292 @@
+"""The Python module against the tpsim CLI it mirrors, and against NumPy's float64 arithmetic.
+
+Run by CTest (label python) with the module's folder on PYTHONPATH and TPSIM_CLI naming the tpsim
+executable of the same build.
+"""
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tpsim
+
+CLI = os.environ["TPSIM_CLI"]
+
+# One configuration per layer kind, and GTP_remat and bf16 runs: the keyword arguments of
+# tpsim.run, which mirror the CLI's flags.
+CASES = {
+    "column": dict(layer="column", tp=2, bias=True),
+    "row": dict(layer="row", tp=4, sequence_parallel=True, input_is_parallel=True),
+    "embedding": dict(layer="embedding", tp=2),
+    "mlp": dict(layer="mlp", tp=2, bias=True),
+    "grouped-column": dict(layer="grouped-column", tp=2),
+    "grouped-row": dict(layer="grouped-row", tp=2),
+    "column-gtp-remat": dict(layer="column", tp=2, gtp_remat=2, sequence_parallel=True, bias=True),
+    "mlp-gtp-remat-bf16": dict(layer="mlp", tp=2, gtp_remat=2, dtype="bf16", seed=7),
+    "row-bf16": dict(layer="row", tp=2, dtype="bf16", bias=True),
+}
+
+
+def flags(kwargs):
+    """tpsim.run's keyword arguments as the CLI's flags."""
+    out = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is not False:
+            out += [flag, str(value)]
+    return out
+
+
+def cli(command, *args, check=True):
+    return subprocess.run([CLI, command, *args], capture_output=True, text=True, check=check)
+
+
+def cli_run(kwargs, tmp_path, load=None):
+    """The CLI's run of kwargs, saved to tmp_path/out: name -> array of each file it wrote."""
+    out = tmp_path / "out"
+    extra = ["--load", str(load)] if load else []
+    cli("run", *flags(kwargs), *extra, "--save", str(out))
+    return {p.name[: -len(".npy")]: np.load(p) for p in out.glob("*.npy")}
+
+
+def assert_bitwise_equal(got, want):
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        assert got[name].shape == want[name].shape, name
+        assert np.array_equal(got[name], want[name]), name
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_generated_run_equals_the_cli(case, tmp_path):
+    kwargs = CASES[case]
+    saved = cli_run(kwargs, tmp_path)
+    r = tpsim.run(**kwargs)
+    assert_bitwise_equal({**r.inputs, **r.results}, saved)
+    assert r.ok and r.verification and all(v.ok for v in r.verification)
+    assert sorted(v.tensor for v in r.verification) == sorted(r.results)
+
+
+@pytest.mark.parametrize("case", ["column", "embedding", "grouped-row", "column-gtp-remat", "row-bf16"])
+def test_run_on_arrays_equals_the_cli_on_the_same_files(case, tmp_path):
+    kwargs = {k: v for k, v in CASES[case].items() if k != "seed"}
+    inputs_dir = tmp_path / "inputs"
+    inputs_dir.mkdir()
+    rng = np.random.default_rng(5)
+    generated = tpsim.run(**kwargs, verify="none").inputs
+    # Other values than the seed's, in float64: both paths round them to the run's dtype alike.
+    arrays = {
+        name: a if a.dtype == np.int64 else rng.normal(size=a.shape)
+        for name, a in generated.items()
+    }
+    for name, a in arrays.items():
+        np.save(inputs_dir / f"{name}.npy", a)
+    want = cli_run(kwargs, tmp_path, load=inputs_dir)
+    r = tpsim.run(**kwargs, inputs=arrays)
+    assert_bitwise_equal(r.results, want)
+    assert r.ok
+
+
+def test_float32_and_float64_arrays_of_the_same_values_give_the_same_bits():
+    base = tpsim.run(layer="column", tp=2, bias=True, verify="none")
+    as64 = {name: a.astype(np.float64) for name, a in base.inputs.items()}
+    r = tpsim.run(layer="column", tp=2, bias=True, inputs=as64, verify="none")
+    assert_bitwise_equal(r.results, base.results)
+
+
+def test_the_collectives_are_the_cli_demo_trace():
+    r = tpsim.run(layer="mlp", tp=4, gtp_remat=2, sequence_parallel=True, bias=True)
+    demo = cli("demo").stdout.splitlines()
+    start = demo.index(next(line for line in demo if line.startswith("# collectives each rank issued")))
+    for rank, line in enumerate(demo[start + 1 : start + 9]):
+        assert line == f"rank {rank}:" + "".join(f"  {e.op} {e.group} {e.bytes}B" for e in r.collectives[rank])
+    assert len(r.collectives) == 8
+    assert "fc1.weight (64, 16): TP: shard dim 0; GTP_remat: shard dim 0 of the TP-local tensor" in r.placements
+
+
+def tokens(x):
+    """(s, b, features) -> (s*b, features): the GEMMs' M rows."""
+    return x.reshape(-1, x.shape[-1]).astype(np.float64)
+
+
+def assert_close_in_float64(got, want):
+    # fp32 GEMMs of K <= 64 terms of unit size: errors well under 1e-5 of the largest magnitude.
+    scale = np.abs(want).max()
+    assert np.abs(got.astype(np.float64) - want).max() <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("gtp_remat", [1, 2])
+def test_column_forward_and_weight_gradient_match_numpy_float64(gtp_remat):
+    r = tpsim.run(layer="column", tp=2, gtp_remat=gtp_remat, bias=True, seq=8, batch=4, in_features=32,
+                  out_features=64)
+    x, w, b, dy = (r.inputs[n] for n in ("input", "weight", "bias", "grad_output"))
+    y = (tokens(x) @ w.astype(np.float64).T + b).reshape(8, 4, 64)
+    assert_close_in_float64(r.results["output"], y)
+    # GTP_remat's MEAN reduction leaves each parameter gradient 1/G of the full batch's.
+    dw = tokens(dy).T @ tokens(x) / gtp_remat
+    assert_close_in_float64(r.results["weight.grad"], dw)
+    assert_close_in_float64(r.results["bias.grad"], tokens(dy).sum(axis=0) / gtp_remat)
+    assert_close_in_float64(r.results["input.grad"], (tokens(dy) @ w.astype(np.float64)).reshape(x.shape))
+
+
+def test_row_forward_and_weight_gradient_match_numpy_float64():
+    r = tpsim.run(layer="row", tp=4, bias=True, seq=4, batch=2, in_features=64, out_features=16, seed=3)
+    x, w, b, dy = (r.inputs[n] for n in ("input", "weight", "bias", "grad_output"))
+    assert_close_in_float64(r.results["output"], (tokens(x) @ w.astype(np.float64).T + b).reshape(4, 2, 16))
+    assert_close_in_float64(r.results["weight.grad"], tokens(dy).T @ tokens(x))
+    assert_close_in_float64(r.results["input.grad"], (tokens(dy) @ w.astype(np.float64)).reshape(x.shape))
+
+
+def cli_error(*args):
+    """The message `tpsim run ARGS` fails with (exit 2), without its 'tpsim run: ' prefix."""
+    done = cli("run", *args, check=False)
+    assert done.returncode == 2, done
+    first = done.stderr.splitlines()[0]
+    assert first.startswith("tpsim run: ")
+    return first[len("tpsim run: "):]
+
+
+def test_a_bad_tp_raises_the_cli_message():
+    with pytest.raises(ValueError) as e:
+        tpsim.run(layer="column", tp=3)
+    assert str(e.value) == cli_error("--layer", "column", "--tp", "3")
+    assert "--tp" in str(e.value)
+
+
+def test_an_unknown_layer_raises_the_cli_message():
+    with pytest.raises(ValueError) as e:
+        tpsim.run(layer="attention", tp=2)
+    assert str(e.value) == cli_error("--layer", "attention", "--tp", "2")
+
+
+def test_a_wrong_shaped_input_raises_the_cli_message(tmp_path):
+    arrays = dict(tpsim.run(layer="column", tp=2, verify="none").inputs)
+    arrays["input"] = arrays["input"][:, :, :8]
+    for name, a in arrays.items():
+        np.save(tmp_path / f"{name}.npy", a)
+    with pytest.raises(ValueError) as e:
+        tpsim.run(layer="column", tp=2, inputs=arrays)
+    assert str(e.value) == cli_error("--layer", "column", "--tp", "2", "--load", str(tmp_path))
+    assert str(e.value) == "input.npy must have shape (8, 2, 16), got (8, 2, 8)"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda m: m.update(weight=m["weight"].astype(np.int32)),
+         "inputs['weight']: expected a float32, float64, float16 or int64 array, got int32"),
+        (lambda m: m.update(weight=m["weight"].astype(np.int64)),
+         "inputs['weight']: expected float32, float64 or float16 values, got int64"),
+        (lambda m: m.pop("grad_output"),
+         "inputs: expected 'grad_output'; --layer column reads input, weight, grad_output"),
+        (lambda m: m.update(wieght=m["weight"]),
+         "inputs: unexpected 'wieght'; --layer column reads input, weight, grad_output"),
+    ],
+    ids=["int32", "ids-for-values", "missing", "unknown-name"],
+)
+def test_bad_arrays_raise_value_errors_naming_the_input(change, message):
+    arrays = dict(tpsim.run(layer="column", tp=2, verify="none").inputs)
+    change(arrays)
+    with pytest.raises(ValueError, match=f"^{message.replace('[', '.').replace(']', '.')}$"):
+        tpsim.run(layer="column", tp=2, inputs=arrays)
+
+
+def test_non_contiguous_arrays_are_read_in_their_logical_order():
+    base = tpsim.run(layer="column", tp=2, verify="none")
+    arrays = dict(base.inputs)
+    arrays["weight"] = np.asfortranarray(arrays["weight"])
+    assert not arrays["weight"].flags.c_contiguous
+    assert_bitwise_equal(tpsim.run(layer="column", tp=2, inputs=arrays, verify="none").results, base.results)
+
+
+def test_file_flags_are_refused():
+    with pytest.raises(ValueError, match=r"^tpsim.run: save is the command line's only: here tensors are numpy arrays"):
+        tpsim.run(layer="column", save="/tmp/x")
+    with pytest.raises(ValueError, match=r"^tpsim.layout: svg is the command line's only"):
+        tpsim.layout(layer="column", svg="x.svg")
+
+
+def test_a_failed_rank_raises_rank_failure_with_every_ranks_diagnostic():
+    args = dict(layer="column", tp=2, bias=True, inject="1:1:throw")
+    with pytest.raises(tpsim.RankFailure) as e:
+        tpsim.run(**args)
+    assert isinstance(e.value, RuntimeError)
+    assert len(e.value.rank_errors) == 2
+    assert e.value.rank_errors[1].startswith("injected fault: rank 1 throws at its collective 1")
+    assert e.value.rank_errors[0].startswith("peer rank 1 failed")
+    done = cli("run", *flags(args), check=False)
+    assert done.returncode == 3
+    assert done.stderr == "tpsim run: " + str(e.value) + "\n"
+
+
+def test_the_gil_is_released_during_a_run():
+    ticks = []
+    done = threading.Event()
+
+    def work():
+        tpsim.run(layer="mlp", tp=4, seq=256, batch=4, in_features=256, ffn_hidden=1024)
+        done.set()
+
+    worker = threading.Thread(target=work)
+    start = time.monotonic()
+    worker.start()
+    while not done.is_set():
+        ticks.append(time.monotonic())
+        time.sleep(0.002)
+    worker.join()
+    elapsed = time.monotonic() - start
+    assert elapsed > 0.1, "the run was too short to tell"
+    # Holding the GIL, the run would stop this loop for most of its time (one gap of ~3/4 of it).
+    longest_gap = np.diff([start, *ticks, start + elapsed]).max()
+    assert longest_gap < elapsed / 4, (longest_gap, elapsed)
+
+
+def test_layout_is_the_cli_drawing(tmp_path):
+    args = dict(layer="column", tp=2, gtp_remat=2, bias=True)
+    layout = tpsim.layout(**args)
+    svg = tmp_path / "layout.svg"
+    done = cli("layout", *flags(args), "--svg", str(svg))
+    assert done.stdout == layout.text + f"\nwrote {svg}\n"
+    assert layout._repr_svg_() == svg.read_text()
+    assert str(layout) == layout.text
+    with pytest.raises(ValueError, match="^--layer: expected column"):
+        tpsim.layout(layer="attention")
+
+
+def test_runs_from_several_threads_at_once_give_the_same_bits():
+    kwargs = dict(layer="mlp", tp=4, gtp_remat=2, seed=3)
+    want = tpsim.run(**kwargs)
+    got = []
+
+    def work():
+        for _ in range(3):
+            got.append(tpsim.run(**kwargs))
+
+    workers = [threading.Thread(target=work) for _ in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert len(got) == 9
+    for r in got:
+        assert r.ok
+        assert_bitwise_equal(r.results, want.results)
+
+
+def test_a_corrupted_collective_fails_verification_as_in_the_cli():
+    args = dict(layer="column", tp=2, bias=True, inject="1:1:corrupt")
+    r = tpsim.run(**args)
+    assert not r.ok
+    failed = [v for v in r.verification if not v.ok]
+    assert failed and all(v.result == "FAIL" and v.outside > 0 and v.note for v in failed)
+    done = cli("run", *flags(args), check=False)
+    assert done.returncode == 1
+    # The configuration line, the table and the notes under it, as the CLI prints them.
+    for line in str(r).splitlines():
+        assert line in done.stdout.splitlines(), line

@@ -1,0 +1,332 @@
+// The Python module `tpsim`: `tpsim run` and `tpsim layout` as functions, numpy arrays in and out.
+//
+// Keyword arguments are the commands' flags (tp=4 is --tp 4, sequence_parallel=True is
+// --sequence-parallel), parsed by the CLI's own parsers, so that a value the CLI refuses raises
+// ValueError with the CLI's message. Tensors travel as arrays instead of files: no --load, --save,
+// checkpoint or trace flags here. A failed rank raises tpsim.RankFailure. Not here: Ctrl-C during a
+// run (it ends when the run does), checkpoints, the GPU backend's tests.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <boost/program_options/errors.hpp>
+#include <cstdio>
+#include <new>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "backends/errors.h"
+#include "backends/world.h"
+#include "core/placement.h"
+#include "core/rank_grid.h"
+#include "tools/cli/cli.h"
+#include "tools/lib/layout.h"
+#include "tools/lib/memory.h"
+#include "tools/lib/npy.h"
+#include "tools/lib/runner.h"
+
+namespace py = pybind11;
+
+namespace tpsim::tools {
+namespace {
+
+// tpsim.RankFailure, owned by the module.
+PyObject* rankFailure = nullptr;
+
+// The command lines' flags that have no keyword: those naming files (tensors are arrays here), and
+// help (Python's help() shows the docstring).
+const std::set<std::string> kRunFileFlags = {"help", "load", "save", "load_checkpoint", "save_checkpoint",
+                                             "trace", "clock", "device_model"};
+const std::set<std::string> kLayoutFileFlags = {"help", "svg"};
+
+// kwargs as the command line the CLI would parse: True -> --flag, False and None -> left out, a list
+// -> the flag once per item (inject), anything else -> --flag=str(value).
+std::vector<std::string> commandLineOf(const char* function, const py::kwargs& kwargs,
+                                       const std::set<std::string>& refused) {
+  std::vector<std::string> args;
+  for (const auto& [key, value] : kwargs) {
+    std::string name = py::str(key);
+    if (refused.count(name))
+      throw py::value_error(std::string(function) + ": " + name + " is the command line's only: here tensors are " +
+                            "numpy arrays (inputs=, the result's arrays), and help is help(" + function + ")");
+    for (char& ch : name)
+      if (ch == '_') ch = '-';
+    const std::string flag = "--" + name;
+    if (value.is_none()) continue;
+    if (py::isinstance<py::bool_>(value)) {
+      if (value.cast<bool>()) args.push_back(flag);
+    } else if (py::isinstance<py::list>(value) || py::isinstance<py::tuple>(value)) {
+      for (const py::handle item : value) args.push_back(flag + "=" + std::string(py::str(item)));
+    } else {
+      args.push_back(flag + "=" + std::string(py::str(value)));
+    }
+  }
+  return args;
+}
+
+// Runs `body`, turning the library's errors into Python's as the CLI turns them into messages
+// (tools/cli/main.cc): the same text, less the "tpsim COMMAND: " the CLI puts before it.
+template <class Body>
+auto translated(const std::string& command, Body&& body) -> decltype(body()) {
+  const std::string prefix = "tpsim " + command + ": ";
+  const auto unprefixed = [&](std::string message) {
+    if (message.compare(0, prefix.size(), prefix) == 0) message.erase(0, prefix.size());
+    return message;
+  };
+  try {
+    return body();
+  } catch (const UsageError& e) {
+    throw py::value_error(e.message);
+  } catch (const boost::program_options::error& e) {
+    throw py::value_error(e.what());
+  } catch (const WorldError& e) {
+    py::object error = py::reinterpret_borrow<py::object>(rankFailure)("the simulated world failed: " +
+                                                                       unprefixed(e.what()));
+    error.attr("rank_errors") = py::cast(e.rankErrors());
+    PyErr_SetObject(rankFailure, error.ptr());
+    throw py::error_already_set();
+  } catch (const InvalidArgument& e) {
+    throw py::value_error(unprefixed(e.what()));
+  } catch (const std::bad_alloc&) {
+    PyErr_SetString(PyExc_MemoryError, ("tpsim " + command + ": out of memory").c_str());
+    throw py::error_already_set();
+  }
+}
+
+// An array of the host tensor's values: float32 as --save writes them (every dtype's values are
+// exact in it), int64 for token ids.
+py::array arrayOf(const HostTensor& t) {
+  const std::vector<py::ssize_t> shape(t.shape.begin(), t.shape.end());
+  if (t.dtype == DType::kInt64) {
+    py::array_t<std::int64_t> a(shape);
+    std::int64_t* out = a.mutable_data();
+    for (std::size_t i = 0; i < t.values.size(); ++i) out[i] = std::int64_t(t.values[i]);
+    return std::move(a);
+  }
+  py::array_t<float> a(shape);
+  float* out = a.mutable_data();
+  for (std::size_t i = 0; i < t.values.size(); ++i) out[i] = float(t.values[i]);
+  return std::move(a);
+}
+
+py::dict arraysOf(const TensorMap& tensors) {
+  py::dict out;
+  for (const auto& [name, t] : tensors) out[py::str(name)] = arrayOf(t);
+  return out;
+}
+
+// The array's element type as the .npy reader names it; throws ValueError naming `where` otherwise.
+DType dtypeOf(const py::array& a, const std::string& where) {
+  if (py::isinstance<py::array_t<float>>(a)) return DType::kFloat32;
+  if (py::isinstance<py::array_t<double>>(a)) return DType::kFloat64;
+  if (py::isinstance<py::array_t<std::int64_t>>(a)) return DType::kInt64;
+  if (a.dtype().kind() == 'f' && a.itemsize() == 2 && a.dtype().attr("isnative").cast<bool>())
+    return DType::kFloat16;
+  throw py::value_error(where + ": expected a float32, float64, float16 or int64 array, got " +
+                        std::string(py::str(a.dtype())));
+}
+
+// The caller's arrays as the run's tensors, each through the conversion --load's files take, once
+// their shapes have passed the memory check. Every tensor of the layer must be there, and nothing else.
+TensorMap tensorsOf(const RunArgs& parsed, const py::dict& arrays) {
+  const RunConfig& c = parsed.config;
+  const std::vector<TensorSpec> specs = c.layer->tensors(c);
+  std::string names;
+  for (const TensorSpec& t : specs) names += (names.empty() ? "" : ", ") + t.name;
+  const std::string reads = "; --layer " + std::string(c.layer->name()) + " reads " + names;
+  for (const auto& [key, value] : arrays) {
+    const std::string name = py::str(key);
+    if (std::none_of(specs.begin(), specs.end(), [&](const TensorSpec& t) { return t.name == name; }))
+      throw py::value_error("inputs: unexpected '" + name + "'" + reads);
+  }
+  std::vector<py::array> held;  // C-contiguous, in specs' order
+  std::vector<DType> dtypes;
+  ShapeMap shapes;
+  for (const TensorSpec& t : specs) {
+    if (!arrays.contains(t.name)) throw py::value_error("inputs: expected '" + t.name + "'" + reads);
+    const std::string where = "inputs['" + t.name + "']";
+    held.push_back(py::array::ensure(arrays[py::str(t.name)], py::array::c_style));
+    if (!held.back()) throw py::value_error(where + ": expected an array");
+    dtypes.push_back(dtypeOf(held.back(), where));
+    shapes[t.name] = std::vector<std::int64_t>(held.back().shape(), held.back().shape() + held.back().ndim());
+  }
+  checkMemory(c, shapes, parsed.verify, parsed.maxMemory, "inputs");
+  TensorMap out;
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    const TensorSpec& t = specs[i];
+    out[t.name] = hostTensorOf(dtypes[i], shapes.at(t.name), held[i].data(), t.idRange.empty() ? c.dtype : DType::kInt64,
+                               "inputs['" + t.name + "']");
+  }
+  return out;
+}
+
+// Each tensor's placement, then the block each rank (t, g) holds: the layout as text, without the
+// drawing.
+std::string placementsText(const RunConfig& c, const std::vector<TensorPlacement>& placements) {
+  const LayerGrid grid(c.tp, c.gtpRemat);
+  std::string text;
+  for (const TensorPlacement& p : placements) {
+    text += p.name + " " + shapeText(p.shape) + ": " + placementText(p) + "\n";
+    for (int rank = 0; rank < grid.size(); ++rank) {
+      const int t = grid.t(rank), g = grid.g(rank);
+      text += "  r" + std::to_string(rank) + " (t=" + std::to_string(t) + ", g=" + std::to_string(g) + ") " +
+              shapeText(localShape(p, t, g)) + ": " + holdsText(p, t, g) + "\n";
+    }
+  }
+  return text;
+}
+
+struct PyRunResult {
+  std::string config;      // RunConfig::str(): the line `tpsim run` prints first
+  py::dict inputs;         // as the run used them: generated or converted, rounded to the dtype
+  py::dict results;        // unsharded outputs and gradients
+  std::vector<std::vector<TraceEvent>> collectives;  // per rank, in the order it issued them
+  std::vector<Verdict> verification;
+  std::string placements;
+  bool ok = true;
+};
+
+PyRunResult run(const py::kwargs& kwargs) {
+  return translated("run", [&] {
+    py::kwargs flags;
+    py::object arrays = py::none();
+    for (const auto& [key, value] : kwargs) {
+      if (std::string(py::str(key)) == "inputs") arrays = py::reinterpret_borrow<py::object>(value);
+      else flags[key] = value;
+    }
+    const RunArgs parsed = parseRunArgs(commandLineOf("tpsim.run", flags, kRunFileFlags));
+    const RunConfig& c = parsed.config;
+    TensorMap inputs;
+    if (arrays.is_none()) {
+      checkSizes(c, {SizeSources::Inputs::kFlags, ""});
+      checkMemory(c, tensorShapes(c), parsed.verify, parsed.maxMemory, "");
+      py::gil_scoped_release unlocked;
+      inputs = generateInputs(c);
+    } else {
+      if (!py::isinstance<py::dict>(arrays))
+        throw py::value_error("inputs: expected a dict of numpy arrays by name, got " +
+                              std::string(py::str(arrays.get_type().attr("__name__"))));
+      inputs = tensorsOf(parsed, arrays.cast<py::dict>());
+      checkInputs(c, inputs, {SizeSources::Inputs::kFiles, ""});
+    }
+    PyRunResult out;
+    RunResult result;
+    {
+      py::gil_scoped_release unlocked;
+      result = runSharded(c, inputs);
+      out.verification = verify(c, inputs, result, parsed.verify);
+    }
+    for (const Verdict& v : out.verification) out.ok = out.ok && v.outside == 0;
+    out.config = c.str();
+    out.inputs = arraysOf(inputs);
+    out.results = arraysOf(result.results);
+    for (const std::vector<TraceEvent>& events : result.trace) {  // the group splits are no collectives
+      out.collectives.emplace_back();
+      for (const TraceEvent& e : events)
+        if (e.op != "split") out.collectives.back().push_back(e);
+    }
+    out.placements = placementsText(c, result.placements);
+    return out;
+  });
+}
+
+struct PyLayout {
+  std::string text, svg;
+};
+
+PyLayout layout(const py::kwargs& kwargs) {
+  return translated("layout", [&] {
+    const LayoutArgs parsed = parseLayoutArgs(commandLineOf("tpsim.layout", kwargs, kLayoutFileFlags));
+    const std::vector<TensorPlacement> placements = layoutPlacements(parsed.config);
+    return PyLayout{layoutText(parsed.config, placements, false), layoutSvg(parsed.config, placements)};
+  });
+}
+
+}  // namespace
+}  // namespace tpsim::tools
+
+PYBIND11_MODULE(tpsim, m) {
+  using namespace tpsim;
+  using namespace tpsim::tools;
+  m.doc() = "tpsim: Megatron-Core's tensor-parallel layers on simulated ranks, numpy arrays in and out";
+
+  rankFailure = PyErr_NewExceptionWithDoc(
+      "tpsim.RankFailure",
+      "A rank of the simulated world failed (an injected fault, a collective mismatch, a timeout). "
+      "rank_errors[r] is rank r's diagnostic, '' where it returned normally.",
+      PyExc_RuntimeError, nullptr);
+  m.attr("RankFailure") = py::reinterpret_steal<py::object>(rankFailure);
+
+  py::class_<TraceEvent>(m, "Collective", "One collective a rank issued")
+      .def_readonly("op", &TraceEvent::op)
+      .def_readonly("group", &TraceEvent::group)
+      .def_readonly("seq", &TraceEvent::seq)
+      .def_readonly("dtype", &TraceEvent::dtype)
+      .def_readonly("bytes", &TraceEvent::bytes, "bytes this rank sent")
+      .def("__repr__", [](const TraceEvent& e) { return e.op + " " + e.group + " " + std::to_string(e.bytes) + "B"; });
+
+  py::class_<Verdict>(m, "Verdict", "A row of the verification table: the result against the unsharded fp64 "
+                                    "computation")
+      .def_readonly("tensor", &Verdict::name)
+      .def_readonly("shape", &Verdict::shape)
+      .def_readonly("max_err", &Verdict::maxError)
+      .def_readonly("bound", &Verdict::maxBound)
+      .def_readonly("slack", &Verdict::slack)
+      .def_readonly("outside", &Verdict::outside, "elements beyond their bound")
+      .def_readonly("non_finite", &Verdict::nonFinite, "NaN or Inf elements")
+      .def_property_readonly("ok", [](const Verdict& v) { return v.outside == 0; })
+      .def_property_readonly("result", &verdictResult, "OK, FAIL or NON-FINITE")
+      .def_property_readonly("note", [](const Verdict& v) { return outsideNote(v) + nonFiniteNote(v); })
+      .def("__repr__", [](const Verdict& v) {
+        char numbers[96];
+        std::snprintf(numbers, sizeof numbers, " max_err=%.3e bound=%.3e outside=%lld ", v.maxError, v.maxBound,
+                      (long long)v.outside);
+        return "<Verdict " + v.name + " " + v.shape + numbers + verdictResult(v) + ">";
+      });
+
+  py::class_<PyRunResult>(m, "RunResult", "What tpsim.run returns")
+      .def_readonly("config", &PyRunResult::config, "the effective configuration, as tpsim run prints it")
+      .def_readonly("inputs", &PyRunResult::inputs, "name -> array: the tensors the run read, in its dtype")
+      .def_readonly("results", &PyRunResult::results, "name -> array: unsharded output and gradients")
+      .def_readonly("collectives", &PyRunResult::collectives, "per rank, every collective it issued, in order")
+      .def_readonly("verification", &PyRunResult::verification, "one Verdict per result; empty for verify='none'")
+      .def_readonly("placements", &PyRunResult::placements, "each tensor's placement and every rank's block")
+      .def_readonly("ok", &PyRunResult::ok, "every result within its bound")
+      .def("__str__", [](const PyRunResult& r) {
+        if (r.verification.empty()) return "# tpsim run: " + r.config + "\nverification skipped (verify='none')";
+        std::string notes;
+        for (const Verdict& v : r.verification) notes += outsideNote(v) + nonFiniteNote(v);
+        std::string text = "# tpsim run: " + r.config + "\n" + verificationTable(r.verification) +
+                           (notes.empty() ? "" : "\n" + notes);
+        text.pop_back();  // print() ends the line
+        return text;
+      })
+      .def("__repr__", [](const PyRunResult& r) {
+        std::string names;
+        for (const auto& [name, a] : r.results) names += (names.empty() ? "" : ", ") + std::string(py::str(name));
+        return "<tpsim.RunResult " + r.config + ": " + names + "; " +
+               (r.verification.empty() ? "not verified" : r.ok ? "verified OK" : "MISMATCH") + ">";
+      });
+
+  py::class_<PyLayout>(m, "Layout", "What tpsim.layout returns: the drawing as text and as SVG")
+      .def_readonly("text", &PyLayout::text)
+      .def_readonly("svg", &PyLayout::svg)
+      .def("__str__", [](const PyLayout& l) { return l.text; })
+      .def("__repr__", [](const PyLayout& l) { return l.text; })
+      .def("_repr_svg_", [](const PyLayout& l) { return l.svg; });
+
+  m.def("run", &run,
+        "run(*, layer, tp=2, inputs=None, seed=1234, verify='bound', ...) -> RunResult\n\n"
+        "One layer sharded over simulated ranks, forward and backward, checked against the unsharded\n"
+        "computation: `tpsim run`, with each flag as a keyword (--gtp-remat 2 is gtp_remat=2,\n"
+        "--sequence-parallel is sequence_parallel=True). inputs: name -> array for every tensor of the\n"
+        "layer (float32, float64 or float16 values, rounded to dtype; int64 token ids); without it the\n"
+        "data is generated from seed and the size arguments. Raises ValueError with the CLI's message\n"
+        "for a bad argument or input, tpsim.RankFailure when a rank fails.");
+  m.def("layout", &layout,
+        "layout(*, layer, tp=2, ...) -> Layout\n\n"
+        "The placements of every tensor of the layer, drawn: `tpsim layout` with each flag as a keyword.\n"
+        "str() is the text drawing; in Jupyter it shows as SVG.");
+}
