@@ -340,6 +340,25 @@ TEST(CheckpointErrors, TruncatedCorruptOrMissingFilesAreRefused) {
   EXPECT_THAT(loadError(dir), HasSubstr("index"));
 }
 
+// The index alone gives the keys, their shapes and the files, read before any of the files: what a
+// load sizes its work by. The reader made from it reads and checks them.
+TEST(CheckpointIndex, ReadsNoFileAndTheReaderMadeFromItChecksThem) {
+  const std::string dir = tempDir("index-only");
+  save(Topology{2, 2, 8}, dir);
+  const std::string file = dir + "/rank-00001.safetensors";
+  writeFile(file, std::vector<char>(fs::file_size(file), 0));  // garbage of the index's size
+  CheckpointIndex index(dir);
+  EXPECT_EQ(index.key("col.weight").globalShape, (Ints{kN, kK}));
+  EXPECT_EQ(index.paths().front(), dir + "/index.json");
+  EXPECT_NE(std::find(index.paths().begin(), index.paths().end(), file), index.paths().end());
+  try {
+    const CheckpointReader reader(std::move(index));
+    ADD_FAILURE() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("rank-00001.safetensors: expected header checksum"));
+  }
+}
+
 // The index records each parameter's placement, and that placement puts every element of every
 // rank's shard where expected() (Megatron's layout, written out independently) has it.
 TEST(CheckpointFiles, IndexRecordsPlacementsThatAgreeWithTheShards) {
@@ -740,6 +759,16 @@ TEST(Safetensors, HeaderReadBackAndEveryHoleOverlapOrLooseFieldRefused) {
   EXPECT_THAT(headerError("{" + a + "[0, 8]}, " + b + "[8, 12]}}", 16),
               HasSubstr("tensor 'b' [8, 12): expected the last tensor to end at the data's end, byte 16, got a hole of 4 bytes after it"));
   EXPECT_THAT(headerError("{}", 4), HasSubstr("expected tensors to end at the data's end, byte 4, got a hole of 4 bytes after the header"));
+  // The header alone, against the size of a file's data not read (a sparse 4 GiB, say).
+  const std::uint64_t n = file.size() - 8 - 12;  // the 12 data bytes follow the header
+  EXPECT_EQ(readSafetensorsHeader(file.data() + 8, n, 12, "f").size(), 2u);
+  try {
+    readSafetensorsHeader(file.data() + 8, n, std::uint64_t(4) << 30, "f");
+    ADD_FAILURE() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("tensor 'a' [4, 12): expected the last tensor to end at the data's end, byte "
+                                    "4294967296, got a hole of 4294967284 bytes after it"));
+  }
   EXPECT_THAT(headerError("{" + a + "[0, 8]}, " + a + "[0, 8]}}", 8), HasSubstr("with each key once in an object, got 'a' twice"));
   EXPECT_THAT(headerError("{" + a + "[0, 8.0]}}", 8), HasSubstr("tensor 'a': data_offsets: expected an integer in [0, 8], got 8.0"));
   EXPECT_THAT(headerError("{" + a + "[0, 8], \"extra\": 1}}", 8), HasSubstr("tensor 'a': expected dtype, shape and data_offsets"));

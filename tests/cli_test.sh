@@ -704,6 +704,14 @@ shard_size=$(stat -c %s "$work/ck-small/rank-00001.safetensors")
 truncate -s 1T "$work/ck-odd/shard-huge/rank-00001.safetensors"
 check ckpt-shard-huge 2 "rank-00001.safetensors: expected $shard_size bytes (the index's size), got 1099511627776; the file is truncated or was replaced" -- \
   timeout 10 "$tpsim" run --layer column --load-checkpoint "$work/ck-odd/shard-huge"
+# --max-memory is checked on the sizes the checkpoint's index gives, before any of its files is read:
+# a shard replaced by garbage of its size, refused as corrupt when read, is never read.
+odd_checkpoint garbage rank-00000.safetensors
+head -c "$(stat -c %s "$work/ck-small/rank-00000.safetensors")" /dev/zero >"$work/ck-odd/garbage/rank-00000.safetensors"
+check ckpt-garbage 2 "rank-00000.safetensors: expected header checksum" -- \
+  "$tpsim" run --layer column --load-checkpoint "$work/ck-odd/garbage"
+check ckpt-memory-first 2 "tpsim run: expected a run that fits in memory, got an estimated peak of" -- \
+  "$tpsim" run --layer column --max-memory 1M --load-checkpoint "$work/ck-odd/garbage"
 
 # The writer's rules (tools/lib/output_files.h): no output over one of the command's inputs or
 # other outputs, short temporaries, none left after a failure or a signal, one writer of a directory
@@ -1046,6 +1054,29 @@ index["files"]["rank-00000.safetensors"]["size"] = size'
 check ckpt-huge-shard 2 "rank-00000.safetensors: expected a checkpoint whose files fit in memory, got " -- \
   timeout 60 "$tpsim" checkpoint inspect "$work/hostile/huge-shard"
 rm -rf "$work/hostile/huge-shard"
+# One that fits, sparse (4 GiB, or half the memory there is), its index resealed to agree: refused
+# from its header, which indexes none of the bytes added, before the data is read; reading the data
+# first would hold the whole file.
+hostile sparse-shard "$work/ck-small" sealed 'import os
+size = min(4 * 2**30, int([l for l in open("/proc/meminfo") if l.startswith("MemAvailable:")][0].split()[1]) * 512)
+os.truncate(f"{directory}/rank-00000.safetensors", size)
+index["files"]["rank-00000.safetensors"]["size"] = size'
+peak_kib() {  # peak_kib FILE COMMAND...: runs COMMAND, then writes its peak resident memory (KiB) to FILE
+  python3 -c 'import resource, subprocess, sys
+code = subprocess.call(sys.argv[2:])
+open(sys.argv[1], "w").write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))
+sys.exit(code)' "$@"
+}
+check ckpt-sparse-shard 2 "rank-00000.safetensors: tensor 'weight@0,0' [0, 512): expected the last tensor to end at the data's end, byte " -- \
+  peak_kib "$work/sparse.kib" timeout 60 "$tpsim" checkpoint inspect "$work/hostile/sparse-shard"
+if [ "$(cat "$work/sparse.kib")" -lt 262144 ]; then
+  echo "ok   ckpt-sparse-shard-memory"
+  passed=$((passed + 1))
+else
+  echo "FAIL ckpt-sparse-shard-memory: a peak of $(cat "$work/sparse.kib") KiB, want under 256 MiB: the data was read before the header was checked"
+  failures=$((failures + 1))
+fi
+rm -rf "$work/hostile/sparse-shard"
 # Safetensors data bytes are all indexed: a hole before the first tensor, between two, after the last.
 check ckpt-bias 0 "checkpoint saved" -- "$tpsim" run --layer column --tp 2 --bias --save-checkpoint "$work/ck-bias"
 hostile hole-before "$work/ck-bias" sealed 'hole("rank-00000.safetensors", "before")'

@@ -88,37 +88,36 @@ void prepareSaveDir(const std::string& flag, const std::string& dir) {
               "be created, got '", dir, "' (", ec ? ec.message() : "not a directory", ")");
 }
 
-// The parameters of --load-checkpoint, unsharded (pad rows dropped) and rounded to --dtype: the dense
-// reference's copy (the ranks read their own chunks). The shape flags follow them, so that generated
-// input and grad_output fit. A checkpoint of another kind of layer, or whose keys do not fit one
+// The parameters' shapes as the index of the checkpoint in `dir` gives them, before any of its
+// files is read; the shape flags follow them, so that generated input and grad_output fit and the
+// memory check sizes the run. A checkpoint of another kind of layer, or whose keys do not fit one
 // layer of c's kind, is refused here, before the world starts.
-TensorMap checkpointParams(RunConfig& c, const CheckpointReader& reader, const std::string& dir) {
+ShapeMap checkpointShapes(RunConfig& c, const CheckpointIndex& index, const std::string& dir) {
   std::string held;
-  for (const auto& [key, k] : reader.keys()) held += (held.empty() ? "" : ", ") + key;
+  for (const auto& [key, k] : index.keys()) held += (held.empty() ? "" : ", ") + key;
   for (const TensorSpec& t : parameters(c)) {
     const std::string key = c.layer->checkpointSlot(t.name).key;
-    TPSIM_CHECK(reader.keys().count(key), "--load-checkpoint: expected key '", key, "' in ", dir, " (--layer ",
+    TPSIM_CHECK(index.keys().count(key), "--load-checkpoint: expected key '", key, "' in ", dir, " (--layer ",
                 c.layer->name(), c.bias ? " --bias" : "", " reads ", joinNames(parameters(c)), "), got only ",
                 held.empty() ? "no keys" : printable(held, 400));
   }
   // The keys are there; they must also mean what c's kind means by them.
-  const LayerKind* saved = findLayerKind(reader.layer());
+  const LayerKind* saved = findLayerKind(index.layer());
   std::string loads;  // the kinds whose checkpoints c's kind loads
   for (const LayerKind* k : layerKinds())
     if (k->checkpointKind() == c.layer->checkpointKind()) loads += (loads.empty() ? "" : " or ") + std::string(k->name());
   TPSIM_CHECK(saved && saved->checkpointKind() == c.layer->checkpointKind(), "--load-checkpoint: expected a checkpoint "
               "saved by --layer ", loads, ", got one saved by ",
-              reader.layer().empty() ? std::string("no layer kind (its index names none)")
-                                     : "--layer " + printable(reader.layer(), 80),
+              index.layer().empty() ? std::string("no layer kind (its index names none)")
+                                    : "--layer " + printable(index.layer(), 80),
               " in ", dir, "; another kind's parameters mean something else, even where the shapes agree");
-  TensorMap m;
-  std::map<std::string, std::vector<char>> consolidated;  // by key: the experts' parameters share one
-  std::map<std::string, std::int64_t> entries;              // parameters kept along a key's leading axis
+  ShapeMap shapes;
+  std::map<std::string, std::int64_t> entries;  // parameters kept along a key's leading axis
   for (const TensorSpec& t : parameters(c))
     if (const LayerKind::CheckpointSlot slot = c.layer->checkpointSlot(t.name); slot.index >= 0) ++entries[slot.key];
   for (const TensorSpec& t : parameters(c)) {
     const LayerKind::CheckpointSlot slot = c.layer->checkpointSlot(t.name);
-    const CheckpointKey& k = reader.key(slot.key);
+    const CheckpointKey& k = index.key(slot.key);
     const std::size_t rank = t.dims.size() + (slot.index >= 0 ? 1 : 0);
     TPSIM_CHECK(k.globalShape.size() == rank && isFloating(k.dtype), "--load-checkpoint: key '", slot.key, "' in ",
                 dir, ": expected a floating tensor of rank ", rank, ", got ", dtypeName(k.dtype), " of shape ",
@@ -130,6 +129,33 @@ TensorMap checkpointParams(RunConfig& c, const CheckpointReader& reader, const s
                   c.layer->name(), " kept there), got ", shape[0]);
       shape.erase(shape.begin());
     }
+    shapes[t.name] = shape;
+  }
+  c = withSizesOf(c, shapes);
+  // Each size comes from one key; every other key must agree with it.
+  const ShapeMap want = tensorShapes(c);
+  std::string sizes;
+  for (const SizeSpec& s : c.layer->sizes())
+    if (shapes.count(s.tensor)) sizes += (sizes.empty() ? "" : ", ") + s.symbol + " = " + std::to_string(c.*s.field);
+  for (const TensorSpec& t : parameters(c)) {
+    const LayerKind::CheckpointSlot slot = c.layer->checkpointSlot(t.name);
+    TPSIM_CHECK(shapes.at(t.name) == want.at(t.name), "--load-checkpoint: key '", slot.key, "'",
+                slot.index >= 0 ? detail::concat(" entry ", slot.index) : "", " in ", dir, ": expected shape ",
+                shapeText(want.at(t.name)), " (--layer ", c.layer->name(), " ", t.name, " with ", sizes,
+                ", as the checkpoint's keys give them), got ", shapeText(shapes.at(t.name)));
+  }
+  return shapes;
+}
+
+// The parameters of --load-checkpoint, of the `shapes` checkpointShapes gave, unsharded (pad rows
+// dropped) and rounded to --dtype: the dense reference's copy (the ranks read their own chunks).
+TensorMap checkpointParams(const RunConfig& c, const CheckpointReader& reader, const ShapeMap& shapes) {
+  TensorMap m;
+  std::map<std::string, std::vector<char>> consolidated;  // by key: the experts' parameters share one
+  for (const TensorSpec& t : parameters(c)) {
+    const LayerKind::CheckpointSlot slot = c.layer->checkpointSlot(t.name);
+    const CheckpointKey& k = reader.key(slot.key);
+    const std::vector<std::int64_t>& shape = shapes.at(t.name);
     if (!consolidated.count(slot.key)) consolidated[slot.key] = reader.consolidated(slot.key);
     const std::vector<char>& bytes = consolidated.at(slot.key);
     std::size_t count = 1;
@@ -138,21 +164,6 @@ TensorMap checkpointParams(RunConfig& c, const CheckpointReader& reader, const s
     std::vector<double> values(count);
     for (std::size_t i = 0; i < count; ++i) values[i] = loadAsDouble(k.dtype, bytes.data() + (first + i) * size);
     m[t.name] = makeHost(shape, c.dtype, std::move(values));
-  }
-  ShapeMap shapes;
-  for (const auto& [name, t] : m) shapes[name] = t.shape;
-  c = withSizesOf(c, shapes);
-  // Each size comes from one key; every other key must agree with it.
-  const ShapeMap want = tensorShapes(c);
-  std::string sizes;
-  for (const SizeSpec& s : c.layer->sizes())
-    if (m.count(s.tensor)) sizes += (sizes.empty() ? "" : ", ") + s.symbol + " = " + std::to_string(c.*s.field);
-  for (const TensorSpec& t : parameters(c)) {
-    const LayerKind::CheckpointSlot slot = c.layer->checkpointSlot(t.name);
-    TPSIM_CHECK(m.at(t.name).shape == want.at(t.name), "--load-checkpoint: key '", slot.key, "'",
-                slot.index >= 0 ? detail::concat(" entry ", slot.index) : "", " in ", dir, ": expected shape ",
-                shapeText(want.at(t.name)), " (--layer ", c.layer->name(), " ", t.name, " with ", sizes,
-                ", as the checkpoint's keys give them), got ", shapeText(m.at(t.name).shape));
   }
   return m;
 }
@@ -184,13 +195,13 @@ void save(const std::string& dir, const TensorMap& tensors) {
 
 // Every file the run reads and writes, registered before it writes any (FileUses): an output that
 // would replace an input or another output is refused here, before the run.
-void checkFileUses(const RunConfig& c, const RunArgs& a, const CheckpointReader* reader) {
+void checkFileUses(const RunConfig& c, const RunArgs& a, const CheckpointIndex* checkpoint) {
   const auto name = [](const std::string& path) { return std::filesystem::path(path).filename().string(); };
   FileUses uses;
   if (!a.loadDir.empty())
-    for (const InputFile& f : inputFiles(c, a.loadDir, !reader)) uses.read({"--load", name(f.path)}, f.path);
-  if (reader)
-    for (const std::string& path : reader->paths()) uses.read({"--load-checkpoint", name(path)}, path);
+    for (const InputFile& f : inputFiles(c, a.loadDir, !checkpoint)) uses.read({"--load", name(f.path)}, f.path);
+  if (checkpoint)
+    for (const std::string& path : checkpoint->paths()) uses.read({"--load-checkpoint", name(path)}, path);
   if (const std::string model = a.trace.modelFile(); !model.empty()) uses.read({"--device-model"}, model);
   if (!a.saveDir.empty()) uses.outputDirectory({"--save", "directory"}, a.saveDir);
   if (!a.saveCheckpoint.empty()) uses.outputDirectory({"--save-checkpoint", "directory"}, a.saveCheckpoint);
@@ -341,23 +352,30 @@ int runMain(const std::vector<std::string>& args) {
   const std::string &loadCheckpoint = parsed.loadCheckpoint, &saveCheckpoint = parsed.saveCheckpoint;
   const VerifyMode verifyMode = parsed.verify;
   const TraceOptions& trace = parsed.trace;
-  // The checkpoint's parameters fix the shape flags before the memory check reads them.
-  std::optional<CheckpointReader> reader;
-  TensorMap params;
+  // The checkpoint's index fixes the parameters' shapes and the shape flags before the memory check
+  // reads them; its files are read once the run is known to fit, as --load's are.
+  std::optional<CheckpointIndex> index;
+  ShapeMap paramShapes;
   if (!loadCheckpoint.empty()) {
     progress.phase("load checkpoint");
-    reader.emplace(loadCheckpoint);
-    params = checkpointParams(c, *reader, loadCheckpoint);
+    index.emplace(loadCheckpoint);
+    paramShapes = checkpointShapes(c, *index, loadCheckpoint);
   }
   // Each size is named by where it comes from: a flag, a --load file or the checkpoint.
   const SizeSources sources{loadDir.empty() ? SizeSources::Inputs::kFlags : SizeSources::Inputs::kFiles,
                             loadCheckpoint};
   if (loadDir.empty()) checkSizes(c, sources);  // the files' sizes are believed once checkInputs has read them
   // Before anything else is allocated: a run that cannot fit is refused, not killed by the kernel.
-  ShapeMap shapes = loadDir.empty() ? tensorShapes(c) : loadShapes(c, loadDir, !reader);
-  for (const auto& [name, t] : params) shapes[name] = t.shape;
+  ShapeMap shapes = loadDir.empty() ? tensorShapes(c) : loadShapes(c, loadDir, !index);
+  for (const auto& [name, shape] : paramShapes) shapes[name] = shape;
   checkMemory(c, shapes, verifyMode, parsed.maxMemory, loadDir);
-  checkFileUses(c, parsed, reader ? &*reader : nullptr);
+  checkFileUses(c, parsed, index ? &*index : nullptr);
+  std::optional<CheckpointReader> reader;
+  TensorMap params;
+  if (index) {
+    reader.emplace(std::move(*index));
+    params = checkpointParams(c, *reader, paramShapes);
+  }
 
   if (!saveDir.empty()) prepareSaveDir("save", saveDir);
   if (!saveCheckpoint.empty()) prepareSaveDir("save-checkpoint", saveCheckpoint);

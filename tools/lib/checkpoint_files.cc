@@ -495,18 +495,27 @@ std::string safetensorsBytes(const std::vector<SafetensorsEntry>& tensors,
   return out;
 }
 
-std::uint64_t safetensorsHeaderLength(const std::vector<char>& bytes, const std::string& where) {
-  TPSIM_CHECK(bytes.size() >= 8, where, ": expected an 8-byte header length, got a ", bytes.size(), "-byte file");
+std::uint64_t safetensorsHeaderLength(const char* first, std::uint64_t fileSize, const std::string& where) {
+  TPSIM_CHECK(fileSize >= 8, where, ": expected an 8-byte header length, got a ", fileSize, "-byte file");
   std::uint64_t n = 0;
-  for (int i = 0; i < 8; ++i) n |= std::uint64_t(static_cast<unsigned char>(bytes[i])) << (8 * i);
-  TPSIM_CHECK(n <= bytes.size() - 8, where, ": expected a header length <= ", bytes.size() - 8,
+  for (int i = 0; i < 8; ++i) n |= std::uint64_t(static_cast<unsigned char>(first[i])) << (8 * i);
+  TPSIM_CHECK(n <= fileSize - 8, where, ": expected a header length <= ", fileSize - 8,
               " (the file size less 8), got ", n);
   return n;
 }
 
+std::uint64_t safetensorsHeaderLength(const std::vector<char>& bytes, const std::string& where) {
+  return safetensorsHeaderLength(bytes.data(), bytes.size(), where);
+}
+
 std::vector<SafetensorsTensor> readSafetensorsHeader(const std::vector<char>& bytes, const std::string& where) {
-  const std::uint64_t n = safetensorsHeaderLength(bytes, where), dataSize = bytes.size() - 8 - n;
-  const json header = parseUntrusted(bytes.data() + 8, bytes.data() + 8 + n, where, "a JSON header");
+  const std::uint64_t n = safetensorsHeaderLength(bytes, where);
+  return readSafetensorsHeader(bytes.data() + 8, n, bytes.size() - 8 - n, where);
+}
+
+std::vector<SafetensorsTensor> readSafetensorsHeader(const char* text, std::uint64_t n, std::uint64_t dataSize,
+                                                     const std::string& where) {
+  const json header = parseUntrusted(text, text + n, where, "a JSON header");
   TPSIM_CHECK(header.is_object(), where, ": expected a JSON object as header, got ", excerpt(header));
   std::vector<SafetensorsTensor> tensors;
   for (const auto& [name, t] : header.items()) {
@@ -771,27 +780,43 @@ std::string sealCheckpointIndex(const std::string& text) {
   return parsing(where, [&] { return sealed(std::move(index)); });
 }
 
-CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPath_((fs::path(dir) / kIndexName).string()) {
+namespace {
+
+// Messages name the file, and what it should be: "checkpoint ck/index.json: expected a readable
+// index (written last by a complete save), got no such file". A checkpoint's files lie in its
+// directory `home`: a name that resolves elsewhere (a symlink out of it) is refused once opened, so
+// that what the open refuses (a FIFO behind a link) says so first.
+tools::InputFile openCheckpointFile(const std::string& home, const std::string& path, const std::string& kind,
+                                    const std::string& what) {
+  tools::InputFile input(path, "checkpoint " + path, kind, [&](int error) {
+    return detail::concat("checkpoint ", path, ": expected a readable ", what, ", got ",
+                          error == ENOENT ? "no such file" : "an unreadable file");
+  });
+  const fs::path real = input.realPath();
+  TPSIM_CHECK(real.parent_path() == fs::path(home), "checkpoint ", path, ": expected a file in ", home,
+              ", got one resolving to ", tools::printable(real.string()), "; a checkpoint's files lie in its directory");
+  return input;
+}
+
+// How messages name a key of the index at `where`, and a chunk of it.
+std::string keyWhere(const std::string& where, const std::string& key) { return where + ": key " + nameText(key); }
+std::string chunkWhere(const std::string& where, const std::string& key, const CheckpointChunk& c) {
+  return detail::concat(keyWhere(where, key), " chunk ", nameText(c.tensor), " in ", tools::printable(c.file, 80));
+}
+
+}  // namespace
+
+CheckpointIndex::CheckpointIndex(CheckpointIndex&&) noexcept = default;
+CheckpointIndex::~CheckpointIndex() = default;
+
+CheckpointIndex::CheckpointIndex(const std::string& dir) : indexPath_((fs::path(dir) / kIndexName).string()) {
   TPSIM_CHECK(fs::is_directory(dir), "checkpoint ", dir, ": expected a directory, got ",
               fs::exists(dir) ? "another kind of file" : "nothing there");
-  // A checkpoint's files lie in its directory: a name that resolves elsewhere (a symlink out of
-  // it) is refused once opened, so that what the open refuses (a FIFO behind a link) says so first.
-  const fs::path home = fs::canonical(dir);
-  const tools::DirectoryReadLock noWriterMeanwhile(dir);
-  // Messages name the file, and what it should be: "checkpoint ck/index.json: expected a readable
-  // index (written last by a complete save), got no such file".
-  const auto openFile = [&home](const std::string& path, const std::string& kind, const std::string& what) {
-    tools::InputFile input(path, "checkpoint " + path, kind, [&](int error) {
-      return detail::concat("checkpoint ", path, ": expected a readable ", what, ", got ",
-                            error == ENOENT ? "no such file" : "an unreadable file");
-    });
-    const fs::path real = input.realPath();
-    TPSIM_CHECK(real.parent_path() == home, "checkpoint ", path, ": expected a file in ", home.string(),
-                ", got one resolving to ", tools::printable(real.string()), "; a checkpoint's files lie in its directory");
-    return input;
-  };
+  home_ = fs::canonical(dir).string();
+  lock_ = std::make_unique<tools::DirectoryReadLock>(dir);
   const std::vector<char> indexText =
-      openFile(indexPath_, "an index", "index (written last by a complete save)").readAll(kMaxIndexBytes);
+      openCheckpointFile(home_, indexPath_, "an index", "index (written last by a complete save)")
+          .readAll(kMaxIndexBytes);
   paths_.push_back(indexPath_);
   const std::string& where = indexPath_;
   json index = parseUntrusted(indexText.data(), indexText.data() + indexText.size(), where,
@@ -810,48 +835,25 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
       TPSIM_CHECK(index["layer"].is_string(), where, ": layer: expected a string, got ", excerpt(index["layer"]));
       layer_ = index["layer"].get<std::string>();
     }
-    // Files: size, header checksum, header well-formed and consistent with its data.
-    // file -> its tensors by name, each with whether a chunk names it
-    std::map<std::string, std::unordered_map<std::string, std::pair<SafetensorsTensor, bool>>> headers;
+    // Files: a plain name, the writer, the size and the header checksum that the reader compares.
     std::map<std::string, int> writers;
-    // Every file is held whole while the checkpoint is read: those read so far and the next, as the
-    // index sizes them, must fit in the memory there was at the start, before the next is read.
-    const std::optional<tools::AvailableMemory> available = tools::availableMemory();
-    double held = 0;
     for (const auto& [file, rec] : readObject(index, "files", where).items()) {
       TPSIM_CHECK(isPlainFileName(file), where, ": expected plain file names, got ", nameText(file));
       TPSIM_CHECK(!tools::isTemporaryName(file), where,
                   ": expected file names other than a save's temporaries (.tpsim-*.partial), which the next save "
                   "into the directory removes, got ",
                   nameText(file));
-      const std::string fw = (fs::path(dir) / file).string();
       TPSIM_CHECK(rec.is_object(), where, ": file ", nameText(file), ": expected an object, got ", excerpt(rec));
-      writers[file] = int(readInt(rec, "writer", where + ": file " + nameText(file), 0, INT32_MAX));
-      const auto size = std::uint64_t(readInt(rec, "size", where + ": file " + nameText(file), 0, INT64_MAX));
-      const std::uint64_t wantHeader = readHex64(rec, where, "header_fnv1a64");
-      tools::InputFile input = openFile(fw, "a safetensors file", "safetensors file named in the index");
-      paths_.push_back(fw);
-      // Before reading: a file of another size, however large, is never read.
-      TPSIM_CHECK(input.size() == size, fw, ": expected ", size, " bytes (the index's size), got ", input.size(),
-                  "; the file is truncated or was replaced");
-      held += double(size);
-      TPSIM_CHECK(!available || held <= double(available->bytes), fw,
-                  ": expected a checkpoint whose files fit in memory, got ", tools::bytesText(held), " with this file (the index's sizes), more than the ",
-                  tools::bytesText(double(available->bytes)), " available (", available->source, ")");
-      std::vector<char> bytes = input.readAll(size);
-      const std::uint64_t n = safetensorsHeaderLength(bytes, fw), header = fnv1a64(bytes.data(), std::size_t(8 + n));
-      TPSIM_CHECK(header == wantHeader, fw, ": expected header checksum ", hex64(wantHeader), " (the index's), got ",
-                  hex64(header), "; the header is corrupt");
-      for (SafetensorsTensor& t : readSafetensorsHeader(bytes, fw)) {
-        std::string name = t.name;
-        headers[file][name] = {std::move(t), false};
-      }
-      dataStart_[file] = std::size_t(8 + n);
-      files_[file] = std::move(bytes);
+      File f{file, (fs::path(dir) / file).string()};
+      f.writer = writers[file] = int(readInt(rec, "writer", where + ": file " + nameText(file), 0, INT32_MAX));
+      f.size = std::uint64_t(readInt(rec, "size", where + ": file " + nameText(file), 0, INT64_MAX));
+      f.headerChecksum = readHex64(rec, where, "header_fnv1a64");
+      paths_.push_back(f.path);
+      files_.push_back(std::move(f));
     }
-    // Tensors: every chunk as its file's header has it, checksums, one padding record, tiling.
+    // Tensors: every chunk's fields, its shapes and padding against its key's, its name and writer.
     for (const auto& [name, t] : readObject(index, "tensors", where).items()) {
-      const std::string kw = where + ": key " + nameText(name);
+      const std::string kw = keyWhere(where, name);
       TPSIM_CHECK(t.is_object(), kw, ": expected an object, got ", excerpt(t));
       CheckpointKey k;
       k.key = name;
@@ -877,7 +879,7 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
         CheckpointChunk c;
         c.file = readString(cj, "file", kw);
         c.tensor = readString(cj, "tensor", kw);
-        const std::string cw = detail::concat(kw, " chunk ", nameText(c.tensor), " in ", tools::printable(c.file, 80));
+        const std::string cw = chunkWhere(where, name, c);
         c.writer = int(readInt(cj, "writer", cw, 0, INT32_MAX));
         c.globalOffset = readShape(cj, cw, "global_offset");
         c.localShape = readShape(cj, cw, "local_shape");
@@ -913,32 +915,18 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
         TPSIM_CHECK(logicalBox(c.globalOffset, c.localShape, m, cw).shape == c.storedShape, cw,
                     ": expected stored shape ", shapeText(logicalBox(c.globalOffset, c.localShape, m, cw).shape),
                     " (its real rows), got ", shapeText(c.storedShape));
-        // The chunk as its file has it: the name its key and offset give, the file's writer, and the
-        // header's dtype, shape and data_offsets.
+        // The name its key and offset give, a file of the index and that file's writer; the reader
+        // compares the rest with the file's header.
         const std::string want = chunkTensorName(name, c.globalOffset);
         TPSIM_CHECK(c.tensor == want, cw, ": expected tensor name ", nameText(want), " (its key and global offset), got ",
                     nameText(c.tensor));
-        const auto h = headers.find(c.file);
-        TPSIM_CHECK(h != headers.end(), cw, ": expected ", nameText(c.file), " among the index's files, got no such entry");
-        TPSIM_CHECK(c.writer == writers.at(c.file), cw, ": expected writer ", writers.at(c.file), " (the writer of ",
-                    nameText(c.file), "), got ", c.writer);
-        const auto ht = h->second.find(c.tensor);
-        TPSIM_CHECK(ht != h->second.end(), cw, ": expected tensor ", nameText(c.tensor), " in ", nameText(c.file),
-                    ", got none");
-        const SafetensorsTensor& stored = ht->second.first;
-        TPSIM_CHECK(stored.dtype == k.dtype && stored.shape == c.storedShape && stored.begin == c.dataBegin &&
-                        stored.end == c.dataEnd,
-                    cw, ": expected ", safetensorsDtype(k.dtype), " ", shapeText(c.storedShape), " at data_offsets [",
-                    c.dataBegin, ", ", c.dataEnd, ") (the index's), got ", safetensorsDtype(stored.dtype), " ",
-                    shapeText(stored.shape), " at [", stored.begin, ", ", stored.end, ") in the file");
-        TPSIM_CHECK(!ht->second.second, cw, ": expected each stored tensor used once, got it twice");
-        ht->second.second = true;
-        const std::uint64_t sum = fnv1a64(dataOf(c), c.dataEnd - c.dataBegin);
-        TPSIM_CHECK(sum == c.checksum, cw, ": expected data checksum ", hex64(c.checksum), " (the index's), got ",
-                    hex64(sum), "; the data is corrupt");
+        const auto w = writers.find(c.file);
+        TPSIM_CHECK(w != writers.end(), cw, ": expected ", nameText(c.file),
+                    " among the index's files, got no such entry");
+        TPSIM_CHECK(c.writer == w->second, cw, ": expected writer ", w->second, " (the writer of ", nameText(c.file),
+                    "), got ", c.writer);
         k.chunks.push_back(std::move(c));
       }
-      checkKey(k, where);
       keys_[name] = std::move(k);
     }
     for (const auto& [name, o] : readObject(index, "objects", where).items()) {
@@ -963,15 +951,10 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
       }
       objects_[name] = std::move(rec);
     }
-    // A stored tensor no chunk names would be bytes nobody checks.
-    for (const auto& [file, names] : headers)
-      for (const auto& [name, tensor] : names)
-        TPSIM_CHECK(tensor.second, where, ": expected every tensor of ", nameText(file),
-                    " named by a chunk, got ", nameText(name), " named by none");
   });
 }
 
-const CheckpointKey& CheckpointReader::key(const std::string& key) const {
+const CheckpointKey& CheckpointIndex::key(const std::string& key) const {
   const auto it = keys_.find(key);
   if (it == keys_.end()) {
     std::string have;
@@ -982,9 +965,77 @@ const CheckpointKey& CheckpointReader::key(const std::string& key) const {
   return it->second;
 }
 
+CheckpointReader::CheckpointReader(CheckpointIndex index) : index_(std::move(index)) {
+  const std::string& where = index_.indexPath_;
+  // Files: size, header checksum, header well-formed and consistent with the file's size.
+  // file -> its tensors by name, each with whether a chunk names it
+  std::map<std::string, std::unordered_map<std::string, std::pair<SafetensorsTensor, bool>>> headers;
+  // Every file is held whole while the checkpoint is read: those read so far and the next, as the
+  // index sizes them, must fit in the memory there was at the start, before the next is read.
+  const std::optional<tools::AvailableMemory> available = tools::availableMemory();
+  double held = 0;
+  for (const CheckpointIndex::File& f : index_.files_) {
+    const std::string& fw = f.path;
+    tools::InputFile input =
+        openCheckpointFile(index_.home_, fw, "a safetensors file", "safetensors file named in the index");
+    // Before reading: a file of another size, however large, is never read.
+    TPSIM_CHECK(input.size() == f.size, fw, ": expected ", f.size, " bytes (the index's size), got ", input.size(),
+                "; the file is truncated or was replaced");
+    held += double(f.size);
+    TPSIM_CHECK(!available || held <= double(available->bytes), fw,
+                ": expected a checkpoint whose files fit in memory, got ", tools::bytesText(held), " with this file (the index's sizes), more than the ",
+                tools::bytesText(double(available->bytes)), " available (", available->source, ")");
+    // The header alone first: its tensors must index the whole data, so that a file whose size was
+    // edited with the index (a sparse file, the index resealed) is refused before its data is read.
+    std::vector<char> bytes(std::size_t(std::min<std::uint64_t>(f.size, 8)));
+    input.readAt(0, bytes.data(), bytes.size(), "header length");
+    const std::uint64_t n = safetensorsHeaderLength(bytes.data(), f.size, fw);
+    bytes.resize(std::size_t(8 + n));
+    input.readAt(8, bytes.data() + 8, std::size_t(n), "header");
+    const std::uint64_t header = fnv1a64(bytes.data(), bytes.size());
+    TPSIM_CHECK(header == f.headerChecksum, fw, ": expected header checksum ", hex64(f.headerChecksum),
+                " (the index's), got ", hex64(header), "; the header is corrupt");
+    for (SafetensorsTensor& t : readSafetensorsHeader(bytes.data() + 8, n, f.size - 8 - n, fw)) {
+      std::string name = t.name;
+      headers[f.name][name] = {std::move(t), false};
+    }
+    bytes.resize(std::size_t(f.size));
+    input.readAt(8 + n, bytes.data() + 8 + n, std::size_t(f.size - 8 - n), "data");
+    dataStart_[f.name] = std::size_t(8 + n);
+    files_[f.name] = std::move(bytes);
+  }
+  // Tensors: every chunk as its file's header has it, checksums, one padding record, tiling.
+  for (const auto& [name, k] : index_.keys_) {
+    for (const CheckpointChunk& c : k.chunks) {
+      const std::string cw = chunkWhere(where, name, c);
+      const auto ht = headers[c.file].find(c.tensor);
+      TPSIM_CHECK(ht != headers[c.file].end(), cw, ": expected tensor ", nameText(c.tensor), " in ",
+                  nameText(c.file), ", got none");
+      const SafetensorsTensor& stored = ht->second.first;
+      TPSIM_CHECK(stored.dtype == k.dtype && stored.shape == c.storedShape && stored.begin == c.dataBegin &&
+                      stored.end == c.dataEnd,
+                  cw, ": expected ", safetensorsDtype(k.dtype), " ", shapeText(c.storedShape), " at data_offsets [",
+                  c.dataBegin, ", ", c.dataEnd, ") (the index's), got ", safetensorsDtype(stored.dtype), " ",
+                  shapeText(stored.shape), " at [", stored.begin, ", ", stored.end, ") in the file");
+      TPSIM_CHECK(!ht->second.second, cw, ": expected each stored tensor used once, got it twice");
+      ht->second.second = true;
+      const std::uint64_t sum = fnv1a64(dataOf(c), c.dataEnd - c.dataBegin);
+      TPSIM_CHECK(sum == c.checksum, cw, ": expected data checksum ", hex64(c.checksum), " (the index's), got ",
+                  hex64(sum), "; the data is corrupt");
+    }
+    checkKey(k, where);
+  }
+  // A stored tensor no chunk names would be bytes nobody checks.
+  for (const auto& [file, names] : headers)
+    for (const auto& [name, tensor] : names)
+      TPSIM_CHECK(tensor.second, where, ": expected every tensor of ", nameText(file),
+                  " named by a chunk, got ", nameText(name), " named by none");
+  index_.lock_.reset();  // the files are read: a save into the directory may go ahead
+}
+
 void CheckpointReader::load(const ShardedTensor& target, View dst, Compute& compute) const {
   const CheckpointKey& k = key(target.key);
-  const std::string where = detail::concat("checkpoint ", indexPath_, ": key '", target.key, "'");
+  const std::string where = detail::concat("checkpoint ", index_.indexPath_, ": key '", target.key, "'");
   const int p = target.prependAxisNum;
   Ints local(std::size_t(p), 1);
   local.insert(local.end(), target.localShape.begin(), target.localShape.end());
@@ -1019,9 +1070,10 @@ const char* CheckpointReader::dataOf(const CheckpointChunk& chunk) const {
 }
 
 void CheckpointReader::checkObject(const ShardedObject& target) const {
-  const auto it = objects_.find(target.key);
-  TPSIM_CHECK(it != objects_.end(), "checkpoint ", indexPath_, ": expected object '", target.key, "', got none");
-  TPSIM_CHECK(it->second.globalShape == target.globalShape, "checkpoint ", indexPath_, ": object '", target.key,
+  const auto it = objects().find(target.key);
+  TPSIM_CHECK(it != objects().end(), "checkpoint ", index_.indexPath_, ": expected object '", target.key,
+              "', got none");
+  TPSIM_CHECK(it->second.globalShape == target.globalShape, "checkpoint ", index_.indexPath_, ": object '", target.key,
               "': expected grid ", shapeText(target.globalShape), ", got ", shapeText(it->second.globalShape));
 }
 
@@ -1029,9 +1081,10 @@ std::vector<char> CheckpointReader::consolidated(const std::string& name) const 
   const CheckpointKey& k = key(name);
   std::vector<char> out(std::size_t(volume(k.globalShape)) * dtypeSize(k.dtype));
   const Box all{Ints(k.globalShape.size(), 0), k.globalShape};
+  const std::string& where = index_.indexPath_;
   for (const CheckpointChunk& c : k.chunks) {
-    const Box src = logicalBox(c.globalOffset, c.localShape,
-                               rowMap(k.savedGlobalShape, c.paddedAxis, c.gtpPadding, indexPath_), indexPath_);
+    const Box src =
+        logicalBox(c.globalOffset, c.localShape, rowMap(k.savedGlobalShape, c.paddedAxis, c.gtpPadding, where), where);
     copyOverlap(src, dataOf(c), k.dtype, all, k.globalShape,
                 out.data(), k.dtype);
   }

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -23,6 +24,9 @@
 #include "core/placement.h"
 
 namespace tpsim {
+namespace tools {
+class DirectoryReadLock;  // tools/lib/output_files.h
+}
 
 // The safetensors name of a dtype ("F32", "BF16", ...) and its inverse (nullopt if unknown).
 const char* safetensorsDtype(DType dtype);
@@ -53,12 +57,18 @@ struct SafetensorsTensor {
 // The header length n of the safetensors file `bytes` (its first 8 bytes, little-endian), checked
 // to fit in the file: the header is bytes [8, 8 + n).
 std::uint64_t safetensorsHeaderLength(const std::vector<char>& bytes, const std::string& where);
+// The same from the file's first min(8, fileSize) bytes, `first`, and its size, before the rest is read.
+std::uint64_t safetensorsHeaderLength(const char* first, std::uint64_t fileSize, const std::string& where);
 // The header of the safetensors file `bytes`, read as strictly as a checkpoint's index: a JSON object
 // (nesting and duplicate keys refused), `__metadata__` of strings, every tensor a known dtype, an
 // integer shape and data_offsets holding exactly its bytes, and the offsets indexing every data
 // byte once (no overlap, no hole before, between or after the tensors). Sorted by offsets. Throws
 // InvalidArgument naming `where`, the tensor and the offsets.
 std::vector<SafetensorsTensor> readSafetensorsHeader(const std::vector<char>& bytes, const std::string& where);
+// The same from the header's n bytes alone, `text`, and the size of the data after them in the
+// file: a file's tensors are checked against its size before its data is read.
+std::vector<SafetensorsTensor> readSafetensorsHeader(const char* text, std::uint64_t n, std::uint64_t dataSize,
+                                                     const std::string& where);
 
 // One chunk as the index records it. Coordinates are global, over prependAxisNum + data axes.
 struct CheckpointChunk {
@@ -137,19 +147,55 @@ std::vector<std::string> checkpointOutputs(const std::string& dir, int ranks);
 // Throws InvalidArgument, as a load would, when `text` is no JSON object a load parses.
 std::string sealCheckpointIndex(const std::string& text);
 
-// A checkpoint read and checked whole at construction: the index (its checksum first, every field
-// strictly), every file's header against it, every checksum, and that each key's chunks tile its
-// saved and its logical tensor exactly once. Afterwards const and safe to share between rank threads.
-class CheckpointReader {
+// A checkpoint's index read and checked (its checksum first, then every field strictly) without
+// reading any of its files: what a load sizes its work by (keys, global shapes, dtypes, the layer
+// kind) before it holds the files in memory. It keeps the directory's read lock until a
+// CheckpointReader made from it has read the files, so that they are the ones the index names.
+class CheckpointIndex {
  public:
-  // Throws InvalidArgument naming the file and the expected and actual value on any mismatch.
-  explicit CheckpointReader(const std::string& dir);
+  // Throws InvalidArgument naming the index and the expected and actual value on any mismatch.
+  explicit CheckpointIndex(const std::string& dir);
+  CheckpointIndex(CheckpointIndex&&) noexcept;
+  ~CheckpointIndex();
 
+  // Chunks as the index records them; CheckpointReader checks them against the files.
   const std::map<std::string, CheckpointKey>& keys() const { return keys_; }
   // The kind of layer the saving run recorded (tpsim run's --layer); "" when none was.
   const std::string& layer() const { return layer_; }
   const std::map<std::string, CheckpointObject>& objects() const { return objects_; }
   const CheckpointKey& key(const std::string& key) const;  // throws, naming the key, if absent
+  // Every file a reader reads: the index, then each file the index names.
+  const std::vector<std::string>& paths() const { return paths_; }
+
+ private:
+  friend class CheckpointReader;
+  struct File {
+    std::string name, path;
+    int writer = 0;
+    std::uint64_t size = 0, headerChecksum = 0;
+  };
+  std::string home_, indexPath_, layer_;  // home_: the directory's canonical path
+  std::vector<std::string> paths_;
+  std::vector<File> files_;  // in the index's order
+  std::map<std::string, CheckpointKey> keys_;
+  std::map<std::string, CheckpointObject> objects_;
+  std::unique_ptr<tools::DirectoryReadLock> lock_;  // held until a reader has read the files
+};
+
+// A checkpoint read and checked whole at construction: the index (CheckpointIndex), every file's
+// header against it, every checksum, and that each key's chunks tile its saved and its logical
+// tensor exactly once. Afterwards const and safe to share between rank threads.
+class CheckpointReader {
+ public:
+  // Throws InvalidArgument naming the file and the expected and actual value on any mismatch.
+  explicit CheckpointReader(const std::string& dir) : CheckpointReader(CheckpointIndex(dir)) {}
+  // Reads the files `index` names, each only once its header agrees with the file's size.
+  explicit CheckpointReader(CheckpointIndex index);
+
+  const std::map<std::string, CheckpointKey>& keys() const { return index_.keys(); }
+  const std::string& layer() const { return index_.layer(); }
+  const std::map<std::string, CheckpointObject>& objects() const { return index_.objects(); }
+  const CheckpointKey& key(const std::string& key) const { return index_.key(key); }
 
   // One rank's chunk `target` (its own topology's shapes, padding and dtype), assembled from every
   // saved chunk it overlaps, pad rows zero, converted to target.dtype (round to nearest even), and
@@ -162,13 +208,10 @@ class CheckpointReader {
   // The whole logical tensor of `key` (no pad rows) in the saved dtype, row-major.
   std::vector<char> consolidated(const std::string& key) const;
   // Every file it read: the index, then each file the index names.
-  const std::vector<std::string>& paths() const { return paths_; }
+  const std::vector<std::string>& paths() const { return index_.paths(); }
 
  private:
-  std::string dir_, indexPath_, layer_;
-  std::vector<std::string> paths_;
-  std::map<std::string, CheckpointKey> keys_;
-  std::map<std::string, CheckpointObject> objects_;
+  CheckpointIndex index_;
   std::map<std::string, std::vector<char>> files_;  // file -> its whole contents
   std::map<std::string, std::size_t> dataStart_;     // file -> the byte its data starts at
   // A chunk's stored bytes (its data_offsets, checked against its file's header).
