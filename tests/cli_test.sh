@@ -1084,6 +1084,23 @@ start = 8 + struct.unpack("<Q", raw[:8])[0]
 bias["chunks"][0]["fnv1a64"] = fnv(raw[start:start + 4 * n])'
 check ckpt-shape-mismatch 2 "--load-checkpoint: key 'bias' in $work/hostile/short-bias: expected shape (16,) (--layer column bias with K = 16, N = 16, as the checkpoint's keys give them), got (8,)" -- \
   "$tpsim" run --layer column --bias --load-checkpoint "$work/hostile/short-bias"
+# The layer's `_extra_state` entries are compared with the checkpoint's before the world starts: one
+# absent, renamed or of another grid is bad input (exit 2), not a rank's failure.
+hostile no-extra-state "$work/ck-small" sealed 'del index["objects"]["_extra_state"]'
+check ckpt-no-extra-state 2 "checkpoint $work/hostile/no-extra-state/index.json: expected object '_extra_state', got no objects" -- \
+  "$tpsim" run --layer column --load-checkpoint "$work/hostile/no-extra-state"
+hostile renamed-extra-state "$work/ck-small" sealed 'index["objects"]["_extra_statf"] = index["objects"].pop("_extra_state")'
+check ckpt-renamed-extra-state 2 "expected object '_extra_state', got only '_extra_statf'" -- \
+  "$tpsim" run --layer column --load-checkpoint "$work/hostile/renamed-extra-state"
+hostile extra-state-grid "$work/ck-small" sealed 'index["objects"]["_extra_state"]["global_shape"] = [2]'
+check ckpt-extra-state-grid 2 "checkpoint $work/hostile/extra-state-grid/index.json: object '_extra_state': expected grid (1,), got (2,)" -- \
+  "$tpsim" run --layer column --load-checkpoint "$work/hostile/extra-state-grid"
+hostile no-fc1-extra-state "$ck" sealed 'del index["objects"]["fc1._extra_state"]'
+check ckpt-no-fc1-extra-state 2 "expected object 'fc1._extra_state', got only 'fc2._extra_state'" -- \
+  "$tpsim" run --layer mlp --tp 2 --load-checkpoint "$work/hostile/no-fc1-extra-state"
+hostile extra-state-value "$work/ck-small" sealed 'index["objects"]["_extra_state"]["value"] = 5'
+check ckpt-extra-state-value 2 "object '_extra_state': expected an object whose value is null (the layers' extra state is None), got value 5" -- \
+  "$tpsim" run --layer column --load-checkpoint "$work/hostile/extra-state-value"
 # Names from a checkpoint are printed escaped: a key holding an escape sequence never reaches the terminal.
 hostile escaped-key "$work/ck-small" sealed '
 escaped = "w\x1b[31m"

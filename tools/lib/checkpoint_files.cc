@@ -936,8 +936,9 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir), indexPat
     }
     for (const auto& [name, o] : readObject(index, "objects", where).items()) {
       const std::string ow = where + ": object " + nameText(name);
-      TPSIM_CHECK(o.is_object() && o.contains("value") && o["value"].is_null(), ow,
-                  ": expected an object whose value is null (the layers' extra state is None), got ", excerpt(o));
+      const bool hasValue = o.is_object() && o.contains("value");
+      TPSIM_CHECK(hasValue && o["value"].is_null(), ow, ": expected an object whose value is null (the layers' extra "
+                  "state is None), got ", hasValue ? "value " + excerpt(o["value"]) : excerpt(o));
       CheckpointObject rec;
       rec.key = name;
       rec.globalShape = readShape(o, ow, "global_shape");
@@ -1013,7 +1014,18 @@ const char* CheckpointReader::dataOf(const CheckpointChunk& chunk) const {
 
 void CheckpointReader::checkObject(const ShardedObject& target) const {
   const auto it = objects_.find(target.key);
-  TPSIM_CHECK(it != objects_.end(), "checkpoint ", indexPath_, ": expected object '", target.key, "', got none");
+  if (it == objects_.end()) {
+    std::string have;
+    for (const auto& [name, o] : objects_) {
+      if (have.size() > 400) {  // a short excerpt, as every message shows of what it read
+        have += ", ...";
+        break;
+      }
+      have += (have.empty() ? "" : ", ") + nameText(name);
+    }
+    throw InvalidArgument(detail::concat("checkpoint ", indexPath_, ": expected object '", target.key, "', got ",
+                                         have.empty() ? "no objects" : "only " + have));
+  }
   TPSIM_CHECK(it->second.globalShape == target.globalShape, "checkpoint ", indexPath_, ": object '", target.key,
               "': expected grid ", shapeText(target.globalShape), ", got ", shapeText(it->second.globalShape));
 }

@@ -74,24 +74,38 @@ struct RankLayer {
   std::unique_ptr<LayerModules> modules;
 };
 
-}  // namespace
-
-std::vector<TensorPlacement> placementsOf(const RunConfig& config) {
+// fn(rank, layer) on each rank of config's layer built on T x G simulated ranks, for what its modules
+// describe (placements, state-dict entries), not for any value.
+void describeOnRanks(const RunConfig& config, const std::function<void(int, RankLayer&)>& fn) {
   RunConfig c = config;
   c.dtype = DType::kBFloat16;  // only the shapes and attributes are read: the smallest weights
   const LayerGrid grid(c.tp, c.gtpRemat);
   WorldOptions wo;
   wo.size = grid.size();
-  std::mutex mu;
-  std::vector<TensorPlacement> out;
   runWorld(*makeWorld("sim", wo), [&](RankContext& ctx) {
     RankLayer layer(ctx, grid, c, false);
-    std::vector<TensorPlacement> ps = layer.modules->placements();
-    if (ctx.comm.rank() == 0) {
-      std::lock_guard<std::mutex> lock(mu);
-      out = std::move(ps);
-    }
+    fn(ctx.comm.rank(), layer);
   });
+}
+
+}  // namespace
+
+std::vector<TensorPlacement> placementsOf(const RunConfig& config) {
+  std::vector<TensorPlacement> out;
+  describeOnRanks(config, [&](int rank, RankLayer& layer) {
+    if (rank == 0) out = layer.modules->placements();
+  });
+  return out;
+}
+
+std::vector<ShardedObject> checkpointObjectsOf(const RunConfig& config) {
+  std::vector<std::vector<ShardedObject>> perRank(std::size_t(config.tp * config.gtpRemat));
+  describeOnRanks(config, [&](int rank, RankLayer& layer) {
+    for (const ShardedEntry& e : layer.modules->stateDict(layer.pg))
+      if (const auto* o = std::get_if<ShardedObject>(&e)) perRank[std::size_t(rank)].push_back(*o);
+  });
+  std::vector<ShardedObject> out;
+  for (std::vector<ShardedObject>& objects : perRank) out.insert(out.end(), objects.begin(), objects.end());
   return out;
 }
 
@@ -147,7 +161,7 @@ RunResult runSharded(const RunConfig& config, const TensorMap& in, const Checkpo
       if (hooks.load)
         for (const ShardedEntry& e : sd) {
           if (const auto* o = std::get_if<ShardedObject>(&e)) {
-            hooks.load->checkObject(*o);
+            hooks.load->checkObject(*o);  // tpsim run checks them before the world (checkpointObjectsOf)
           } else {
             // An entry describes a parameter's own memory.
             const auto& st = std::get<ShardedTensor>(e);
