@@ -289,6 +289,9 @@ if ! grep -qa __asan_init "$tpsim"; then
   done
   check out-of-memory 2 "out of memory: the run needs more than this machine has; its size comes from --seq" -- \
     bash -c 'ulimit -v "$1" && exec "$2" run --layer column --seq 1000000 --batch 1' _ $((start_kib + 300000)) "$tpsim"
+  # The same for a bench rank's buffers (512 MiB, within what the machine has, beyond the limit).
+  check bench-out-of-memory 2 "out of memory: the benchmark needs more than this machine has; its sizes come from --ranks, --bw-ranks, --max-bytes" -- \
+    bash -c 'ulimit -v "$1" && exec "$2" bench -W bandwidth -p 1 -b 256M -e 256M --bw-iters 1' _ $((start_kib + 300000)) "$tpsim"
 fi
 check gtp-split 2 "weight's TP-local rows, --out-features / --tp = 2 must be divisible by --gtp-remat (with --pad-for-alignment 0) = 4" \
   -- "$tpsim" run --layer column --tp 1 --gtp-remat 4 --batch 4 --out-features 2 --pad-for-alignment 0
@@ -1170,6 +1173,10 @@ if "$tpsim" run --layer embedding --load "$work/esc" 2>&1 | grep -q $'\x1b'; the
 fi
 
 check bench-bw-ranks 2 "--bw-ranks: expected 1..1024, got 701063466" -- "$tpsim" bench -W bandwidth -p 701063466
+# Buffers no machine has (an input and an output of 64 GiB on each of 1024 ranks) are refused before
+# any is allocated.
+check bench-bw-memory 2 "--bw-ranks (-p) 1024 and --max-bytes (-e) 64G: expected collective buffers that fit in memory, got 128.0 TiB" -- \
+  "$tpsim" bench -W bandwidth -p 1024 -b 64G -e 64G --bw-iters 1
 
 echo "$passed passed, $failures failed"
 [ "$failures" -eq 0 ]

@@ -1,7 +1,6 @@
 #include "tools/lib/runner.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -39,25 +38,6 @@ void setShard(Compute& compute, Parameter& p, const HostTensor& shard, const Run
 HostTensor gradOf(Compute& compute, const Parameter& p) {
   TPSIM_CHECK(p.mainGrad.defined() || p.grad.defined(), "tpsim run: ", p.name, " received no gradient");
   return fromBackend(compute, p.mainGrad.defined() ? ConstView(p.mainGrad) : ConstView(p.grad));
-}
-
-// world.run(fn), with a rank out of memory reported as what it is, an allocation failure (exit 2 in
-// the CLI: too large a size), not as a failure of the simulated world.
-void runWorld(World& world, const std::function<void(RankContext&)>& fn) {
-  std::atomic<bool> outOfMemory{false};
-  try {
-    world.run([&](RankContext& ctx) {
-      try {
-        fn(ctx);
-      } catch (const std::bad_alloc&) {
-        outOfMemory = true;
-        throw;
-      }
-    });
-  } catch (const WorldError&) {
-    if (outOfMemory) throw std::bad_alloc();
-    throw;
-  }
 }
 
 // Process groups, the GTP_remat reducer and the modules of config's layer on one rank.
