@@ -1104,6 +1104,19 @@ check ckpt-no-fc1-extra-state 2 "expected object 'fc1._extra_state', got only 'f
 hostile extra-state-value "$work/ck-small" sealed 'index["objects"]["_extra_state"]["value"] = 5'
 check ckpt-extra-state-value 2 "object '_extra_state': expected an object whose value is null (the layers' extra state is None), got value 5" -- \
   "$tpsim" run --layer column --load-checkpoint "$work/hostile/extra-state-value"
+# A NaN in a checkpoint's tensor (the first float of rank-00000.safetensors, its chunk resealed) is
+# named by the checkpoint and key it is read from, not by a .npy file.
+first_nan='shard("rank-00000.safetensors", lambda header, data: (header, struct.pack("<f", float("nan")) + data[4:]))
+raw = open(directory + "/rank-00000.safetensors", "rb").read()
+start = 8 + struct.unpack("<Q", raw[:8])[0]
+for c in [c for t in index["tensors"].values() for c in t["chunks"] if c["file"] == "rank-00000.safetensors"]:
+    c["fnv1a64"] = fnv(raw[start + c["data_offsets"][0]:start + c["data_offsets"][1]])'
+hostile nan-column "$work/ck-small" sealed "$first_nan"
+check ckpt-nan-column 2 "tpsim run: checkpoint $work/hostile/nan-column: key 'weight': expected finite values, got 1 NaN or Inf, the first at flat index 0" -- \
+  "$tpsim" run --layer column --load-checkpoint "$work/hostile/nan-column"
+hostile nan-mlp "$ck" sealed "$first_nan"
+check ckpt-nan-mlp 2 "tpsim run: checkpoint $work/hostile/nan-mlp: key 'fc1.bias': expected finite values, got 1 NaN or Inf" -- \
+  "$tpsim" run --layer mlp --tp 2 --load-checkpoint "$work/hostile/nan-mlp"
 # Names from a checkpoint are printed escaped: a key holding an escape sequence never reaches the terminal.
 hostile escaped-key "$work/ck-small" sealed '
 escaped = "w\x1b[31m"
