@@ -289,6 +289,9 @@ if ! grep -qa __asan_init "$tpsim"; then
   done
   check out-of-memory 2 "out of memory: the run needs more than this machine has; its size comes from --seq" -- \
     bash -c 'ulimit -v "$1" && exec "$2" run --layer column --seq 1000000 --batch 1' _ $((start_kib + 300000)) "$tpsim"
+  # The same for a bench rank's buffers (512 MiB, within what the machine has, beyond the limit).
+  check bench-out-of-memory 2 "out of memory: the benchmark needs more than this machine has; its sizes come from --ranks, --bw-ranks, --max-bytes" -- \
+    bash -c 'ulimit -v "$1" && exec "$2" bench -W bandwidth -p 1 -b 256M -e 256M --bw-iters 1' _ $((start_kib + 300000)) "$tpsim"
 fi
 check gtp-split 2 "weight's TP-local rows, --out-features / --tp = 2 must be divisible by --gtp-remat (with --pad-for-alignment 0) = 4" \
   -- "$tpsim" run --layer column --tp 1 --gtp-remat 4 --batch 4 --out-features 2 --pad-for-alignment 0
@@ -1119,6 +1122,36 @@ start = 8 + struct.unpack("<Q", raw[:8])[0]
 bias["chunks"][0]["fnv1a64"] = fnv(raw[start:start + 4 * n])'
 check ckpt-shape-mismatch 2 "--load-checkpoint: key 'bias' in $work/hostile/short-bias: expected shape (16,) (--layer column bias with K = 16, N = 16, as the checkpoint's keys give them), got (8,)" -- \
   "$tpsim" run --layer column --bias --load-checkpoint "$work/hostile/short-bias"
+# The layer's `_extra_state` entries are compared with the checkpoint's before the world starts: one
+# absent, renamed or of another grid is bad input (exit 2), not a rank's failure.
+hostile no-extra-state "$work/ck-small" sealed 'del index["objects"]["_extra_state"]'
+check ckpt-no-extra-state 2 "checkpoint $work/hostile/no-extra-state/index.json: expected object '_extra_state', got no objects" -- \
+  "$tpsim" run --layer column --load-checkpoint "$work/hostile/no-extra-state"
+hostile renamed-extra-state "$work/ck-small" sealed 'index["objects"]["_extra_statf"] = index["objects"].pop("_extra_state")'
+check ckpt-renamed-extra-state 2 "expected object '_extra_state', got only '_extra_statf'" -- \
+  "$tpsim" run --layer column --load-checkpoint "$work/hostile/renamed-extra-state"
+hostile extra-state-grid "$work/ck-small" sealed 'index["objects"]["_extra_state"]["global_shape"] = [2]'
+check ckpt-extra-state-grid 2 "checkpoint $work/hostile/extra-state-grid/index.json: object '_extra_state': expected grid (1,), got (2,)" -- \
+  "$tpsim" run --layer column --load-checkpoint "$work/hostile/extra-state-grid"
+hostile no-fc1-extra-state "$ck" sealed 'del index["objects"]["fc1._extra_state"]'
+check ckpt-no-fc1-extra-state 2 "expected object 'fc1._extra_state', got only 'fc2._extra_state'" -- \
+  "$tpsim" run --layer mlp --tp 2 --load-checkpoint "$work/hostile/no-fc1-extra-state"
+hostile extra-state-value "$work/ck-small" sealed 'index["objects"]["_extra_state"]["value"] = 5'
+check ckpt-extra-state-value 2 "object '_extra_state': expected an object whose value is null (the layers' extra state is None), got value 5" -- \
+  "$tpsim" run --layer column --load-checkpoint "$work/hostile/extra-state-value"
+# A NaN in a checkpoint's tensor (the first float of rank-00000.safetensors, its chunk resealed) is
+# named by the checkpoint and key it is read from, not by a .npy file.
+first_nan='shard("rank-00000.safetensors", lambda header, data: (header, struct.pack("<f", float("nan")) + data[4:]))
+raw = open(directory + "/rank-00000.safetensors", "rb").read()
+start = 8 + struct.unpack("<Q", raw[:8])[0]
+for c in [c for t in index["tensors"].values() for c in t["chunks"] if c["file"] == "rank-00000.safetensors"]:
+    c["fnv1a64"] = fnv(raw[start + c["data_offsets"][0]:start + c["data_offsets"][1]])'
+hostile nan-column "$work/ck-small" sealed "$first_nan"
+check ckpt-nan-column 2 "tpsim run: checkpoint $work/hostile/nan-column: key 'weight': expected finite values, got 1 NaN or Inf, the first at flat index 0" -- \
+  "$tpsim" run --layer column --load-checkpoint "$work/hostile/nan-column"
+hostile nan-mlp "$ck" sealed "$first_nan"
+check ckpt-nan-mlp 2 "tpsim run: checkpoint $work/hostile/nan-mlp: key 'fc1.bias': expected finite values, got 1 NaN or Inf" -- \
+  "$tpsim" run --layer mlp --tp 2 --load-checkpoint "$work/hostile/nan-mlp"
 # Names from a checkpoint are printed escaped: a key holding an escape sequence never reaches the terminal.
 hostile escaped-key "$work/ck-small" sealed '
 escaped = "w\x1b[31m"
@@ -1188,6 +1221,10 @@ if "$tpsim" run --layer embedding --load "$work/esc" 2>&1 | grep -q $'\x1b'; the
 fi
 
 check bench-bw-ranks 2 "--bw-ranks: expected 1..1024, got 701063466" -- "$tpsim" bench -W bandwidth -p 701063466
+# Buffers no machine has (an input and an output of 64 GiB on each of 1024 ranks) are refused before
+# any is allocated.
+check bench-bw-memory 2 "--bw-ranks (-p) 1024 and --max-bytes (-e) 64G: expected collective buffers that fit in memory, got 128.0 TiB" -- \
+  "$tpsim" bench -W bandwidth -p 1024 -b 64G -e 64G --bw-iters 1
 
 echo "$passed passed, $failures failed"
 [ "$failures" -eq 0 ]

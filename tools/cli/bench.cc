@@ -20,6 +20,7 @@
 #include <functional>
 #include <iostream>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 #include <unistd.h>
@@ -29,6 +30,7 @@
 #endif
 
 #include "backends/compute.h"
+#include "backends/errors.h"
 #include "backends/threads.h"
 #include "backends/world/fiber.h"
 #include "core/layers.h"
@@ -38,6 +40,7 @@
 #include "sim/upper_gemm_bf16.h"
 #include "sim/world.h"
 #include "tools/lib/backend.h"
+#include "tools/lib/memory.h"
 #include "tools/cli/bench_gpu.h"
 #include "tools/cli/cli.h"
 #include "tpsim_config.h"
@@ -164,6 +167,28 @@ struct BwCase {
   double busFactor;  // busbw / algbw
 };
 
+// The bytes of the table's largest size: --min-bytes times the largest power of 4 within --max-bytes.
+long long largestBandwidthBytes(const BenchConfig& c) {
+  long long bytes = c.minBytes;
+  while (bytes <= c.maxBytes / 4) bytes *= 4;
+  return bytes;
+}
+
+// Every rank holds an input and an output of up to the largest size at once (fewer elements for the
+// blocked collectives' smaller side): sizes whose buffers alone exceed the memory available are
+// refused before the table starts, not left to fail or to page mid-way.
+void checkBandwidthMemory(const BenchConfig& c) {
+  const std::optional<AvailableMemory> available = availableMemory();
+  const long long largest = largestBandwidthBytes(c);
+  const double need = 2.0 * double(c.bwRanks) * double(largest / 4 / c.bwRanks * c.bwRanks * 4);
+  if (!available || need <= double(available->bytes)) return;
+  throw InvalidArgument(detail::concat(
+      "tpsim bench: --bw-ranks (-p) ", c.bwRanks, " and --max-bytes (-e) ", sizeText(c.maxBytes),
+      ": expected collective buffers that fit in memory, got ", bytesText(need), " (an input and an output of ",
+      bytesText(need / 2 / c.bwRanks), " on each rank), more than the ", bytesText(double(available->bytes)),
+      " available (", available->source, "); use a smaller --max-bytes or fewer --bw-ranks"));
+}
+
 // Returns the number of wrong output elements over all sizes and collectives.
 long benchBandwidth(const BenchConfig& c) {
   const int n = c.bwRanks;
@@ -190,7 +215,8 @@ long benchBandwidth(const BenchConfig& c) {
       WorldOptions o;
       o.size = n;
       o.threads = c.threads;
-      sim::World(o).run([&](RankContext& ctx) {
+      sim::World world(o);
+      runWorld(world, [&](RankContext& ctx) {
         const int r = ctx.comm.rank();
         // Input value r+1 everywhere: every output element has a closed form.
         Tensor in = ctx.compute.empty({inCount}, DType::kFloat32);
@@ -458,7 +484,8 @@ double simMlp(int T, int threads, std::int64_t m, std::int64_t h, std::int64_t f
   o.size = T;
   o.threads = threads;
   std::vector<double> seconds(T, 1e30);
-  sim::World(o).run([&](RankContext& ctx) {
+  sim::World world(o);
+  runWorld(world, [&](RankContext& ctx) {
     ModelParallelConfig config;
     config.tensorModelParallelSize = std::max(2, T);
     config.sequenceParallel = T > 1;
@@ -640,6 +667,7 @@ int benchMain(const std::vector<std::string>& args) {
   if (parsed.gpuBackend) return benchGpu(parsed.gpu);  // parseBenchArgs refused it where it cannot run
 #endif
   const BenchConfig& c = parsed.sim;
+  if (c.what == "all" || c.what == "bandwidth") checkBandwidthMemory(c);
   std::printf("# tpsim bench: what=%s threads=%d (hardware %u) ranks=%s iters=%d bw-ranks=%d bytes=%s..%s isa=%s\n",
               c.what.c_str(), c.threads, std::thread::hardware_concurrency(), c.ranksText.c_str(), c.iters, c.bwRanks,
               sizeText(c.minBytes).c_str(), sizeText(c.maxBytes).c_str(), TPSIM_ISA);

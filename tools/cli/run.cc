@@ -384,6 +384,10 @@ int runMain(const std::vector<std::string>& args) {
   TensorMap inputs = loadDir.empty() ? generateInputs(c) : load(c, loadDir, !reader);
   for (auto& [name, t] : params) inputs[name] = std::move(t);
   checkInputs(c, inputs, sources);
+  // Once the sizes are checked, the layer's `_extra_state` entries, before the world runs: a
+  // checkpoint without them is bad input, not a rank's failure.
+  if (reader)
+    for (const ShardedObject& o : checkpointObjectsOf(c)) reader->checkObject(o);
   progress.above([&] {
     std::printf("# inputs (%s%s%s):", loadDir.empty() ? "generated" : terminalText(loadDir).c_str(),
                 reader ? "; parameters from checkpoint " : "", reader ? terminalText(loadCheckpoint).c_str() : "");

@@ -1,5 +1,8 @@
 #include "tools/lib/backend.h"
 
+#include <atomic>
+#include <new>
+
 #include "sim/world.h"
 #include "tools/lib/usage_error.h"
 #include "tpsim_config.h"
@@ -19,6 +22,23 @@ std::string backendUnusableReason(const std::string& name) {
 #else
   return "gpu backend not built (TPSIM_HAVE_GPU = 0: CMake found no CUDA toolkit with cuBLASLt and NCCL)";
 #endif
+}
+
+void runWorld(World& world, const std::function<void(RankContext&)>& fn) {
+  std::atomic<bool> outOfMemory{false};
+  try {
+    world.run([&](RankContext& ctx) {
+      try {
+        fn(ctx);
+      } catch (const std::bad_alloc&) {
+        outOfMemory = true;
+        throw;
+      }
+    });
+  } catch (const WorldError&) {
+    if (outOfMemory) throw std::bad_alloc();
+    throw;
+  }
 }
 
 std::unique_ptr<World> makeWorld(const std::string& backend, const WorldOptions& options) {

@@ -3,6 +3,7 @@
 // (the runner, the property suite) sees a tpsim::World.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -18,6 +19,9 @@ std::string backendUnusableReason(const std::string& name);
 // A world of `options.size` ranks on the named backend. Throws UsageError (exit 2) for a name
 // that is not a backend or a backend that cannot run here, with the reason.
 std::unique_ptr<World> makeWorld(const std::string& backend, const WorldOptions& options);
+// world.run(fn), with a rank out of memory reported as what it is, std::bad_alloc (exit 2 in the
+// CLI: too large a size), not as a failure of the world.
+void runWorld(World& world, const std::function<void(RankContext&)>& fn);
 
 // What `tpsim devices` prints: each backend, whether it can run here, and for the GPU backend the
 // driver, runtime, cuBLASLt and NCCL versions and every device (or the reason there is none).

@@ -931,8 +931,9 @@ CheckpointIndex::CheckpointIndex(const std::string& dir) : indexPath_((fs::path(
     }
     for (const auto& [name, o] : readObject(index, "objects", where).items()) {
       const std::string ow = where + ": object " + nameText(name);
-      TPSIM_CHECK(o.is_object() && o.contains("value") && o["value"].is_null(), ow,
-                  ": expected an object whose value is null (the layers' extra state is None), got ", excerpt(o));
+      const bool hasValue = o.is_object() && o.contains("value");
+      TPSIM_CHECK(hasValue && o["value"].is_null(), ow, ": expected an object whose value is null (the layers' extra "
+                  "state is None), got ", hasValue ? "value " + excerpt(o["value"]) : excerpt(o));
       CheckpointObject rec;
       rec.key = name;
       rec.globalShape = readShape(o, ow, "global_shape");
@@ -1071,8 +1072,18 @@ const char* CheckpointReader::dataOf(const CheckpointChunk& chunk) const {
 
 void CheckpointReader::checkObject(const ShardedObject& target) const {
   const auto it = objects().find(target.key);
-  TPSIM_CHECK(it != objects().end(), "checkpoint ", index_.indexPath_, ": expected object '", target.key,
-              "', got none");
+  if (it == objects().end()) {
+    std::string have;
+    for (const auto& [name, o] : objects()) {
+      if (have.size() > 400) {  // a short excerpt, as every message shows of what it read
+        have += ", ...";
+        break;
+      }
+      have += (have.empty() ? "" : ", ") + nameText(name);
+    }
+    throw InvalidArgument(detail::concat("checkpoint ", index_.indexPath_, ": expected object '", target.key, "', got ",
+                                         have.empty() ? "no objects" : "only " + have));
+  }
   TPSIM_CHECK(it->second.globalShape == target.globalShape, "checkpoint ", index_.indexPath_, ": object '", target.key,
               "': expected grid ", shapeText(target.globalShape), ", got ", shapeText(it->second.globalShape));
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <random>
 
 #include "backends/errors.h"
@@ -23,18 +24,31 @@ std::vector<std::int64_t> dimsOf(const RunConfig& c, const TensorSpec& t) {
   return dims;
 }
 
+// Where the tensor `name` is read from when it is one of the parameters a checkpoint holds.
+std::optional<LayerKind::CheckpointSlot> checkpointSlotOf(const RunConfig& c, const std::string& name,
+                                                          const SizeSources& sources) {
+  if (!sources.checkpoint.empty())
+    for (const TensorSpec& t : c.layer->tensors(c))
+      if (t.name == name && t.role == TensorRole::kParameter) return c.layer->checkpointSlot(name);
+  return std::nullopt;
+}
+
 // A size as a message names it: the checkpoint key or the file it is read from, or its flag.
 std::string sizeText(const RunConfig& c, const SizeSpec& s, const SizeSources& sources) {
   if (s.tensor.empty()) return "--" + s.flag;
-  if (!sources.checkpoint.empty())
-    for (const TensorSpec& t : c.layer->tensors(c))
-      if (t.name == s.tensor && t.role == TensorRole::kParameter) {
-        const LayerKind::CheckpointSlot slot = c.layer->checkpointSlot(t.name);
-        return detail::concat(s.description, " (checkpoint ", sources.checkpoint, ": key '", slot.key, "' dim ",
-                              s.dim + (slot.index >= 0 ? 1 : 0), ")");
-      }
+  if (const auto slot = checkpointSlotOf(c, s.tensor, sources))
+    return detail::concat(s.description, " (checkpoint ", sources.checkpoint, ": key '", slot->key, "' dim ",
+                          s.dim + (slot->index >= 0 ? 1 : 0), ")");
   if (sources.inputs == SizeSources::Inputs::kFlags) return "--" + s.flag;
   return detail::concat(s.description, " (", s.tensor, ".npy dim ", s.dim, ")");
+}
+
+// A tensor as a message names it: the checkpoint key (and entry) it is read from, or its file.
+std::string tensorText(const RunConfig& c, const std::string& name, const SizeSources& sources) {
+  if (const auto slot = checkpointSlotOf(c, name, sources))
+    return detail::concat("checkpoint ", sources.checkpoint, ": key '", slot->key, "'",
+                          slot->index >= 0 ? detail::concat(" entry ", slot->index) : "");
+  return name + ".npy";
 }
 
 std::string symbols(const std::vector<std::string>& dims) {
@@ -191,13 +205,13 @@ void checkInputs(const RunConfig& c, const TensorMap& in, const SizeSources& sou
   // Empty tensors are refused: the layers and the reference divide by these sizes.
   for (const auto& [name, t] : in)
     TPSIM_CHECK(std::all_of(t.shape.begin(), t.shape.end(), [](std::int64_t d) { return d >= 1; }), "tpsim run: ",
-                name, ".npy: expected every dim >= 1, got shape ", shapeText(t.shape));
+                tensorText(c, name, sources), ": expected every dim >= 1, got shape ", shapeText(t.shape));
   // Non-finite inputs would only surface as a result outside its bound.
   for (const auto& [name, t] : in) {
     const auto bad = std::count_if(t.values.begin(), t.values.end(), [](double x) { return !std::isfinite(x); });
     const auto first = std::find_if(t.values.begin(), t.values.end(), [](double x) { return !std::isfinite(x); });
-    TPSIM_CHECK(bad == 0, "tpsim run: ", name, ".npy: expected finite values, got ", bad, " NaN or Inf, the first at "
-                "flat index ", first - t.values.begin());
+    TPSIM_CHECK(bad == 0, "tpsim run: ", tensorText(c, name, sources), ": expected finite values, got ", bad,
+                " NaN or Inf, the first at flat index ", first - t.values.begin());
   }
   const std::vector<TensorSpec> specs = c.layer->tensors(c);
   for (const TensorSpec& t : specs) need(in, t.name);

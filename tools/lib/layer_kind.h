@@ -197,7 +197,8 @@ struct SizeSources {
 // GTP_remat's split of each weight's TP-local rows when --pad-for-alignment is 0).
 void checkSizes(const RunConfig& config, const SizeSources& sources);
 // Checks a run's tensors: every dim >= 1, finite values, each tensor present with the kind's rank,
-// dtype and the shape its sizes give, token ids in range, then checkSizes. Messages name the file.
+// dtype and the shape its sizes give, token ids in range, then checkSizes. Messages name the file,
+// or the checkpoint and key a parameter is read from (sources.checkpoint).
 void checkInputs(const RunConfig& config, const TensorMap& inputs, const SizeSources& sources = {});
 
 }  // namespace tpsim::tools

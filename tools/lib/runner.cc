@@ -1,7 +1,6 @@
 #include "tools/lib/runner.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -41,25 +40,6 @@ HostTensor gradOf(Compute& compute, const Parameter& p) {
   return fromBackend(compute, p.mainGrad.defined() ? ConstView(p.mainGrad) : ConstView(p.grad));
 }
 
-// world.run(fn), with a rank out of memory reported as what it is, an allocation failure (exit 2 in
-// the CLI: too large a size), not as a failure of the simulated world.
-void runWorld(World& world, const std::function<void(RankContext&)>& fn) {
-  std::atomic<bool> outOfMemory{false};
-  try {
-    world.run([&](RankContext& ctx) {
-      try {
-        fn(ctx);
-      } catch (const std::bad_alloc&) {
-        outOfMemory = true;
-        throw;
-      }
-    });
-  } catch (const WorldError&) {
-    if (outOfMemory) throw std::bad_alloc();
-    throw;
-  }
-}
-
 // Process groups, the GTP_remat reducer and the modules of config's layer on one rank.
 struct RankLayer {
   RankLayer(RankContext& ctx, const LayerGrid& grid, const RunConfig& c, bool asyncReduce)
@@ -74,24 +54,38 @@ struct RankLayer {
   std::unique_ptr<LayerModules> modules;
 };
 
-}  // namespace
-
-std::vector<TensorPlacement> placementsOf(const RunConfig& config) {
+// fn(rank, layer) on each rank of config's layer built on T x G simulated ranks, for what its modules
+// describe (placements, state-dict entries), not for any value.
+void describeOnRanks(const RunConfig& config, const std::function<void(int, RankLayer&)>& fn) {
   RunConfig c = config;
   c.dtype = DType::kBFloat16;  // only the shapes and attributes are read: the smallest weights
   const LayerGrid grid(c.tp, c.gtpRemat);
   WorldOptions wo;
   wo.size = grid.size();
-  std::mutex mu;
-  std::vector<TensorPlacement> out;
   runWorld(*makeWorld("sim", wo), [&](RankContext& ctx) {
     RankLayer layer(ctx, grid, c, false);
-    std::vector<TensorPlacement> ps = layer.modules->placements();
-    if (ctx.comm.rank() == 0) {
-      std::lock_guard<std::mutex> lock(mu);
-      out = std::move(ps);
-    }
+    fn(ctx.comm.rank(), layer);
   });
+}
+
+}  // namespace
+
+std::vector<TensorPlacement> placementsOf(const RunConfig& config) {
+  std::vector<TensorPlacement> out;
+  describeOnRanks(config, [&](int rank, RankLayer& layer) {
+    if (rank == 0) out = layer.modules->placements();
+  });
+  return out;
+}
+
+std::vector<ShardedObject> checkpointObjectsOf(const RunConfig& config) {
+  std::vector<std::vector<ShardedObject>> perRank(std::size_t(config.tp * config.gtpRemat));
+  describeOnRanks(config, [&](int rank, RankLayer& layer) {
+    for (const ShardedEntry& e : layer.modules->stateDict(layer.pg))
+      if (const auto* o = std::get_if<ShardedObject>(&e)) perRank[std::size_t(rank)].push_back(*o);
+  });
+  std::vector<ShardedObject> out;
+  for (std::vector<ShardedObject>& objects : perRank) out.insert(out.end(), objects.begin(), objects.end());
   return out;
 }
 
@@ -147,7 +141,7 @@ RunResult runSharded(const RunConfig& config, const TensorMap& in, const Checkpo
       if (hooks.load)
         for (const ShardedEntry& e : sd) {
           if (const auto* o = std::get_if<ShardedObject>(&e)) {
-            hooks.load->checkObject(*o);
+            hooks.load->checkObject(*o);  // tpsim run checks them before the world (checkpointObjectsOf)
           } else {
             // An entry describes a parameter's own memory.
             const auto& st = std::get<ShardedTensor>(e);

@@ -61,6 +61,10 @@ std::vector<std::string> resultNames(const RunConfig& config);
 // themselves (rank (0, 0)'s view; the description is the same on every rank), on config's sizes.
 // Runs no forward or backward and reads no tensor values.
 std::vector<TensorPlacement> placementsOf(const RunConfig& config);
+// The `_extra_state` entries of every rank's sharded state dict for config's layer, rank by rank,
+// from its modules built as placementsOf builds them: what a checkpoint it loads must hold, known
+// before a world runs it (CheckpointReader::checkObject).
+std::vector<ShardedObject> checkpointObjectsOf(const RunConfig& config);
 
 // A row of the verification table: max |sharded - dense| against the largest allowed.
 struct Verdict {
