@@ -27,6 +27,7 @@
 #endif
 
 #if defined(TPSIM_ASAN)
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #endif
 #if defined(TPSIM_TSAN)
@@ -50,6 +51,16 @@ void asanFinishSwitch([[maybe_unused]] void* fakeStack, [[maybe_unused]] const v
                       [[maybe_unused]] std::size_t* oldSize) {
 #if defined(TPSIM_ASAN)
   __sanitizer_finish_switch_fiber(fakeStack, oldBottom, oldSize);
+#endif
+}
+
+// ASan keeps a stack's redzones in its shadow memory after munmap: frames a fiber never returned
+// from (entry's own, every frame of a fiber destroyed while suspended) would stay poisoned, and a
+// later mmap that reuses the range (the next fiber's stack, any buffer) would report overflows
+// that are not there. A stack's range is cleared when it is mapped and before it is unmapped.
+void asanUnpoison([[maybe_unused]] void* begin, [[maybe_unused]] std::size_t bytes) {
+#if defined(TPSIM_ASAN)
+  __asan_unpoison_memory_region(begin, bytes);
 #endif
 }
 
@@ -84,6 +95,7 @@ Fiber::Fiber(std::size_t stackBytes, std::function<void()> body) : body_(std::mo
     throw InvalidArgument(detail::concat("sim: cannot map a fiber stack of ", mappedBytes_, " bytes: ",
                                          std::strerror(errno), "; ask for fewer ranks"));
   }
+  asanUnpoison(stack_, mappedBytes_);
   // Guard page: a stack overflow faults instead of silently corrupting the neighbour's memory.
   mprotect(stack_, page, PROT_NONE);
   char* top = static_cast<char*>(stack_) + mappedBytes_;
@@ -97,7 +109,10 @@ Fiber::~Fiber() {
 #if defined(TPSIM_TSAN)
   if (tsanFiber_) __tsan_destroy_fiber(tsanFiber_);
 #endif
-  if (stack_) munmap(stack_, mappedBytes_);
+  if (stack_) {
+    asanUnpoison(stack_, mappedBytes_);
+    munmap(stack_, mappedBytes_);
+  }
 }
 
 void Fiber::swapExceptionState() {

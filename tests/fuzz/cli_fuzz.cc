@@ -42,7 +42,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         const LayoutArgs a = parseLayoutArgs(args);
         if (!a.help.empty()) break;
         // tpsim layout builds the layers (tools/lib/layout.h), pad rows included: drawn when a run of
-        // them is estimated to fit well within the fuzzer's memory.
+        // them is estimated to fit well within the fuzzer's memory. The estimate takes checked
+        // sizes, as tpsim run's and layout's own checks leave them.
+        a.config.validate();
+        checkSizes(a.config, {SizeSources::Inputs::kFlags, ""});
         const double bytes = estimateRunBytes(a.config, tensorShapes(a.config), VerifyMode::kNone);
         if (bytes > double(64 << 20) || a.config.tp * a.config.gtpRemat > 64) break;
         const std::vector<tpsim::TensorPlacement> placements = layoutPlacements(a.config);
