@@ -3,6 +3,8 @@
 // data-derived bound; bad inputs are named.
 #include "tools/lib/runner.h"
 
+#include "backends/fault.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -426,6 +428,87 @@ TEST(Runner, SlackIsTheLeastBoundOverErrorOfAnElement) {
   corrupt.at("output").values[3] += 1;
   for (const Verdict& v : verify(c, in, corrupt, VerifyMode::kBound, r.placements))
     EXPECT_TRUE(v.name != "output" || v.slack < 1) << v.name << " slack " << v.slack;
+}
+
+// verify reads a run's results from the ranks' tensors in place, a block of the reference at a
+// time: the same verdicts, field by field, as from the assembled results and their farthest copies,
+// whether the ranks' copies agree, a partial sum over the GTP_remat peers is divided (MEAN), the
+// input gradient is left partial, or a fault makes one rank's copy of a replicated result wrong.
+TEST(Runner, VerifyInPlaceGivesTheVerdictsOfTheAssembledResults) {
+  std::vector<RunConfig> configs;
+  for (const char* kind : {"column", "row", "embedding", "mlp", "grouped-column", "grouped-row"}) {
+    RunConfig c;
+    c.layer = layerKind(kind);
+    c.tp = 2;
+    c.gtpRemat = 2;
+    c.seq = 8;
+    c.tokens = 16;
+    c.bias = c.layer != layerKind("embedding");
+    configs.push_back(c);
+  }
+  RunConfig partial;
+  partial.layer = layerKind("column");
+  partial.tp = 4;
+  partial.disableGradReduce = true;
+  configs.push_back(partial);
+  RunConfig corrupt;  // rank 1's output all-gather: its replicated copy of the output is wrong
+  corrupt.layer = layerKind("column");
+  corrupt.tp = 2;
+  corrupt.gatherOutput = true;
+  corrupt.faults = {parseFault("1:1:corrupt:3:30")};
+  configs.push_back(corrupt);
+  for (const RunConfig& c : configs) {
+    const TensorMap in = generateInputs(c);
+    const RunResult r = runSharded(c, in);
+    EXPECT_EQ(r.otherCopies.empty(), c.faults.empty()) << c.str();
+    for (VerifyMode mode : {VerifyMode::kBound, VerifyMode::kExact}) {
+      const std::vector<Verdict> inPlace = verify(c, in, r, mode),
+                                 assembledVerdicts = verify(c, in, r.results, mode, r.placements, r.otherCopies);
+      ASSERT_EQ(inPlace.size(), assembledVerdicts.size()) << c.str();
+      for (std::size_t i = 0; i < inPlace.size(); ++i) {
+        const Verdict &a = inPlace[i], &b = assembledVerdicts[i];
+        EXPECT_EQ(a.name, b.name);
+        EXPECT_EQ(a.shape, b.shape) << a.name;
+        EXPECT_EQ(a.maxError, b.maxError) << c.str() << " " << a.name;
+        EXPECT_EQ(a.maxBound, b.maxBound) << c.str() << " " << a.name;
+        EXPECT_TRUE(a.slack == b.slack || (std::isnan(a.slack) && std::isnan(b.slack))) << c.str() << " " << a.name;
+        EXPECT_EQ(a.outside, b.outside) << c.str() << " " << a.name;
+        EXPECT_EQ(a.firstOutside, b.firstOutside) << c.str() << " " << a.name;
+        EXPECT_EQ(a.nonFinite, b.nonFinite) << c.str() << " " << a.name;
+      }
+      if (!c.faults.empty() && mode == VerifyMode::kBound) {
+        const auto output = std::find_if(inPlace.begin(), inPlace.end(), [](const Verdict& v) { return v.name == "output"; });
+        ASSERT_NE(output, inPlace.end());
+        EXPECT_GT(output->outside, 0) << "a rank's wrong copy went unseen";
+      }
+    }
+  }
+}
+
+// The MLP's reference sends its weight gradients a block of F at a time, fc2's as columns: the first
+// element outside its bound is still the least flat index, whichever block arrives first.
+TEST(Runner, TheFirstElementOutsideIsTheLeastFlatIndexAcrossBlocks) {
+  RunConfig c;
+  c.layer = layerKind("mlp");
+  c.tp = 2;
+  c.seq = 4096;        // 8192 tokens: the reference takes F in blocks of 256
+  c.ffnHidden = 1024;
+  const TensorMap in = generateInputs(c);
+  const RunResult r = runSharded(c, in);
+  TensorMap wrong = r.results;
+  std::vector<double>& dW2 = wrong.at("fc2.weight.grad").values;  // (h, F)
+  const std::int64_t f = wrong.at("fc2.weight.grad").shape[1];
+  dW2[std::size_t(1 * f + 900)] += 1e6;  // row 1 of the last block
+  dW2[std::size_t(2 * f + 10)] += 1e6;   // row 2 of the first block, verified first
+  dW2[std::size_t(0 * f + 600)] += 1e6;  // row 0 of the third block: the least index
+  bool checked = false;
+  for (const Verdict& v : verify(c, in, wrong, VerifyMode::kBound, r.placements))
+    if (v.name == "fc2.weight.grad") {
+      checked = true;
+      EXPECT_EQ(v.outside, 3);
+      EXPECT_EQ(v.firstOutside, 600);
+    }
+  EXPECT_TRUE(checked);
 }
 
 TEST(Runner, GroupedExpertIdsOutsideTheExpertsAreNamed) {

@@ -4,6 +4,7 @@
 #include <boost/program_options.hpp>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <optional>
@@ -173,12 +174,16 @@ std::string savePath(const std::string& dir, const std::string& name) {
   return (std::filesystem::path(dir) / (name + ".npy")).string();
 }
 
-// All the outputs or none, as unsharded .npy files in DIR (tools/lib/output_files.h).
-void save(const std::string& dir, const TensorMap& tensors) {
+// All the outputs or none, as unsharded .npy files in DIR (tools/lib/output_files.h): the results,
+// each put together from the ranks' tensors only while its file is written, and `inputs`.
+void save(const std::string& dir, const RunResult& result, const TensorMap& inputs) {
   OutputFiles output("--save");
-  for (const auto& [name, t] : tensors) {
+  std::map<std::string, std::function<HostTensor()>> tensors;
+  for (const auto& [name, sharded] : result.sharded) tensors[name] = [&sharded = sharded] { return assembled(sharded); };
+  for (const auto& [name, t] : inputs) tensors[name] = [&t = t] { return t; };
+  for (const auto& [name, make] : tensors) {
     const std::string path = savePath(dir, name);
-    const HostTensor& tensor = t;
+    const HostTensor tensor = make();
     output.write(path, [&](std::FILE* f) {
       const std::string where = "--save: " + path;
       if (tensor.dtype == DType::kInt64) {
@@ -396,7 +401,7 @@ int runMain(const std::vector<std::string>& args) {
   });
   CheckpointWriter writer(c.layer->name());
   const RunResult result = runSharded(
-      c, inputs, {reader ? &*reader : nullptr, saveCheckpoint.empty() ? nullptr : &writer}, &progress);
+      c, inputs, {reader ? &*reader : nullptr, saveCheckpoint.empty() ? nullptr : &writer}, &progress, false);
   std::size_t collectives = 0, splits = 0;
   for (const auto& events : result.trace)
     for (const auto& e : events) ++(e.op == "split" ? splits : collectives);
@@ -423,9 +428,7 @@ int runMain(const std::vector<std::string>& args) {
   }
   if (!saveDir.empty() || !saveCheckpoint.empty() || c.record) progress.phase("save");
   if (!saveDir.empty()) {
-    TensorMap outputs = result.results;
-    if (loadDir.empty()) outputs.insert(inputs.begin(), inputs.end());
-    save(saveDir, outputs);
+    save(saveDir, result, loadDir.empty() ? inputs : TensorMap{});
     progress.above([&] { std::printf("\nsaved to %s\n", terminalText(saveDir).c_str()); });
   }
   if (!saveCheckpoint.empty()) {

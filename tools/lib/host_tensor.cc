@@ -24,7 +24,9 @@ std::int64_t product(const std::vector<std::int64_t>& s, std::size_t from, std::
 
 int normalize(int dim, std::size_t rank) { return dim < 0 ? dim + int(rank) : dim; }
 
-double roundValue(DType dtype, double v) {
+}  // namespace
+
+double roundedTo(DType dtype, double v) {
   switch (dtype) {
     case DType::kFloat32: return double(float(v));
     case DType::kBFloat16: return double(bf16ToFloat(floatToBf16(float(v))));
@@ -39,14 +41,14 @@ double roundValue(DType dtype, double v) {
   return v;
 }
 
-}  // namespace
-
 std::int64_t HostTensor::numel() const { return product(shape, 0, shape.size()); }
+
+std::int64_t StoredTensor::numel() const { return product(shape, 0, shape.size()); }
 
 HostTensor makeHost(std::vector<std::int64_t> shape, DType dtype, std::vector<double> values) {
   HostTensor t{std::move(shape), dtype, std::move(values)};
   TPSIM_INTERNAL_ASSERT(std::int64_t(t.values.size()) == t.numel(), "values do not fill ", shapeText(t.shape));
-  for (double& v : t.values) v = roundValue(dtype, v);
+  for (double& v : t.values) v = roundedTo(dtype, v);
   return t;
 }
 
@@ -143,52 +145,88 @@ HostTensor shardOf(const TensorPlacement& p, const HostTensor& full, int t, int 
   return out;
 }
 
-HostTensor assemble(const TensorPlacement& p, const std::function<const HostTensor&(int t, int g)>& local) {
-  HostTensor out{p.shape, local(0, 0).dtype, {}};
-  out.values.assign(std::size_t(out.numel()), 0.0);
-  const auto gs = rowMajorStrides(out.shape);
-  for (int g = 0; g < p.gtp.size; ++g)
-    for (int t = 0; t < p.tp.size; ++t) {
-      if ((p.tp.kind == AxisKind::kReplicate && t > 0) || (p.gtp.kind == AxisKind::kReplicate && g > 0)) continue;
-      const bool add = (p.tp.kind == AxisKind::kPartial && t > 0) || (p.gtp.kind == AxisKind::kPartial && g > 0);
-      const HostTensor& mine = local(t, g);
-      TPSIM_INTERNAL_ASSERT(mine.shape == localShape(p, t, g), p.name, " of rank (t=", t, ", g=", g, "): expected ",
-                            shapeText(localShape(p, t, g)), ", got ", shapeText(mine.shape));
-      const auto ls = rowMajorStrides(mine.shape);
-      for (const Block& b : blocksOf(p, t, g))
-        if (!b.pad)
-          forEachRun(b, gs, ls, [&](std::int64_t to, std::int64_t from, std::int64_t n) {
-            for (std::int64_t i = 0; i < n; ++i)
-              out.values[std::size_t(to + i)] = add ? out.values[std::size_t(to + i)] + mine.values[std::size_t(from + i)]
-                                                    : mine.values[std::size_t(from + i)];
-          });
+namespace {
+
+double valueAt(const HostTensor& t, std::int64_t i) { return t.values[std::size_t(i)]; }
+double valueAt(const StoredTensor& t, std::int64_t i) { return t.at(i); }
+
+// MatrixRect r of assemble(p, local) into value; with `farthest`, the copies farthest from it as well.
+template <class Local>
+bool gatherRect(const TensorPlacement& p, const std::function<const Local&(int t, int g)>& local, const MatrixRect& r,
+                double* value, double* farthest) {
+  const auto gs = rowMajorStrides(p.shape);
+  const std::int64_t cols = p.shape.empty() ? 1 : p.shape.back();
+  // f(at, from, n) for the part of a run of n elements, global offset g0 and local l0, inside r: a run
+  // lies along the last dim, so in one row of the matrix.
+  auto inRect = [&](std::int64_t g0, std::int64_t l0, std::int64_t n, auto f) {
+    const std::int64_t row = g0 / cols, c0 = g0 % cols;
+    if (row < r.row || row >= r.row + r.rows) return;
+    const std::int64_t from = std::max(c0, r.col), to = std::min(c0 + n, r.col + r.cols);
+    if (from < to) f((row - r.row) * r.cols + (from - r.col), l0 + (from - c0), to - from);
+  };
+  auto holders = [&](auto each) {
+    for (int g = 0; g < p.gtp.size; ++g)
+      for (int t = 0; t < p.tp.size; ++t) {
+        const Local& mine = local(t, g);
+        TPSIM_INTERNAL_ASSERT(mine.shape == localShape(p, t, g), p.name, " of rank (t=", t, ", g=", g, "): expected ",
+                              shapeText(localShape(p, t, g)), ", got ", shapeText(mine.shape));
+        const auto ls = rowMajorStrides(mine.shape);
+        for (const Block& b : blocksOf(p, t, g))
+          if (!b.pad)
+            forEachRun(b, gs, ls, [&](std::int64_t at, std::int64_t from, std::int64_t n) {
+              inRect(at, from, n, [&](std::int64_t to, std::int64_t first, std::int64_t count) {
+                each(t, g, mine, to, first, count);
+              });
+            });
+      }
+  };
+  std::fill_n(value, r.rows * r.cols, 0.0);
+  holders([&](int t, int g, const Local& mine, std::int64_t to, std::int64_t from, std::int64_t n) {
+    if ((p.tp.kind == AxisKind::kReplicate && t > 0) || (p.gtp.kind == AxisKind::kReplicate && g > 0)) return;
+    const bool add = (p.tp.kind == AxisKind::kPartial && t > 0) || (p.gtp.kind == AxisKind::kPartial && g > 0);
+    for (std::int64_t i = 0; i < n; ++i)
+      value[to + i] = add ? value[to + i] + valueAt(mine, from + i) : valueAt(mine, from + i);
+  });
+  if (!farthest) return false;
+  std::copy_n(value, r.rows * r.cols, farthest);
+  if (p.tp.kind == AxisKind::kPartial || p.gtp.kind == AxisKind::kPartial) return false;
+  auto distance = [](double a, double b) { return std::isnan(a) || std::isnan(b) ? HUGE_VAL : std::fabs(a - b); };
+  bool differs = false;
+  holders([&](int, int, const Local& mine, std::int64_t to, std::int64_t from, std::int64_t n) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      const double copy = valueAt(mine, from + i), want = value[to + i];
+      if (std::memcmp(&copy, &want, sizeof copy) == 0) continue;  // bitwise: -0 differs from +0 too
+      differs = true;
+      if (distance(copy, want) >= distance(farthest[to + i], want)) farthest[to + i] = copy;
     }
+  });
+  return differs;
+}
+
+template <class Local>
+HostTensor assembleWhole(const TensorPlacement& p, const std::function<const Local&(int t, int g)>& local) {
+  HostTensor out{p.shape, local(0, 0).dtype, {}};
+  out.values.resize(std::size_t(out.numel()));
+  const std::int64_t cols = p.shape.empty() ? 1 : p.shape.back();
+  gatherRect(p, local, MatrixRect{0, 0, out.numel() / cols, cols}, out.values.data(), nullptr);
   return out;
 }
 
-std::optional<HostTensor> farthestCopies(const TensorPlacement& p, const HostTensor& assembled,
-                                         const std::function<const HostTensor&(int t, int g)>& local) {
-  if (p.tp.kind == AxisKind::kPartial || p.gtp.kind == AxisKind::kPartial) return std::nullopt;
-  std::optional<HostTensor> out;
-  const auto gs = rowMajorStrides(assembled.shape);
-  auto distance = [](double a, double b) { return std::isnan(a) || std::isnan(b) ? HUGE_VAL : std::fabs(a - b); };
-  for (int g = 0; g < p.gtp.size; ++g)
-    for (int t = 0; t < p.tp.size; ++t) {
-      const HostTensor& mine = local(t, g);
-      const auto ls = rowMajorStrides(mine.shape);
-      for (const Block& b : blocksOf(p, t, g))
-        if (!b.pad)
-          forEachRun(b, gs, ls, [&](std::int64_t at, std::int64_t from, std::int64_t n) {
-            for (std::int64_t i = 0; i < n; ++i) {
-              const std::size_t e = std::size_t(at + i);
-              const double copy = mine.values[std::size_t(from + i)], want = assembled.values[e];
-              if (std::memcmp(&copy, &want, sizeof copy) == 0) continue;  // bitwise: -0 differs from +0 too
-              if (!out) out = assembled;
-              if (distance(copy, want) >= distance(out->values[e], want)) out->values[e] = copy;
-            }
-          });
-    }
-  return out;
+}  // namespace
+
+HostTensor assemble(const TensorPlacement& p, const std::function<const HostTensor&(int t, int g)>& local) {
+  return assembleWhole(p, local);
+}
+
+HostTensor assemble(const TensorPlacement& p, const std::function<const StoredTensor&(int t, int g)>& local) {
+  return assembleWhole(p, local);
+}
+
+bool assembleRect(const TensorPlacement& p, const std::function<const StoredTensor&(int t, int g)>& local,
+                  const MatrixRect& r, std::vector<double>& value, std::vector<double>& farthest) {
+  value.resize(std::size_t(r.rows * r.cols));
+  farthest.resize(value.size());
+  return gatherRect(p, local, r, value.data(), farthest.data());
 }
 
 Tensor toBackend(Compute& compute, const HostTensor& t) {
@@ -216,6 +254,22 @@ HostTensor fromBackend(Compute& compute, ConstView v) {
   out.values.resize(std::size_t(v.numel()));
   for (std::size_t i = 0; i < out.values.size(); ++i)
     out.values[i] = loadAsDouble(v.dtype(), bytes.data() + i * dtypeSize(v.dtype()));
+  return out;
+}
+
+
+StoredTensor storedFromBackend(Compute& compute, ConstView v) {
+  Tensor dense;
+  if (!v.isContiguous()) {
+    dense = compute.empty(v.shape(), v.dtype());
+    compute.copy(v, dense);
+    v = dense;
+  }
+  StoredTensor out;
+  for (int i = 0; i < v.rank(); ++i) out.shape.push_back(v.dim(i));
+  out.dtype = v.dtype();
+  out.bytes.resize(v.bytes());
+  compute.download(v, out.bytes.data());
   return out;
 }
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "backends/compute.h"
+#include "backends/dtype.h"
 #include "core/placement.h"
 
 namespace tpsim::tools {
@@ -24,6 +25,17 @@ struct HostTensor {
   std::int64_t numel() const;
 };
 
+// A rank's tensor as its backend stored it: numel elements of dtype's size, read as doubles. What a
+// run keeps of each rank's results, at 2 or 4 bytes an element rather than a HostTensor's 8.
+struct StoredTensor {
+  std::vector<std::int64_t> shape;
+  DType dtype = DType::kFloat32;
+  std::vector<char> bytes;
+
+  std::int64_t numel() const;
+  double at(std::int64_t i) const { return loadAsDouble(dtype, bytes.data() + std::size_t(i) * dtypeSize(dtype)); }
+};
+
 // name -> tensor, named as a run's files name them: inputs (input, weight, bias, grad_output; the
 // MLP's fc1.weight, ...) and results (output, input.grad, weight.grad, ...), each unsharded.
 using TensorMap = std::map<std::string, HostTensor>;
@@ -34,6 +46,8 @@ using ShapeMap = std::map<std::string, std::vector<std::int64_t>>;
 // flags or file they come from) when either is negative or the product does not fit in int64.
 std::int64_t checkedMul(std::int64_t a, std::int64_t b, const std::string& what);
 
+// v rounded to `dtype`, as makeHost rounds each value.
+double roundedTo(DType dtype, double v);
 // Rounds every value to `dtype` (bf16/fp16/fp8e4m3 round to nearest even, fp8e4m3 saturates, int64
 // must be integral, e8m0 must be a power of two).
 HostTensor makeHost(std::vector<std::int64_t> shape, DType dtype, std::vector<double> values);
@@ -56,15 +70,23 @@ HostTensor shardOf(const TensorPlacement& placement, const HostTensor& full, int
 // element from its one holder, a replicate axis from its rank 0, and a partial axis adds its ranks'
 // copies in rank order (the first assigned, so -0 stays -0); pad rows are dropped.
 HostTensor assemble(const TensorPlacement& placement, const std::function<const HostTensor&(int t, int g)>& local);
+HostTensor assemble(const TensorPlacement& placement, const std::function<const StoredTensor&(int t, int g)>& local);
 
-// Where the ranks' copies of a tensor disagree with `assembled` (assemble's result): `assembled`
-// with each such element replaced by the copy farthest from it (a NaN farthest of all), or nullopt
-// when every copy equals it. Copies of a partial axis differ by design and are not compared, nor are
-// pad rows. A replicated result a rank holds wrongly is then seen, whichever rank assemble read.
-std::optional<HostTensor> farthestCopies(const TensorPlacement& placement, const HostTensor& assembled,
-                                         const std::function<const HostTensor&(int t, int g)>& local);
+// Rows [row, row + rows) and columns [col, col + cols) of a tensor seen as a (numel / last dim,
+// last dim) matrix.
+struct MatrixRect {
+  std::int64_t row = 0, col = 0, rows = 0, cols = 0;
+};
+// r of assemble(placement, local), read from the ranks' tensors in place, into `value` (row-major,
+// r.rows · r.cols); and into `farthest`, for each element, the copy farthest from it (a NaN
+// farthest of all), the element itself where every copy equals it. Copies of a partial axis differ
+// by design and are not compared, nor are pad rows. A replicated result a rank holds wrongly is
+// then seen, whichever rank assemble read. Returns whether any copy differs.
+bool assembleRect(const TensorPlacement& placement, const std::function<const StoredTensor&(int t, int g)>& local,
+                  const MatrixRect& r, std::vector<double>& value, std::vector<double>& farthest);
 
 Tensor toBackend(Compute& compute, const HostTensor& t);
 HostTensor fromBackend(Compute& compute, ConstView v);
+StoredTensor storedFromBackend(Compute& compute, ConstView v);
 
 }  // namespace tpsim::tools

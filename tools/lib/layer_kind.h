@@ -28,6 +28,7 @@ namespace tpsim::tools {
 
 struct Checked;           // tools/lib/reference.h
 struct ReferenceOptions;  // tools/lib/reference.h
+class ReferenceSink;      // tools/lib/reference.h
 
 // A size of a layer's problem: the flag that sets it for generated data, and the dim of an input
 // file it is read from under --load.
@@ -140,6 +141,10 @@ class LayerKind {
   // beyond its results, in elements (the memory estimate's terms; 0 for a single GEMM).
   virtual double stepIntermediates(const RunConfig&, const ShapeMap&) const { return 0; }
   virtual double referenceIntermediates(const RunConfig&, const ShapeMap&) const { return 0; }
+  // Bytes the reference holds per parameter element: the values and bounds of its gradients whole,
+  // the magnitudes behind them and the parameter's own (40); or, where it sends the weight
+  // gradients a block at a time, the parameter's magnitude alone (4).
+  virtual double referenceBytesPerParameter() const { return 40; }
   // What one rank holds of the run's input and of its gradient, and of grad_output and the output,
   // as a fraction of the whole: 1 where TP replicates it (the default, the most a rank can hold),
   // 1/T where TP splits it (the memory estimate's rank copies).
@@ -155,8 +160,8 @@ class LayerKind {
   }
   virtual std::unique_ptr<LayerModules> build(const LayerContext& context, const ModelParallelConfig& mp,
                                               const RunConfig& config) const = 0;
-  // The dense results and their relative bounds (tools/lib/reference.h).
-  virtual std::map<std::string, Checked> reference(const ReferenceOptions& options, const TensorMap& inputs) const = 0;
+  // The dense results and their relative bounds, sent to `sink` (tools/lib/reference.h).
+  virtual void reference(const ReferenceOptions& options, const TensorMap& inputs, ReferenceSink& sink) const = 0;
 };
 
 // The table: every kind, in the order --help lists them.

@@ -34,21 +34,22 @@ std::optional<double> readNumber(const std::string& file) {
 // and G GTP_remat peers, and every tensor the tools hold unsharded counted as doubles:
 //   program    16 MiB + 256 KiB a rank: the binary, its libraries, the threads' and fibers' stacks
 //   inputs     8(X + Y + W): the unsharded tensors, held through the run and the verification
-//   results    8(X + Y + W), and at T > 1 8(X + Y): the results reassembled, and the farthest copy of
-//              each one the ranks replicate (output, input.grad)
 // then the larger of the run's working set and the verification's, which reuses what the ranks freed:
-//   copies     21T(fX·X + fY·Y), with f the rank's share of the tensor (LayerKind::rankShare; the G
+//   copies     15T(fX·X + fY·Y), with f the rank's share of the tensor (LayerKind::rankShare; the G
 //              peers split the batch): each rank's input and grad_output as backend tensors (4 bytes
-//              an element), input.grad and output as backend tensors (4) and as doubles (8), and the
-//              holes the conversions' freed doubles leave between them in the one heap (2 to 5,
+//              an element), input.grad and output as backend tensors (4) and as the run keeps them
+//              (4), and the holes that freed conversions leave between them in the one heap (3,
 //              measured); in a sequence-parallel run a split share passes whole through the rank's
 //              all-gather or reduce-scatter (4 bytes an element of the whole)
 //   shards     (32 + 32(G - 1))Wp: each parameter's shard and gradient as doubles and backend tensors,
 //              main_grad, GTP_remat's gathers
 //   step       8S: the kind's other per-rank intermediates (LayerKind::stepIntermediates, in doubles)
-//   reference  48(X + Y + W) + 8R: the dense results, their bounds and the magnitudes behind them, the
-//              operands' magnitudes, the holes between them, and what the kind's reference holds at
-//              once besides (LayerKind::referenceIntermediates, in doubles)
+// or
+//   kept       4(T(fX·X + fY·Y) + Wp): the results as the ranks left them, which verify reads in place
+//   reference  48(X + Y) + pW + 16 min(2^20, max(X, Y, W)) + 8R: the dense results sent whole, their
+//              bounds and the magnitudes behind them; the parameters' part p
+//              (LayerKind::referenceBytesPerParameter); the rows verify reads at a time; what the
+//              kind's reference holds at once besides (LayerKind::referenceIntermediates, in doubles)
 double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode verify) {
   const double T = c.tp, G = c.gtpRemat;
   const double x = numel(shapes, "input"), y = numel(shapes, "grad_output");
@@ -71,17 +72,20 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   }
   const double program = 16.0 * (1 << 20) + 256.0 * 1024 * T * G;
   const double inputs = 8 * (x + y + w);
-  double results = 8 * (x + y + w) + (c.tp > 1 ? 8 * (x + y) : 0);
-  if (c.disableGradReduce) results += 24 * T * x;  // input.grad is (T, s, b, K): results and reference
   const LayerKind::RankShare share = c.layer->rankShare(c);
   const bool sequenceSplit = c.sequenceParallel || c.reduceScatterEmbeddings;
-  auto rankCopies = [&](double f, double n) { return T * (21 * f * n + (f < 1 && sequenceSplit ? 4 * n : 0)); };
+  auto rankCopies = [&](double f, double n) { return T * (15 * f * n + (f < 1 && sequenceSplit ? 4 * n : 0)); };
   const double copies = rankCopies(share.input, x) + rankCopies(share.output, y);
   const double shards = (32 + 32 * (G - 1)) * held;
   const double step = 8 * c.layer->stepIntermediates(c, shapes);
-  const double reference =
-      verify == VerifyMode::kNone ? 0 : 48 * (x + y + w) + 8 * c.layer->referenceIntermediates(c, shapes);
-  return program + inputs + results + std::max(copies + shards + step, reference);
+  // input.grad is (T, s, b, K): kept, and in the reference
+  const double stacked = c.disableGradReduce ? 24 * T * x : 0;
+  const double kept = 4 * (T * (share.input * x + share.output * y) + held);
+  const double reference = verify == VerifyMode::kNone
+                               ? 0
+                               : kept + 48 * (x + y) + c.layer->referenceBytesPerParameter() * w + 16 * std::min(double(1 << 20), std::max({x, y, w})) +
+                                     8 * c.layer->referenceIntermediates(c, shapes);
+  return program + inputs + stacked + std::max(copies + shards + step, reference);
 }
 
 std::optional<AvailableMemory> availableMemory() {

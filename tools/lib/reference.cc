@@ -463,18 +463,77 @@ double gelu(double x) { return x * normalCdf(x); }
 
 double geluGrad(double x) { return normalCdf(x) + x * normalPdf(x); }
 
-std::map<std::string, Checked> denseReference(const ReferenceOptions& o, const TensorMap& in) {
-  TPSIM_INTERNAL_ASSERT(o.layer != nullptr, "denseReference: no layer kind");
-  std::map<std::string, Checked> out = o.layer->reference(o, in);
-  const double underflow = underflowAllowance(o, in);
-  // The GTP_remat reduce-scatter's roundings are in each kind's weight gradients (wgradRoundings);
-  // their underflow, up to G roundings near zero in the wire dtype, is added here.
-  const double gtpUnderflow = o.gtpRemat * halfSubnormal(o.gtpWireDtype);
-  for (auto& [name, c] : out) {
-    const double allowance = underflow + (gtpReduced(o, name) ? gtpUnderflow : 0.0);
-    for (double& b : c.bound) b += allowance;
+void sendWhole(std::map<std::string, Checked>& results, ReferenceSink& sink) {
+  for (const auto& [name, c] : results) sink.result(name, c.value.shape, c.value.dtype);
+  for (auto& [name, c] : results) {
+    const std::int64_t cols = c.value.shape.empty() ? 1 : c.value.shape.back();
+    const std::int64_t rows = cols == 0 ? 0 : c.value.numel() / cols;
+    sink.block(name, {0, 0, rows, cols, cols, c.value.values.data(), c.bound.data()});
   }
-  return out;
+}
+
+namespace {
+
+// Adds to each bound what every kind shares, then passes the block on.
+class AllowanceSink final : public ReferenceSink {
+ public:
+  AllowanceSink(const ReferenceOptions& o, const TensorMap& in, ReferenceSink& next)
+      : o_(o), underflow_(underflowAllowance(o, in)), next_(next) {}
+
+  void result(const std::string& name, const std::vector<std::int64_t>& shape, DType dtype) override {
+    // The GTP_remat reduce-scatter's roundings are in each kind's weight gradients (wgradRoundings);
+    // their underflow, up to G roundings near zero in the wire dtype, is added here.
+    const double gtpUnderflow = o_.gtpRemat * halfSubnormal(o_.gtpWireDtype);
+    allowance_[name] = underflow_ + (gtpReduced(o_, name) ? gtpUnderflow : 0.0);
+    next_.result(name, shape, dtype);
+  }
+  void block(const std::string& name, const ReferenceBlock& b) override {
+    const double allowance = allowance_.at(name);
+    for (std::int64_t r = 0; r < b.rows; ++r)
+      for (std::int64_t c = 0; c < b.cols; ++c) b.bound[r * b.ld + c] += allowance;
+    next_.block(name, b);
+  }
+
+ private:
+  const ReferenceOptions& o_;
+  const double underflow_;
+  ReferenceSink& next_;
+  std::map<std::string, double> allowance_;
+};
+
+// Collects every result whole.
+class DenseSink final : public ReferenceSink {
+ public:
+  void result(const std::string& name, const std::vector<std::int64_t>& shape, DType dtype) override {
+    HostTensor value{shape, dtype, {}};
+    const std::size_t n = std::size_t(value.numel());
+    value.values.assign(n, 0.0);
+    out[name] = {std::move(value), std::vector<double>(n, 0.0)};
+  }
+  void block(const std::string& name, const ReferenceBlock& b) override {
+    Checked& c = out.at(name);
+    const std::int64_t cols = c.value.shape.empty() ? 1 : c.value.shape.back();
+    for (std::int64_t r = 0; r < b.rows; ++r) {
+      const std::int64_t at = (b.row + r) * cols + b.col;
+      std::copy_n(b.value + r * b.ld, b.cols, c.value.values.begin() + at);
+      std::copy_n(b.bound + r * b.ld, b.cols, c.bound.begin() + at);
+    }
+  }
+  std::map<std::string, Checked> out;
+};
+
+}  // namespace
+
+void streamReference(const ReferenceOptions& o, const TensorMap& in, ReferenceSink& sink) {
+  TPSIM_INTERNAL_ASSERT(o.layer != nullptr, "streamReference: no layer kind");
+  AllowanceSink withAllowance(o, in, sink);
+  o.layer->reference(o, in, withAllowance);
+}
+
+std::map<std::string, Checked> denseReference(const ReferenceOptions& o, const TensorMap& in) {
+  DenseSink dense;
+  streamReference(o, in, dense);
+  return std::move(dense.out);
 }
 
 std::map<std::string, Checked> linearReference(const ReferenceOptions& o, const TensorMap& in) {
@@ -515,8 +574,7 @@ std::map<std::string, Checked> embeddingReference(const ReferenceOptions& o, con
   return out;
 }
 
-std::map<std::string, Checked> mlpReference(const ReferenceOptions& o, const TensorMap& in) {
-  std::map<std::string, Checked> out;
+void mlpReference(const ReferenceOptions& o, const TensorMap& in, ReferenceSink& sink) {
   // fc1 (column) -> GeLU -> fc2 (row), each with its bias; SPEC's MLP block.
   // fc1 is column-parallel, fc2 row-parallel (stride 1): each GEMM reads its own copy.
   // A bound is rel · (the same computation on |values|) plus the error that a rounded
@@ -557,22 +615,31 @@ std::map<std::string, Checked> mlpReference(const ReferenceOptions& o, const Ten
 
   // Every element of the (tokens, F) intermediates depends on one row of W1 and one column of
   // W2, so F goes through in blocks: the intermediates exist for one block at a time, in
-  // buffers that stay in use (fresh memory is dear: freshVector), each weight is read once, and
-  // the results that sum over F (y, dX) add the blocks' products, in block order. The blocks
-  // depend on the shapes alone.
+  // buffers that stay in use (fresh memory is dear: freshVector), each weight is read once, the
+  // weight gradients' rows and columns of a block are sent once it is done, and the results that
+  // sum over F (y, dX) add the blocks' products, in block order. The blocks depend on the shapes
+  // alone.
   const std::int64_t fBlock = std::min<std::int64_t>(
       std::max<std::int64_t>(f, 1),
       std::max<std::int64_t>(256, o.mlpBlockElements / std::max<std::int64_t>(tokens, 1) / 256 * 256));
   auto zeros = [](std::int64_t rows, std::int64_t cols) {
     return Mat{rows, cols, freshVector<double>(rows * cols)};
   };
+  sink.result("output", withLast(x.shape, W2.rows()), o.outputDtype);
+  sink.result("input.grad", x.shape, c);
+  sink.result("fc1.weight.grad", w1f.shape, c);
+  sink.result("fc1.bias.grad", b1.shape, c);
+  sink.result("fc2.weight.grad", w2f.shape, c);
+  sink.result("fc2.bias.grad", b2.shape, c);
   Mat y = zeros(tokens, h), boundY = zeros(tokens, h), dX = zeros(tokens, h), boundX = zeros(tokens, h);
-  Mat dW1 = zeros(f, h), boundW1 = zeros(f, h), dW2 = zeros(h, f), boundW2 = zeros(h, f);
   std::vector<double> db1(std::size_t(f), 0.0), db1Bound(std::size_t(f), 0.0);
-  const std::int64_t bufferSize = tokens * std::min(f, fBlock);
+  const std::int64_t bufferSize = tokens * std::min(f, fBlock), weightBlock = h * std::min(f, fBlock);
   std::vector<double> A = freshVector<double>(bufferSize), dGelu = freshVector<double>(bufferSize),
                       dH = freshVector<double>(bufferSize), aH = freshVector<double>(bufferSize),
                       adA = freshVector<double>(bufferSize);
+  // A block's rows of dW1 (fb, h) and columns of dW2 (h, fb), with their bounds.
+  std::vector<double> dW1 = freshVector<double>(weightBlock), boundW1 = freshVector<double>(weightBlock),
+                      dW2 = freshVector<double>(weightBlock), boundW2 = freshVector<double>(weightBlock);
   Upper left;  // the bounds' (tokens, block) operands: |intermediate| · rel + its carried error
   for (std::int64_t f0 = 0; f0 < f; f0 += fBlock) {
     const std::int64_t fb = std::min(fBlock, f - f0), n = tokens * fb;
@@ -607,10 +674,10 @@ std::map<std::string, Checked> mlpReference(const ReferenceOptions& o, const Ten
     upperProductInto(yLeft.map(), yLeft.exponent, aW2b.transpose(), aW2.exponent, boundY.v.data(), h, later);
     productInto<double>(dY, W2db, dH.data(), fb);
     upperProductInto(adY.map(), adY.exponent, w2Dgradb, w2Dgrad.exponent, adA.data(), fb, false);
-    productInto<double>(dY.transpose(), Ab, dW2.v.data() + f0, f);
+    productInto<double>(dY.transpose(), Ab, dW2.data(), fb);
     const Upper& w2Right = operand(relW2, A, aErr, aH);
-    upperProductInto(adY.map().transpose(), adY.exponent, w2Right.map(), w2Right.exponent, boundW2.v.data() + f0, f,
-                     false);
+    upperProductInto(adY.map().transpose(), adY.exponent, w2Right.map(), w2Right.exponent, boundW2.data(), fb, false);
+    sink.block("fc2.weight.grad", {0, f0, h, fb, fb, dW2.data(), boundW2.data()});
 
     // GeLU's backward: dH = dA ⊙ GeLU'(H).
     forChunks(n, [&](std::int64_t begin, std::int64_t end) {
@@ -621,10 +688,10 @@ std::map<std::string, Checked> mlpReference(const ReferenceOptions& o, const Ten
     productInto<double>(dHb, W1db, dX.v.data(), h, later);
     const Upper& xLeft = operand(relX, dH, dhErr, adA);
     upperProductInto(xLeft.map(), xLeft.exponent, w1Dgradb, w1Dgrad.exponent, boundX.v.data(), h, later);
-    productInto<double>(dHb.transpose(), X, dW1.v.data() + f0 * h, h);
+    productInto<double>(dHb.transpose(), X, dW1.data(), h);
     const Upper& w1Left = operand(relW1, dH, dhErr, adA);
-    upperProductInto(w1Left.map().transpose(), w1Left.exponent, aX.map(), aX.exponent, boundW1.v.data() + f0 * h, h,
-                     false);
+    upperProductInto(w1Left.map().transpose(), w1Left.exponent, aX.map(), aX.exponent, boundW1.data(), h, false);
+    sink.block("fc1.weight.grad", {f0, 0, fb, h, h, dW1.data(), boundW1.data()});
     for (std::int64_t i = 0; i < tokens; ++i)
       for (std::int64_t j = 0; j < fb; ++j) {
         const std::size_t at = std::size_t(i * fb + j);
@@ -635,14 +702,12 @@ std::map<std::string, Checked> mlpReference(const ReferenceOptions& o, const Ten
   addRows(y, b2.values);
   addRows(boundY, evaluate(relY * viewOf(b2).cwiseAbs()).v);
 
-  out["output"] = {HostTensor{withLast(x.shape, W2.rows()), o.outputDtype, std::move(y.v)}, std::move(boundY.v)};
-  out["input.grad"] = {HostTensor{x.shape, c, std::move(dX.v)}, std::move(boundX.v)};
-  out["fc1.weight.grad"] = {HostTensor{w1f.shape, c, std::move(dW1.v)}, std::move(boundW1.v)};
-  out["fc1.bias.grad"] = {HostTensor{b1.shape, c, std::move(db1)}, std::move(db1Bound)};
-  out["fc2.weight.grad"] = {HostTensor{w2f.shape, c, std::move(dW2.v)}, std::move(boundW2.v)};
-  out["fc2.bias.grad"] = checked(uAcc, b2.shape, c, Mat{1, h, columnSums(dY)}, Mat{1, h, absColumnSums(dY)}, tokens,
-                                 roundings(stages + T, c));
-  return out;
+  sink.block("output", {0, 0, tokens, h, h, y.v.data(), boundY.v.data()});
+  sink.block("input.grad", {0, 0, tokens, h, h, dX.v.data(), boundX.v.data()});
+  sink.block("fc1.bias.grad", {0, 0, 1, f, f, db1.data(), db1Bound.data()});
+  Checked db2 = checked(uAcc, b2.shape, c, Mat{1, h, columnSums(dY)}, Mat{1, h, absColumnSums(dY)}, tokens,
+                        roundings(stages + T, c));
+  sink.block("fc2.bias.grad", {0, 0, 1, h, h, db2.value.values.data(), db2.bound.data()});
 }
 
 std::map<std::string, Checked> groupedReference(const ReferenceOptions& o, const TensorMap& in, std::int64_t experts) {

@@ -57,8 +57,32 @@ struct ReferenceOptions {
   std::int64_t mlpBlockElements = std::int64_t(1) << 21;
 };
 
+// A rectangle of one result's reference, the result seen as a (numel / last dim, last dim) matrix:
+// rows [row, row + rows) and columns [col, col + cols), the values and bounds row-major with leading
+// dimension ld. A sink may change them in place: they are the sender's scratch.
+struct ReferenceBlock {
+  std::int64_t row = 0, col = 0, rows = 0, cols = 0, ld = 0;
+  double* value = nullptr;
+  double* bound = nullptr;
+};
+
+// Takes a reference block by block, so that no result need be held whole: the MLP's weight
+// gradients arrive a block of F at a time. Every result is announced before its blocks; blocks of
+// different results may interleave, and each element arrives exactly once.
+class ReferenceSink {
+ public:
+  virtual ~ReferenceSink() = default;
+  virtual void result(const std::string& name, const std::vector<std::int64_t>& shape, DType dtype) = 0;
+  virtual void block(const std::string& name, const ReferenceBlock& block) = 0;
+};
+
+// Sends each of `results` whole, as one block (which the sink may change).
+void sendWhole(std::map<std::string, Checked>& results, ReferenceSink& sink);
+
 // The layer kind's reference (options.layer), with what every kind shares added to its bounds:
-// gradual underflow, the GTP_remat reduce-scatter's on weight gradients included.
+// gradual underflow, the GTP_remat reduce-scatter's on weight gradients included. The streamed form
+// holds at most the kind's own working set; the dense one collects every result whole.
+void streamReference(const ReferenceOptions& options, const TensorMap& inputs, ReferenceSink& sink);
 std::map<std::string, Checked> denseReference(const ReferenceOptions& options, const TensorMap& inputs);
 
 // The kinds' references, as their descriptors name them. linearReference: one linear layer
@@ -67,7 +91,8 @@ std::map<std::string, Checked> denseReference(const ReferenceOptions& options, c
 // exact GeLU, fc2 (with MXFP8 weights the placements of "fc1.weight" and "fc2.weight").
 std::map<std::string, Checked> linearReference(const ReferenceOptions& options, const TensorMap& inputs);
 std::map<std::string, Checked> embeddingReference(const ReferenceOptions& options, const TensorMap& inputs);
-std::map<std::string, Checked> mlpReference(const ReferenceOptions& options, const TensorMap& inputs);
+// mlpReference sends its weight gradients a block of F at a time.
+void mlpReference(const ReferenceOptions& options, const TensorMap& inputs, ReferenceSink& sink);
 // The experts' grouped linear: token i (input, grad_output rows) goes through expert
 // expert_ids[i]'s weight<e> and bias<e>.
 std::map<std::string, Checked> groupedReference(const ReferenceOptions& options, const TensorMap& inputs,

@@ -16,12 +16,12 @@
 namespace tpsim::tools {
 namespace {
 
-// Each rank's results, gathered under a lock and reassembled after the run.
+// Each rank's results, gathered under a lock, as its backend stored them.
 struct PerRank {
   std::mutex mu;
-  std::vector<TensorMap> results;
+  std::vector<std::map<std::string, StoredTensor>> results;
   std::vector<TensorPlacement> placements;  // rank 0's
-  void put(int rank, const std::string& name, HostTensor t) {
+  void put(int rank, const std::string& name, StoredTensor t) {
     std::lock_guard<std::mutex> lock(mu);
     results[rank][name] = std::move(t);
   }
@@ -35,9 +35,9 @@ void setShard(Compute& compute, Parameter& p, const HostTensor& shard, const Run
 }
 
 // What the optimizer reads: main_grad under fusion (weights), else grad.
-HostTensor gradOf(Compute& compute, const Parameter& p) {
+StoredTensor gradOf(Compute& compute, const Parameter& p) {
   TPSIM_CHECK(p.mainGrad.defined() || p.grad.defined(), "tpsim run: ", p.name, " received no gradient");
-  return fromBackend(compute, p.mainGrad.defined() ? ConstView(p.mainGrad) : ConstView(p.grad));
+  return storedFromBackend(compute, p.mainGrad.defined() ? ConstView(p.mainGrad) : ConstView(p.grad));
 }
 
 // Process groups, the GTP_remat reducer and the modules of config's layer on one rank.
@@ -89,7 +89,15 @@ std::vector<ShardedObject> checkpointObjectsOf(const RunConfig& config) {
   return out;
 }
 
-RunResult runSharded(const RunConfig& config, const TensorMap& in, const CheckpointHooks& hooks, Progress* progress) {
+HostTensor assembled(const ShardedResult& result) {
+  HostTensor out = assemble(result.placement, [&result](int t, int g) -> const StoredTensor& { return result.local(t, g); });
+  if (result.divisor != 1)
+    for (double& v : out.values) v /= result.divisor;
+  return out;
+}
+
+RunResult runSharded(const RunConfig& config, const TensorMap& in, const CheckpointHooks& hooks, Progress* progress,
+                     bool assemble) {
   config.validate();
   checkInputs(config, in);
   if (hooks.load || hooks.save) checkCheckpointable(config);
@@ -165,8 +173,8 @@ RunResult runSharded(const RunConfig& config, const TensorMap& in, const Checkpo
     std::vector<Parameter*> finalized;
     for (const auto& entry : params) finalized.push_back(entry.second);
     finalizeSequenceParallelGrads(finalized, layer.pg.tp(), layer.mp.sequenceParallel);
-    per.put(r, "output", fromBackend(compute, step.output));
-    if (step.inputGrad.defined()) per.put(r, "input.grad", fromBackend(compute, step.inputGrad));
+    per.put(r, "output", storedFromBackend(compute, step.output));
+    if (step.inputGrad.defined()) per.put(r, "input.grad", storedFromBackend(compute, step.inputGrad));
     for (const auto& [name, param] : params) per.put(r, name + ".grad", gradOf(compute, *param));
     if (progress) progress->passed("backward");
   };
@@ -174,34 +182,33 @@ RunResult runSharded(const RunConfig& config, const TensorMap& in, const Checkpo
   runWorld(*world, rankMain);
   if (progress) progress->phase("assemble");
 
-  // Back to the unsharded layout, each result through its placement.
+  // Each result with the placement that puts its ranks' tensors together.
   RunResult r;
   r.trace = world->trace();
   r.records = std::move(records);
   r.placements = std::move(per.placements);
-  auto local = [&](const std::string& name) {
-    return [&per, &grid, name](int t, int g) -> const HostTensor& {
-      return per.results[std::size_t(grid.rank(t, g))].at(name);
-    };
-  };
   auto placement = [&](const std::string& name) { return placementNamed(r.placements, name); };
-  auto put = [&](const std::string& name, const TensorPlacement& p, const auto& copies) {
-    r.results[name] = assemble(p, copies);
-    if (std::optional<HostTensor> other = farthestCopies(p, r.results[name], copies)) r.otherCopies[name] = *other;
+  auto put = [&](const std::string& name, const TensorPlacement& p, double divisor = 1) {
+    ShardedResult& result = r.sharded[name];
+    result.placement = p;
+    result.divisor = divisor;
+    for (int g = 0; g < p.gtp.size; ++g)
+      for (int t = 0; t < p.tp.size; ++t)
+        result.ranks.push_back(std::move(per.results[std::size_t(grid.rank(t, g))].at(name)));
   };
-  put("output", placement(kind.outputPlacement()), local("output"));
+  put("output", placement(kind.outputPlacement()));
   if (per.results.front().count("input.grad")) {
     const TensorPlacement dx = placement(kind.inputPlacement() + ".grad");
     if (dx.tp.kind == AxisKind::kPartial && c.disableGradReduce) {
       // Left partial for its caller: every TP rank's partial sum, stacked. A partial sum the layer
       // leaves to its token dispatcher (the experts) the run completes, as the dispatcher would.
-      for (TensorMap& rank : per.results) {
-        HostTensor& partial = rank.at("input.grad");
+      for (auto& rank : per.results) {
+        StoredTensor& partial = rank.at("input.grad");
         partial.shape.insert(partial.shape.begin(), 1);
       }
-      put("input.grad", stackedPartials(dx), local("input.grad"));
+      put("input.grad", stackedPartials(dx));
     } else {
-      put("input.grad", dx, local("input.grad"));
+      put("input.grad", dx);
     }
   }
   for (const TensorPlacement& p : r.placements) {
@@ -211,12 +218,21 @@ RunResult runSharded(const RunConfig& config, const TensorMap& in, const Checkpo
     // gradient reduction over them (MEAN or SUM, as the shards' reduce-scatter) happens here.
     const bool dataParallel = grad.gtp.kind == AxisKind::kReplicate && grid.gtpRemat() > 1;
     if (dataParallel) grad.gtp.kind = AxisKind::kPartial;
-    put(p.name + ".grad", grad, local(p.name + ".grad"));
-    if (dataParallel && c.gtpReduceMean)
-      for (double& v : r.results[p.name + ".grad"].values) v /= double(grid.gtpRemat());
+    put(p.name + ".grad", grad, dataParallel && c.gtpReduceMean ? double(grid.gtpRemat()) : 1.0);
   }
+  per.results.clear();
+  if (assemble)
+    for (const auto& [name, result] : r.sharded) {
+      r.results[name] = assembled(result);
+      const TensorPlacement& p = result.placement;
+      const std::int64_t cols = p.shape.back();
+      std::vector<double> value, farthest;
+      if (assembleRect(p, [&result](int t, int g) -> const StoredTensor& { return result.local(t, g); },
+                       MatrixRect{0, 0, r.results[name].numel() / cols, cols}, value, farthest))
+        r.otherCopies[name] = HostTensor{p.shape, r.results[name].dtype, std::move(farthest)};
+    }
   std::vector<std::string> names;
-  for (const auto& [name, t] : r.results) names.push_back(name);
+  for (const auto& [name, t] : r.sharded) names.push_back(name);
   std::vector<std::string> expected = resultNames(c);
   std::sort(expected.begin(), expected.end());
   TPSIM_INTERNAL_ASSERT(names == expected, "runSharded: results other than resultNames() lists");
@@ -249,63 +265,159 @@ ReferenceOptions referenceOptions(const RunConfig& c, std::vector<TensorPlacemen
   return o;
 }
 
+namespace {
+
+// What verify divides a reference result by: under GTP_remat MEAN every parameter gradient (and its
+// bound) is 1/G of the full batch's.
+double referenceDivisor(const RunConfig& c, const std::string& name) {
+  const bool parameterGrad =
+      name.size() >= 5 && name.compare(name.size() - 5, 5, ".grad") == 0 && name != "input.grad";
+  return c.gtpRemat > 1 && c.gtpReduceMean && parameterGrad ? double(c.gtpRemat) : 1.0;
+}
+
+// A result as verify reads it: its shape, and rectangles of its values with each element's copy
+// farthest from it (assembleRect).
+struct VerifiedResult {
+  std::vector<std::int64_t> shape;
+  DType dtype = DType::kFloat32;
+  std::function<void(const MatrixRect&, std::vector<double>& value, std::vector<double>& farthest)> read;
+};
+
+// Checks the reference block by block, as it arrives, against the results.
+class VerifySink final : public ReferenceSink {
+ public:
+  VerifySink(const RunConfig& c, std::map<std::string, VerifiedResult> results, VerifyMode mode)
+      : c_(c), results_(std::move(results)), mode_(mode) {}
+
+  void result(const std::string& name, const std::vector<std::int64_t>& shape, DType) override {
+    auto it = results_.find(name);
+    TPSIM_INTERNAL_ASSERT(it != results_.end(), "no sharded result named ", name);
+    TPSIM_INTERNAL_ASSERT(it->second.shape == shape, name, ": sharded ", shapeText(it->second.shape), " vs dense ",
+                          shapeText(shape));
+    Verdict v{name, shapeText(shape)};
+    if (mode_ == VerifyMode::kExact) v.slack = std::numeric_limits<double>::quiet_NaN();
+    verdicts_[name] = v;
+  }
+
+  void block(const std::string& name, const ReferenceBlock& b) override {
+    // A few rows at a time, so that the values read stay a small fraction of a whole result.
+    const std::int64_t step = std::max<std::int64_t>(1, (std::int64_t(1) << 20) / std::max<std::int64_t>(b.cols, 1));
+    for (std::int64_t r = 0; r < b.rows; r += step) {
+      const std::int64_t rows = std::min(step, b.rows - r);
+      check(name, {b.row + r, b.col, rows, b.cols, b.ld, b.value + r * b.ld, b.bound + r * b.ld});
+    }
+  }
+
+  std::vector<Verdict> verdicts() const {
+    std::vector<Verdict> out;
+    for (const auto& [name, v] : verdicts_) out.push_back(v);
+    return out;
+  }
+
+ private:
+  void check(const std::string& name, const ReferenceBlock& b) {
+    const VerifiedResult& got = results_.at(name);
+    got.read(MatrixRect{b.row, b.col, b.rows, b.cols}, value_, farthest_);
+    const double divisor = referenceDivisor(c_, name);
+    const std::int64_t cols = got.shape.back();
+    Verdict& v = verdicts_.at(name);
+    for (std::int64_t r = 0; r < b.rows; ++r)
+      for (std::int64_t col = 0; col < b.cols; ++col) {
+        double ref = b.value[r * b.ld + col], bound = b.bound[r * b.ld + col];
+        if (divisor != 1) ref /= divisor, bound /= divisor;
+        if (mode_ == VerifyMode::kExact) {  // the dense value as the result's storage holds it, no tolerance
+          ref = roundedTo(got.dtype, ref);
+          bound = 0;
+        }
+        // An element is as wrong as its worst copy.
+        const std::size_t at = std::size_t(r * b.cols + col);
+        const double mine = value_[at], other = farthest_[at];
+        checkElement(v, (b.row + r) * cols + b.col + col,
+                     !(std::fabs(other - ref) <= std::fabs(mine - ref)) ? other : mine, ref, bound);
+      }
+  }
+
+  // Blocks arrive in any order: the first element outside (or non-finite) is the least flat index.
+  static void checkElement(Verdict& v, std::int64_t i, double value, double ref, double bound) {
+    const double err = std::fabs(value - ref);
+    if (std::isnan(err) || err > v.maxError) v.maxError = err;  // once NaN, max|err| stays NaN
+    v.maxBound = std::max(v.maxBound, bound);
+    if (std::isnan(err)) v.slack = err;
+    else if (err > 0 && !std::isnan(v.slack)) v.slack = std::min(v.slack, bound / err);
+    if (!(err <= bound) && (v.outside++ == 0 || i < v.firstOutside)) {
+      v.firstOutside = i;
+      v.firstOutsideError = err;
+      v.firstOutsideBound = bound;
+    }
+    if (!std::isfinite(value) && (v.nonFinite++ == 0 || i < v.firstNonFinite)) v.firstNonFinite = i;
+  }
+
+  const RunConfig& c_;
+  const std::map<std::string, VerifiedResult> results_;
+  const VerifyMode mode_;
+  std::map<std::string, Verdict> verdicts_;
+  std::vector<double> value_, farthest_;  // the block being checked
+};
+
+std::vector<Verdict> verifyResults(const RunConfig& c, const TensorMap& inputs, VerifyMode mode,
+                                   const std::vector<TensorPlacement>& placements,
+                                   std::map<std::string, VerifiedResult> results) {
+  if (mode == VerifyMode::kNone) return {};
+  VerifySink sink(c, std::move(results), mode);
+  streamReference(referenceOptions(c, placements), inputs, sink);
+  return sink.verdicts();
+}
+
+}  // namespace
+
 std::map<std::string, Checked> referenceFor(const RunConfig& c, const TensorMap& inputs,
                                             std::vector<TensorPlacement> placements) {
   auto reference = denseReference(referenceOptions(c, std::move(placements)), inputs);
-  if (c.gtpRemat > 1 && c.gtpReduceMean)
-    for (auto& [name, ref] : reference)
-      if (name.size() >= 5 && name.compare(name.size() - 5, 5, ".grad") == 0 && name != "input.grad") {
-        for (double& v : ref.value.values) v /= double(c.gtpRemat);
-        for (double& b : ref.bound) b /= double(c.gtpRemat);
-      }
+  for (auto& [name, ref] : reference)
+    if (const double divisor = referenceDivisor(c, name); divisor != 1) {
+      for (double& v : ref.value.values) v /= divisor;
+      for (double& b : ref.bound) b /= divisor;
+    }
   return reference;
 }
 
 std::vector<Verdict> verify(const RunConfig& c, const TensorMap& inputs, const RunResult& result, VerifyMode mode) {
-  return verify(c, inputs, result.results, mode, result.placements, result.otherCopies);
+  std::map<std::string, VerifiedResult> results;
+  for (const auto& [name, sharded] : result.sharded)
+    results[name] = {sharded.placement.shape, sharded.ranks.front().dtype,
+                     [&sharded = sharded](const MatrixRect& rect, std::vector<double>& value, std::vector<double>& farthest) {
+                       assembleRect(sharded.placement,
+                                    [&sharded](int t, int g) -> const StoredTensor& { return sharded.local(t, g); },
+                                    rect, value, farthest);
+                       if (sharded.divisor != 1)
+                         for (std::size_t i = 0; i < value.size(); ++i) {
+                           value[i] /= sharded.divisor;
+                           farthest[i] /= sharded.divisor;
+                         }
+                     }};
+  return verifyResults(c, inputs, mode, result.placements, std::move(results));
 }
 
 std::vector<Verdict> verify(const RunConfig& c, const TensorMap& inputs, const TensorMap& results, VerifyMode mode,
                             const std::vector<TensorPlacement>& placements,
                             const std::map<std::string, HostTensor>& otherCopies) {
-  std::vector<Verdict> out;
-  if (mode == VerifyMode::kNone) return out;
-  auto reference = referenceFor(c, inputs, placements);
-  for (auto& [name, ref] : reference) {
-    auto it = results.find(name);
-    TPSIM_INTERNAL_ASSERT(it != results.end(), "no sharded result named ", name);
-    const HostTensor& got = it->second;
-    TPSIM_INTERNAL_ASSERT(got.shape == ref.value.shape, name, ": sharded ", shapeText(got.shape), " vs dense ",
-                          shapeText(ref.value.shape));
-    if (mode == VerifyMode::kExact) {  // the dense value as the result's storage holds it, no tolerance
-      ref.value = makeHost(ref.value.shape, got.dtype, std::move(ref.value.values));
-      std::fill(ref.bound.begin(), ref.bound.end(), 0.0);
-    }
+  std::map<std::string, VerifiedResult> read;
+  for (const auto& [name, t] : results) {
     const auto other = otherCopies.find(name);
-    const HostTensor* copies = other == otherCopies.end() ? nullptr : &other->second;
-    Verdict v{name, shapeText(got.shape)};
-    if (mode == VerifyMode::kExact) v.slack = std::numeric_limits<double>::quiet_NaN();
-    for (std::size_t i = 0; i < got.values.size(); ++i) {
-      // An element is as wrong as its worst copy.
-      const double value = copies && !(std::fabs(copies->values[i] - ref.value.values[i]) <=
-                                       std::fabs(got.values[i] - ref.value.values[i]))
-                               ? copies->values[i]
-                               : got.values[i];
-      const double err = std::fabs(value - ref.value.values[i]);
-      if (std::isnan(err) || err > v.maxError) v.maxError = err;  // once NaN, max|err| stays NaN
-      v.maxBound = std::max(v.maxBound, ref.bound[i]);
-      if (std::isnan(err)) v.slack = err;
-      else if (err > 0 && !std::isnan(v.slack)) v.slack = std::min(v.slack, ref.bound[i] / err);
-      if (!(err <= ref.bound[i]) && v.outside++ == 0) {
-        v.firstOutside = std::int64_t(i);
-        v.firstOutsideError = err;
-        v.firstOutsideBound = ref.bound[i];
-      }
-      if (!std::isfinite(value) && v.nonFinite++ == 0) v.firstNonFinite = std::int64_t(i);
-    }
-    out.push_back(v);
+    const HostTensor& copies = other == otherCopies.end() ? t : other->second;
+    read[name] = {t.shape, t.dtype, [&t, &copies](const MatrixRect& rect, std::vector<double>& value,
+                                                  std::vector<double>& farthest) {
+                    const std::int64_t cols = t.shape.back();
+                    value.clear();
+                    farthest.clear();
+                    for (std::int64_t r = rect.row; r < rect.row + rect.rows; ++r) {
+                      const auto from = std::size_t(r * cols + rect.col), to = from + std::size_t(rect.cols);
+                      value.insert(value.end(), t.values.begin() + from, t.values.begin() + to);
+                      farthest.insert(farthest.end(), copies.values.begin() + from, copies.values.begin() + to);
+                    }
+                  }};
   }
-  return out;
+  return verifyResults(c, inputs, mode, placements, std::move(read));
 }
 
 std::string slackText(const Verdict& v) {

@@ -28,13 +28,28 @@
 
 namespace tpsim::tools {
 
+// A result as the ranks hold it, read in place (assembleRect) or put together (assembled): rank
+// (t, g)'s tensor is ranks[g · T + t], T = placement.tp.size, and the assembled sum is divided by
+// `divisor` (G for the GTP_remat peers' MEAN over a parameter they replicate, else 1).
+struct ShardedResult {
+  TensorPlacement placement;
+  std::vector<StoredTensor> ranks;
+  double divisor = 1;
+
+  const StoredTensor& local(int t, int g) const { return ranks[std::size_t(g * placement.tp.size + t)]; }
+};
+HostTensor assembled(const ShardedResult& result);
+
 struct RunResult {
-  TensorMap results;                          // unsharded: output, input.grad, <parameter>.grad
+  // The results as the ranks hold them: output, input.grad, <parameter>.grad.
+  std::map<std::string, ShardedResult> sharded;
+  // The same unsharded, unless the run was told not to assemble them (runSharded).
+  TensorMap results;
   std::vector<TensorPlacement> placements;    // of every tensor of the layer (LayerModules::placements)
   std::vector<std::vector<TraceEvent>> trace; // per rank: every collective it issued
   std::vector<RankRecord> records;            // per rank, with RunConfig::record: its ops in order
   // Results whose ranks' copies disagree, each with the copy of every element farthest from the
-  // result (farthestCopies): verify checks them as well, so no rank's wrong copy goes unseen.
+  // result (assembleRect): verify checks them as well, so no rank's wrong copy goes unseen.
   std::map<std::string, HostTensor> otherCopies;
 };
 
@@ -49,9 +64,10 @@ struct CheckpointHooks {
 
 // Checks the configuration and the inputs (checkInputs), and checkCheckpointable with a hook, then
 // runs forward and backward on every rank. With `progress`, its phases are forward and backward
-// (counting the ranks past each), then assemble.
+// (counting the ranks past each), then assemble. Without `assemble` the results are left sharded
+// (RunResult::results and otherCopies empty): what verify and saving read in place.
 RunResult runSharded(const RunConfig& config, const TensorMap& inputs, const CheckpointHooks& hooks = {},
-                     Progress* progress = nullptr);
+                     Progress* progress = nullptr, bool assemble = true);
 
 // The names of runSharded's results for config: output, input.grad (unless the input is token ids)
 // and <parameter>.grad for each parameter; what `tpsim run --save` writes, known before the run.
@@ -95,7 +111,7 @@ enum class VerifyMode { kBound, kExact, kNone };
 std::vector<Verdict> verify(const RunConfig& config, const TensorMap& inputs, const TensorMap& results,
                             VerifyMode mode = VerifyMode::kBound, const std::vector<TensorPlacement>& placements = {},
                             const std::map<std::string, HostTensor>& otherCopies = {});
-// The same for a run's result.
+// The same for a run's result, read from the ranks' tensors in place (RunResult::sharded).
 std::vector<Verdict> verify(const RunConfig& config, const TensorMap& inputs, const RunResult& result,
                             VerifyMode mode = VerifyMode::kBound);
 // The verification table as `tpsim run` prints it: a header line, then a row per verdict (tensor,

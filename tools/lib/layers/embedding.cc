@@ -101,8 +101,9 @@ class EmbeddingKind final : public LayerKind {
                                       const RunConfig& c) const override {
     return std::make_unique<EmbeddingModules>(lc, mp, c);
   }
-  std::map<std::string, Checked> reference(const ReferenceOptions& o, const TensorMap& in) const override {
-    return embeddingReference(o, in);
+  void reference(const ReferenceOptions& o, const TensorMap& in, ReferenceSink& sink) const override {
+    std::map<std::string, Checked> results = embeddingReference(o, in);
+    sendWhole(results, sink);
   }
 };
 

@@ -160,10 +160,11 @@ class GroupedKind final : public LayerKind {
                                       const RunConfig& c) const override {
     return std::make_unique<GroupedModules>(lc, mp, c, mode_);
   }
-  std::map<std::string, Checked> reference(const ReferenceOptions& o, const TensorMap& in) const override {
+  void reference(const ReferenceOptions& o, const TensorMap& in, ReferenceSink& sink) const override {
     std::int64_t experts = 0;
     while (in.count(detail::concat("weight", experts))) ++experts;
-    return groupedReference(o, in, experts);
+    std::map<std::string, Checked> results = groupedReference(o, in, experts);
+    sendWhole(results, sink);
   }
 
  private:

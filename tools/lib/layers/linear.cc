@@ -96,8 +96,9 @@ class LinearKind : public LayerKind {
                                       const RunConfig& c) const override {
     return std::make_unique<LinearModules<Linear>>(lc, mp, c);
   }
-  std::map<std::string, Checked> reference(const ReferenceOptions& o, const TensorMap& in) const override {
-    return linearReference(o, in);
+  void reference(const ReferenceOptions& o, const TensorMap& in, ReferenceSink& sink) const override {
+    std::map<std::string, Checked> results = linearReference(o, in);
+    sendWhole(results, sink);
   }
   // Column: the input whole unless sequence-parallel, the output split unless gathered. Row: the
   // input split only when it comes parallel, the output whole unless sequence-parallel.

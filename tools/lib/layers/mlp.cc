@@ -119,18 +119,23 @@ class MlpKind final : public LayerKind {
     const double share = c.sequenceParallel ? 1.0 / double(c.tp) : 1.0;
     return {share, share};
   }
-  // The reference holds its (tokens, F) matrices for a block of F at a time (mlpReference).
+  // The reference holds its (tokens, F) matrices for a block of F at a time, and the block's rows of
+  // dW1 and columns of dW2 with their bounds (mlpReference).
   double referenceIntermediates(const RunConfig&, const ShapeMap& shapes) const override {
     double tokens = 0;
     const double h = hiddenElements(shapes, tokens);
-    return 8 * std::min(h, std::max(double(ReferenceOptions().mlpBlockElements), 256 * tokens));
+    const double block = std::min(h, std::max(double(ReferenceOptions().mlpBlockElements), 256 * tokens));
+    const auto in = shapes.find("input");
+    const double features = in == shapes.end() || in->second.empty() ? 0 : double(in->second.back());
+    return 10 * block + 4 * features * (tokens > 0 ? block / tokens : 0);
   }
+  double referenceBytesPerParameter() const override { return 4; }
   std::unique_ptr<LayerModules> build(const LayerContext& lc, const ModelParallelConfig& mp,
                                       const RunConfig& c) const override {
     return std::make_unique<MlpModules>(lc, mp, c);
   }
-  std::map<std::string, Checked> reference(const ReferenceOptions& o, const TensorMap& in) const override {
-    return mlpReference(o, in);
+  void reference(const ReferenceOptions& o, const TensorMap& in, ReferenceSink& sink) const override {
+    mlpReference(o, in, sink);
   }
 };
 

@@ -1,0 +1,102 @@
+#!/usr/bin/python3
+"""The memory estimate against the measured peak, case by case.
+
+    tools/memory_table.py [--tpsim build/tools/tpsim] [--large] [CASE ...]
+
+Runs `tpsim run` for each case (the README's commands and the shapes of docs/memory.md, or the
+CASEs given, each one string of flags) and prints, per case, the peak resident memory of that run
+alone (wait4's ru_maxrss), the run's own estimate and their ratio. The estimate is what `tpsim run`
+refuses above --max-memory: found to the byte by bisection over --max-memory, on runs that stop
+before allocating anything. --large adds the real model shapes, which need up to 12 GiB and minutes.
+"""
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+CASES = [
+    # The README's commands.
+    "--layer column --tp 4 --gtp-remat 2 --batch 2 --seq 8 --in-features 32 --out-features 64",
+    "--layer mlp --tp 4 --batch 4 --seq 128 --in-features 256 --ffn-hidden 2048",
+    # docs/memory.md: the test's shape, then one of each kind.
+    "--layer row --batch 16 --seq 64 --in-features 1024 --out-features 256 --tp 1",
+    "--layer row --batch 16 --seq 64 --in-features 1024 --out-features 256 --tp 4",
+    "--layer row --batch 16 --seq 64 --in-features 1024 --out-features 256 --tp 16",
+    "--layer row --batch 16 --seq 64 --in-features 1024 --out-features 256 --tp 64",
+    "--layer row --batch 64 --seq 64 --in-features 1024 --out-features 256 --tp 4",
+    "--layer row --batch 4 --seq 256 --in-features 1024 --out-features 1024 --sequence-parallel --input-is-parallel --tp 4",
+    "--layer column --batch 4 --seq 256 --in-features 1024 --out-features 1024 --tp 4",
+    "--layer column --batch 4 --seq 256 --in-features 1024 --out-features 1024 --tp 4 --gtp-remat 2",
+    "--layer column --batch 2 --seq 16 --in-features 2048 --out-features 4096 --tp 2",
+    "--layer embedding --vocab 8192 --out-features 512 --batch 4 --seq 256 --tp 4",
+    "--layer mlp --batch 4 --seq 128 --in-features 256 --ffn-hidden 2048 --tp 16",
+    "--layer mlp --batch 4 --seq 512 --in-features 1024 --ffn-hidden 4096 --sequence-parallel --tp 4",
+    "--layer mlp --batch 1 --seq 1024 --in-features 2048 --ffn-hidden 7168 --sequence-parallel --tp 8",
+    "--layer grouped-column --tokens 4096 --experts 4 --in-features 512 --out-features 1024 --tp 4",
+    "--layer grouped-row --tokens 4096 --experts 4 --in-features 1024 --out-features 512 --tp 4",
+]
+LARGE = [
+    # Llama-3-8B's MLP, then Llama-3-70B's.
+    "--layer mlp --batch 1 --seq 1024 --in-features 4096 --ffn-hidden 14336 --sequence-parallel --tp 8",
+    "--layer mlp --batch 2 --seq 4096 --in-features 4096 --ffn-hidden 14336 --sequence-parallel --tp 8 --gtp-remat 2",
+    "--layer mlp --batch 1 --seq 4096 --in-features 8192 --ffn-hidden 28672 --sequence-parallel --tp 8",
+]
+
+
+def refused(tpsim, flags, limit):
+    """Whether `tpsim run FLAGS --max-memory LIMIT` refuses the run for its estimate."""
+    r = subprocess.run([tpsim, "run", *flags, "--max-memory", str(limit)], capture_output=True, text=True)
+    if "expected a run that fits in memory" in r.stderr:
+        return True
+    if r.returncode == 2:
+        sys.exit(f"memory_table.py: tpsim run {' '.join(flags)}: {r.stderr.strip()}")
+    return False
+
+
+def estimate(tpsim, flags):
+    """The least --max-memory the run passes: its estimate, rounded up to the byte."""
+    low, high = 1, 1 << 50
+    if not refused(tpsim, flags, low):
+        return low
+    while high - low > 1:  # refused at low, accepted at high
+        mid = (low + high) // 2
+        if refused(tpsim, flags, mid):
+            low = mid
+        else:
+            high = mid
+    return high
+
+
+def peak(tpsim, flags):
+    """Peak resident bytes and seconds of the run, which must pass."""
+    start = time.monotonic()
+    with open(os.devnull, "w") as null:
+        child = subprocess.Popen([tpsim, "run", *flags, "--quiet"], stdout=null, stderr=subprocess.PIPE)
+        _, status, usage = os.wait4(child.pid, 0)
+        error = child.stderr.read().decode()
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"memory_table.py: tpsim run {' '.join(flags)} failed ({status}): {error.strip()}")
+    return usage.ru_maxrss * 1024, time.monotonic() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tpsim", default=os.path.join(os.path.dirname(__file__), "..", "build", "tools", "tpsim"))
+    parser.add_argument("--large", action="store_true", help="add the real model shapes")
+    parser.add_argument("cases", nargs="*", help="flags of tpsim run, one string a case")
+    args = parser.parse_args()
+    cases = args.cases or CASES + (LARGE if args.large else [])
+    mib = 1 << 20
+    print(f"| flags | peak MiB | estimate MiB | estimate / peak | seconds |")
+    print(f"|---|---|---|---|---|")
+    for case in cases:
+        flags = case.split()
+        need = estimate(args.tpsim, flags)
+        measured, seconds = peak(args.tpsim, flags)
+        print(f"| `{case}` | {measured / mib:.0f} | {need / mib:.0f} | {need / measured:.2f} | {seconds:.1f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
