@@ -16,6 +16,7 @@
 #include "backends/compute_checks.h"
 #include "backends/element_math.h"
 #include "backends/errors.h"
+#include "sim/gelu.h"
 
 namespace tpsim::sim {
 namespace {
@@ -481,8 +482,8 @@ void SimCompute::gelu(ConstView x, View y) {
   if (denseFp32(x, y)) {
     const float* xp = x.typed<float>();
     float* yp = y.typed<float>();
-    for (std::int64_t i = 0, n = x.numel(); i < n; ++i)
-      yp[i] = xp[i] * 0.5f * (1.f + std::erf(xp[i] * float(kSqrtHalf)));
+    if (vectorGeluRuns()) return vectorGelu(xp, yp, x.numel());
+    for (std::int64_t i = 0, n = x.numel(); i < n; ++i) yp[i] = geluOf(xp[i]);
     return;
   }
   withAccumType({x.dtype(), y.dtype()}, [&](auto zero) {
@@ -499,12 +500,8 @@ void SimCompute::geluBackward(ConstView x, ConstView dy, View dx) {
   if (denseFp32(x, dy, dx)) {
     const float *xp = x.typed<float>(), *dyp = dy.typed<float>();
     float* dxp = dx.typed<float>();
-    for (std::int64_t i = 0, n = x.numel(); i < n; ++i) {
-      const float v = xp[i];
-      const float cdf = 0.5f * (1.f + std::erf(v * float(kSqrtHalf)));
-      const float pdf = std::exp(-0.5f * v * v) * float(kInvSqrt2Pi);
-      dxp[i] = dyp[i] * (cdf + v * pdf);
-    }
+    if (vectorGeluRuns()) return vectorGeluBackward(xp, dyp, dxp, x.numel());
+    for (std::int64_t i = 0, n = x.numel(); i < n; ++i) dxp[i] = geluBackwardOf(xp[i], dyp[i]);
     return;
   }
   withAccumType({x.dtype(), dy.dtype(), dx.dtype()}, [&](auto zero) {

@@ -102,7 +102,7 @@ def tpsim_step(tpsim, tp, tokens, hidden, ffn, reps):
                          check=True, capture_output=True, text=True).stdout
     for line in out.splitlines():
         f = line.split()
-        if len(f) == 7 and f[:4] == [str(tokens), str(hidden), str(ffn), str(tp)]:
+        if len(f) >= 7 and f[:4] == [str(tokens), str(hidden), str(ffn), str(tp)]:
             return float(f[4]) / 1e3
     sys.exit("peer_bench: no MLP row in tpsim's output:\n" + out)
 

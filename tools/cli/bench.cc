@@ -23,6 +23,7 @@
 #include <optional>
 #include <sstream>
 #include <thread>
+#include <time.h>
 #include <unistd.h>
 #include <vector>
 #if defined(__x86_64__)
@@ -278,6 +279,14 @@ const char* gemmFormName(GemmForm form) {
   return "?";
 }
 
+// CPU time of the calling thread: a pass timed by it is not slowed by other processes sharing the
+// core, so the peak is the core's own, not what a loaded machine leaves of it.
+double threadSeconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
+}
+
 // One core's fp32 FMA peak: 12 independent FMA chains (enough to cover the FMA latency on two
 // pipes) on the widest vectors the core has, not the build's ISA. The chains start from different
 // values: chains that start equal compute equal values, and the compiler folds them into one chain,
@@ -290,14 +299,14 @@ __attribute__((target("avx512f"))) double fmaPassAvx512(long iters) {
   __m512 c0 = _mm512_set1_ps(0.f), c1 = _mm512_set1_ps(1.f), c2 = _mm512_set1_ps(2.f), c3 = _mm512_set1_ps(3.f);
   __m512 c4 = _mm512_set1_ps(4.f), c5 = _mm512_set1_ps(5.f), c6 = _mm512_set1_ps(6.f), c7 = _mm512_set1_ps(7.f);
   __m512 c8 = _mm512_set1_ps(8.f), c9 = _mm512_set1_ps(9.f), c10 = _mm512_set1_ps(10.f), c11 = _mm512_set1_ps(11.f);
-  const auto start = Clock::now();
+  const double start = threadSeconds();
   for (long i = 0; i < iters; ++i) {
     c0 = _mm512_fmadd_ps(c0, a, b), c1 = _mm512_fmadd_ps(c1, a, b), c2 = _mm512_fmadd_ps(c2, a, b);
     c3 = _mm512_fmadd_ps(c3, a, b), c4 = _mm512_fmadd_ps(c4, a, b), c5 = _mm512_fmadd_ps(c5, a, b);
     c6 = _mm512_fmadd_ps(c6, a, b), c7 = _mm512_fmadd_ps(c7, a, b), c8 = _mm512_fmadd_ps(c8, a, b);
     c9 = _mm512_fmadd_ps(c9, a, b), c10 = _mm512_fmadd_ps(c10, a, b), c11 = _mm512_fmadd_ps(c11, a, b);
   }
-  const double seconds = secondsSince(start);
+  const double seconds = threadSeconds() - start;
   __m512 sink[] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};
   asm volatile("" : : "r"(sink) : "memory");  // the chains' results are used
   return 12.0 * 2 * 16 * double(iters) / seconds / 1e9;
@@ -308,14 +317,14 @@ __attribute__((target("avx2,fma"))) double fmaPassAvx2(long iters) {
   __m256 c0 = _mm256_set1_ps(0.f), c1 = _mm256_set1_ps(1.f), c2 = _mm256_set1_ps(2.f), c3 = _mm256_set1_ps(3.f);
   __m256 c4 = _mm256_set1_ps(4.f), c5 = _mm256_set1_ps(5.f), c6 = _mm256_set1_ps(6.f), c7 = _mm256_set1_ps(7.f);
   __m256 c8 = _mm256_set1_ps(8.f), c9 = _mm256_set1_ps(9.f), c10 = _mm256_set1_ps(10.f), c11 = _mm256_set1_ps(11.f);
-  const auto start = Clock::now();
+  const double start = threadSeconds();
   for (long i = 0; i < iters; ++i) {
     c0 = _mm256_fmadd_ps(c0, a, b), c1 = _mm256_fmadd_ps(c1, a, b), c2 = _mm256_fmadd_ps(c2, a, b);
     c3 = _mm256_fmadd_ps(c3, a, b), c4 = _mm256_fmadd_ps(c4, a, b), c5 = _mm256_fmadd_ps(c5, a, b);
     c6 = _mm256_fmadd_ps(c6, a, b), c7 = _mm256_fmadd_ps(c7, a, b), c8 = _mm256_fmadd_ps(c8, a, b);
     c9 = _mm256_fmadd_ps(c9, a, b), c10 = _mm256_fmadd_ps(c10, a, b), c11 = _mm256_fmadd_ps(c11, a, b);
   }
-  const double seconds = secondsSince(start);
+  const double seconds = threadSeconds() - start;
   __m256 sink[] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};
   asm volatile("" : : "r"(sink) : "memory");
   return 12.0 * 2 * 8 * double(iters) / seconds / 1e9;
@@ -325,16 +334,29 @@ __attribute__((target("avx2,fma"))) double fmaPassAvx2(long iters) {
 struct FmaPeak {
   double gflops = 0;
   const char* unit = "none";
+  int lanes = 0;  // fp32 lanes of one FMA
 };
 
-FmaPeak fmaPeak() {
+// `cores` threads run the chains at once, so that the rate is the cores' together, at the clock
+// they hold when all of them are busy; gflops is the sum, the best of 3 passes.
+FmaPeak fmaPeak(int cores = 1) {
   FmaPeak peak;
 #if defined(__x86_64__)
   const bool avx512 = __builtin_cpu_supports("avx512f");
   if (!avx512 && !__builtin_cpu_supports("fma")) return peak;
   peak.unit = avx512 ? "AVX-512 (16 lanes)" : "AVX2 FMA (8 lanes)";
-  for (int rep = 0; rep < 3; ++rep)
-    peak.gflops = std::max(peak.gflops, avx512 ? fmaPassAvx512(20'000'000) : fmaPassAvx2(20'000'000));
+  peak.lanes = avx512 ? 16 : 8;
+  for (int rep = 0; rep < 3; ++rep) {
+    std::vector<double> rates(std::size_t(cores), 0.0);
+    std::vector<std::thread> others = startThreads(cores - 1, [&](int i) {
+        rates[std::size_t(i) + 1] = avx512 ? fmaPassAvx512(20'000'000) : fmaPassAvx2(20'000'000);
+      }, "FMA peak threads (--threads)");
+    rates[0] = avx512 ? fmaPassAvx512(20'000'000) : fmaPassAvx2(20'000'000);
+    for (auto& t : others) t.join();
+    double sum = 0;
+    for (double r : rates) sum += r;
+    peak.gflops = std::max(peak.gflops, sum);
+  }
 #endif
   return peak;
 }
@@ -523,12 +545,25 @@ double simMlp(int T, int threads, std::int64_t m, std::int64_t h, std::int64_t f
 
 void benchMlp(const BenchConfig& c) {
   const int threads = c.threads ? c.threads : std::max(1, int(std::thread::hardware_concurrency()));
+  const int cores = std::min<int>(threads, std::max(1u, std::thread::hardware_concurrency()));
+  const FmaPeak peak = fmaPeak(cores);
   std::printf("\n# MLP block fc1 (h -> F, column) · GeLU · fc2 (F -> h, row), fp32, forward + backward,\n");
   std::printf("# sequence parallel for T > 1; %d thread(s) for the simulator and for Eigen; best of %d\n", threads,
               c.mlpReps);
   std::printf("# eigen: the unsharded block, Eigen's GEMMs tiled over the same threads (SimCompute::gemm),\n");
   std::printf("# GeLU and bias on one thread; sim: min(T, threads) threads run ranks, the rest share GEMM tiles\n");
-  std::printf("#%7s %6s %6s %4s %12s %12s %10s\n", "tokens", "h", "F", "T", "sim(ms)", "eigen(ms)", "sim/eigen");
+  // A core's FMA rate is its clock x FMA pipes x lanes x 2 flops; the chains measure that product
+  // directly, on every core the block uses at once (a core may clock lower when all are busy).
+  if (peak.gflops > 0)
+    std::printf("# peak: %d core(s)' fp32 FMA rate, %s, 12 independent chains on each at once: %.1f GF/s\n"
+                "# (%.1f GF/s a core: clock x FMA pipes = %.2f G/s at %d lanes x 2 flops; measured now)\n",
+                cores, peak.unit, peak.gflops, peak.gflops / cores, peak.gflops / cores / (2.0 * peak.lanes),
+                peak.lanes);
+  else
+    std::printf("# peak: not measured (this core has no FMA instruction tpsim knows)\n");
+  std::printf("# GF/s: the 6 GEMMs' 12·tokens·h·F flops over sim(ms); %%peak: GF/s over the peak\n");
+  std::printf("#%7s %6s %6s %4s %12s %12s %10s %9s %7s\n", "tokens", "h", "F", "T", "sim(ms)", "eigen(ms)",
+              "sim/eigen", "GF/s", "%peak");
   for (auto [m, h, f] : {std::tuple{c.tokens, c.hidden, c.ffn}, std::tuple{std::int64_t(64), std::int64_t(32),
                                                                            std::int64_t(128)}}) {
     const bool tiny = m * h * f < 1e7;
@@ -537,8 +572,10 @@ void benchMlp(const BenchConfig& c) {
     for (int T : c.mlpTp) {
       if (m % T || f % T) continue;
       const double sim = simMlp(T, threads, m, h, f, reps);
-      std::printf(" %7lld %6lld %6lld %4d %12.3f %12.3f %9.3fx\n", (long long)m, (long long)h, (long long)f, T,
-                  sim * 1e3, eigen * 1e3, sim / eigen);
+      const double rate = 12.0 * double(m) * double(h) * double(f) / sim / 1e9;
+      std::printf(" %7lld %6lld %6lld %4d %12.3f %12.3f %9.3fx %9.1f %6.1f%%\n", (long long)m, (long long)h,
+                  (long long)f, T, sim * 1e3, eigen * 1e3, sim / eigen, rate,
+                  peak.gflops > 0 ? 100 * rate / peak.gflops : 0.0);
     }
   }
 }
