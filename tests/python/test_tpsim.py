@@ -3,8 +3,11 @@
 Run by CTest (label python) with the module's folder on PYTHONPATH and TPSIM_CLI naming the tpsim
 executable of the same build.
 """
+import json
 import os
+import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -290,3 +293,50 @@ def test_a_corrupted_collective_fails_verification_as_in_the_cli():
     # The configuration line, the table and the notes under it, as the CLI prints them.
     for line in str(r).splitlines():
         assert line in done.stdout.splitlines(), line
+
+
+# A child interpreter: a short run, then one of tens of seconds that SIGINT interrupts, then the
+# short run again. It reports, as JSON, when KeyboardInterrupt reached it, its thread count before
+# and after, and whether the second short run gave the first's bits.
+INTERRUPTED_CHILD = r"""
+import json, os, signal, sys, time
+import numpy as np
+import tpsim
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job ignores SIGINT
+small = dict(layer="mlp", tp=4, gtp_remat=2, seed=3)
+before = tpsim.run(**small)
+threads = len(os.listdir("/proc/self/task"))
+print("running", flush=True)
+report = {"threads_before": threads}
+try:
+    tpsim.run(layer="mlp", tp=4, seq=512, batch=4, in_features=2048, ffn_hidden=8192)
+    report["interrupted"] = None
+except KeyboardInterrupt as e:
+    report["interrupted"] = time.time()
+    report["trace"] = repr(e)
+report["threads_after"] = len(os.listdir("/proc/self/task"))
+after = tpsim.run(**small)
+report["same_bits"] = all(np.array_equal(after.results[n], before.results[n]) for n in before.results)
+print(json.dumps(report), flush=True)
+"""
+
+
+@pytest.mark.parametrize("delay", [0.5, 4.0], ids=["while-generating", "while-running"])
+def test_ctrl_c_stops_a_long_run_at_once_and_leaves_the_interpreter_working(delay):
+    child = subprocess.Popen([sys.executable, "-c", INTERRUPTED_CHILD], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "running\n"
+        time.sleep(delay)
+        sent = time.time()
+        child.send_signal(signal.SIGINT)
+        out, _ = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode == 0, out
+    report = json.loads(out)
+    assert report["interrupted"] is not None, "the run ended before the signal"
+    # The uninterrupted run takes tens of seconds; stopped, it returns within a fraction of one.
+    assert report["interrupted"] - sent < 1.5, report
+    assert report["trace"] == "KeyboardInterrupt()"
+    assert report["threads_after"] == report["threads_before"], report
+    assert report["same_bits"]

@@ -3,14 +3,16 @@
 // Keyword arguments are the commands' flags (tp=4 is --tp 4, sequence_parallel=True is
 // --sequence-parallel), parsed by the CLI's own parsers, so that a value the CLI refuses raises
 // ValueError with the CLI's message. Tensors travel as arrays instead of files: no --load, --save,
-// checkpoint or trace flags here. A failed rank raises tpsim.RankFailure. Not here: Ctrl-C during a
-// run (it ends when the run does), checkpoints, the GPU backend's tests.
+// checkpoint or trace flags here. A failed rank raises tpsim.RankFailure; Ctrl-C stops a run within
+// a fraction of a second and raises KeyboardInterrupt. Not here: the GPU backend's tests.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <boost/program_options/errors.hpp>
+#include <csignal>
 #include <cstdio>
 #include <new>
 #include <set>
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "backends/errors.h"
+#include "backends/stop.h"
 #include "backends/world.h"
 #include "core/placement.h"
 #include "core/rank_grid.h"
@@ -66,6 +69,49 @@ std::vector<std::string> commandLineOf(const char* function, const py::kwargs& k
   return args;
 }
 
+// Ctrl-C during a run. With the GIL released, Python's SIGINT handler only notes the signal for the
+// main thread to act on once the run returns; this handler, put in front of it for the run, also
+// sets the run's stop flag, so that the world stops at its next progress point and the run returns
+// at once (Stopped), to raise the KeyboardInterrupt Python's handler then raises.
+std::atomic<StopFlag*> sigintStops{nullptr};
+struct sigaction pythonSigint;  // Python's C-level handler, which this one calls on
+
+extern "C" void stopOnSigint(int signal, siginfo_t* info, void* context) {
+  if (StopFlag* stop = sigintStops.load()) stop->store(true);
+  if (pythonSigint.sa_flags & SA_SIGINFO) pythonSigint.sa_sigaction(signal, info, context);
+  else if (pythonSigint.sa_handler != SIG_DFL && pythonSigint.sa_handler != SIG_IGN) pythonSigint.sa_handler(signal);
+}
+
+// For its lifetime, SIGINT sets `stop`: on Python's main thread (the only one that Python raises
+// KeyboardInterrupt in) and only where SIGINT raises it, under Python's default handler. Elsewhere
+// it does nothing, and a run ends as it would have.
+class SigintStops {
+ public:
+  explicit SigintStops(StopFlag& stop) {
+    const py::module_ threading = py::module_::import("threading"), signal = py::module_::import("signal");
+    if (!threading.attr("current_thread")().is(threading.attr("main_thread")()) ||
+        !signal.attr("getsignal")(SIGINT).is(signal.attr("default_int_handler")))
+      return;
+    struct sigaction mine {};
+    mine.sa_sigaction = stopOnSigint;
+    mine.sa_flags = SA_SIGINFO | SA_RESTART;
+    sigemptyset(&mine.sa_mask);
+    sigintStops.store(&stop);
+    installed_ = ::sigaction(SIGINT, &mine, &pythonSigint) == 0;
+    if (!installed_) sigintStops.store(nullptr);
+  }
+  ~SigintStops() {
+    if (!installed_) return;
+    ::sigaction(SIGINT, &pythonSigint, nullptr);
+    sigintStops.store(nullptr);
+  }
+  SigintStops(const SigintStops&) = delete;
+  SigintStops& operator=(const SigintStops&) = delete;
+
+ private:
+  bool installed_ = false;
+};
+
 // Runs `body`, turning the library's errors into Python's as the CLI turns them into messages
 // (tools/cli/main.cc): the same text, less the "tpsim COMMAND: " the CLI puts before it.
 template <class Body>
@@ -77,6 +123,11 @@ auto translated(const std::string& command, Body&& body) -> decltype(body()) {
   };
   try {
     return body();
+  } catch (const Stopped&) {
+    // Python's handler noted the signal: running it now raises KeyboardInterrupt.
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    PyErr_SetString(PyExc_KeyboardInterrupt, ("tpsim " + command + ": stopped").c_str());
+    throw py::error_already_set();
   } catch (const UsageError& e) {
     throw py::value_error(e.message);
   } catch (const boost::program_options::error& e) {
@@ -198,6 +249,9 @@ PyRunResult run(const py::kwargs& kwargs) {
     }
     const RunArgs parsed = parseRunArgs(commandLineOf("tpsim.run", flags, kRunFileFlags));
     const RunConfig& c = parsed.config;
+    StopFlag stop{false};
+    const SigintStops sigint(stop);
+    const StopScope stopScope(&stop);
     TensorMap inputs;
     if (arrays.is_none()) {
       checkSizes(c, {SizeSources::Inputs::kFlags, ""});
