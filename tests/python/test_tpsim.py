@@ -340,3 +340,66 @@ def test_ctrl_c_stops_a_long_run_at_once_and_leaves_the_interpreter_working(dela
     assert report["trace"] == "KeyboardInterrupt()"
     assert report["threads_after"] == report["threads_before"], report
     assert report["same_bits"]
+
+
+def layout_rank_lines(args):
+    """`tpsim layout`'s per-rank lines of parameters and their gradients: {(tensor, rank): (pad zero
+    count, counted by the duplicate filters)}."""
+    import re
+
+    out, tensor = {}, None
+    for line in cli("layout", *flags(args)).stdout.splitlines():
+        if m := re.match(r"^(\S+) \(", line):
+            tensor = m.group(1)
+        elif m := re.match(r"^  r(\d+) \(t=.*; gtp_local_pad_zero_count (\d+); duplicate filters: (counted|skipped)$", line):
+            out[tensor, int(m.group(1))] = (int(m.group(2)), m.group(3) == "counted")
+    return out
+
+
+@pytest.mark.parametrize("args", [dict(layer="column", tp=2, gtp_remat=2, bias=True),
+                                  dict(layer="mlp", tp=2, gtp_remat=2, bias=True),
+                                  dict(layer="row", tp=4, bias=True)], ids=["column", "mlp", "row"])
+def test_pad_counts_and_duplicate_filters_are_the_cli_layouts(args):
+    r = tpsim.run(**args, verify="none")
+    want = layout_rank_lines(args)
+    params = sorted({tensor for tensor, _ in want if not tensor.endswith(".grad")})
+    assert params == sorted(r.pad_zero_counts[0]) and params
+    for rank in range(len(r.ranks)):
+        for p in params:
+            got = (r.pad_zero_counts[rank][p], r.counted[rank][p])
+            assert got == want[p, rank] == want[p + ".grad", rank], (p, rank)
+    if args.get("gtp_remat"):  # the G = 2 split pads: some rank holds padding, some copy is skipped
+        assert any(c > 0 for counts in r.pad_zero_counts for c in counts.values())
+        assert not all(c for counted in r.counted for c in counted.values())
+
+
+def test_shards_are_the_blocks_each_rank_holds():
+    s, b, K, N = 8, 4, 32, 64
+    r = tpsim.run(layer="column", tp=2, gtp_remat=2, sequence_parallel=True, seq=s, batch=b, in_features=K,
+                  out_features=N)
+    assert r.ranks == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    x, w = r.inputs["input"], r.inputs["weight"]
+    for rank, (t, g) in enumerate(r.ranks):
+        shard = r.shards[rank]
+        assert sorted(shard) == sorted([*r.inputs, *r.results])
+        # Sequence parallel: TP rank t holds rows t of the sequence; GTP_remat peer g its batch block.
+        assert np.array_equal(shard["input"], x[t * 4:(t + 1) * 4, g * 2:(g + 1) * 2])
+        # TP cuts the weight's rows; GTP_remat cuts the TP-local 32 rows again (no pad: 32 = 16 x G).
+        assert np.array_equal(shard["weight"], w[t * 32 + g * 16:t * 32 + g * 16 + 16])
+        # Gathered over the sequence, the output holds every token of its batch block and N/T columns.
+        assert np.array_equal(shard["output"], r.results["output"][:, g * 2:(g + 1) * 2, t * 32:(t + 1) * 32])
+        assert np.array_equal(shard["weight.grad"], r.results["weight.grad"][t * 32 + g * 16:t * 32 + g * 16 + 16])
+        assert r.pad_zero_counts[rank]["weight"] == 0
+
+
+def test_pad_rows_of_a_shard_are_zero_and_counted():
+    r = tpsim.run(layer="column", tp=2, gtp_remat=2, verify="none")
+    w = r.inputs["weight"]
+    for rank, (t, g) in enumerate(r.ranks):
+        shard = r.shards[rank]["weight"]
+        zero_rows = int((shard == 0).all(axis=1).sum())
+        assert zero_rows * shard.shape[1] == r.pad_zero_counts[rank]["weight"] > 0
+        # TP rank t's 8 rows pad to 32 for G = 2: peer 0 holds them and 8 pad rows, peer 1 only pad.
+        if g == 0:
+            assert np.array_equal(shard[:8], w[t * 8:(t + 1) * 8])
+        assert zero_rows == (8 if g == 0 else 16)

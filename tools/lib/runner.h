@@ -57,6 +57,13 @@ RunResult runSharded(const RunConfig& config, const TensorMap& inputs, const Che
 // and <parameter>.grad for each parameter; what `tpsim run --save` writes, known before the run.
 std::vector<std::string> resultNames(const RunConfig& config);
 
+// The placement that cuts the result named `result` (resultNames) into the blocks each rank holds
+// once the run is over: the output's, the input gradient's (its TP partial sums stacked under
+// disable_grad_reduce), a parameter gradient's (what the optimizer reads; replicated over the
+// GTP_remat peers, it is their reduced gradient). `placements` are the run's.
+TensorPlacement resultPlacement(const RunConfig& config, const std::vector<TensorPlacement>& placements,
+                                const std::string& result);
+
 // The placements of config's layer as its modules, built on T x G simulated ranks, describe
 // themselves (rank (0, 0)'s view; the description is the same on every rank), on config's sizes.
 // Runs no forward or backward and reads no tensor values.

@@ -14,6 +14,7 @@
 #include <boost/program_options/errors.hpp>
 #include <csignal>
 #include <cstdio>
+#include <map>
 #include <new>
 #include <set>
 #include <string>
@@ -237,7 +238,38 @@ struct PyRunResult {
   std::vector<Verdict> verification;
   std::string placements;
   bool ok = true;
+  // Per rank r = t + T·g, as the placements (core/placement.h) cut the tensors: (t, g); name ->
+  // its block of every input and result, pad rows as zeros; parameter -> gtp_local_pad_zero_count;
+  // parameter -> whether the duplicate filters count its copy.
+  std::vector<std::pair<int, int>> ranks;
+  std::vector<py::dict> shards;
+  std::vector<std::map<std::string, std::int64_t>> padZeroCounts;
+  std::vector<std::map<std::string, bool>> counted;
 };
+
+// What each rank holds of the run's inputs and results, its pad counts and duplicate filters' choices.
+void addRankViews(const RunConfig& c, const TensorMap& inputs, const RunResult& result, PyRunResult& out) {
+  const LayerGrid grid(c.tp, c.gtpRemat);
+  for (int rank = 0; rank < grid.size(); ++rank) {
+    const int t = grid.t(rank), g = grid.g(rank);
+    py::dict shards;
+    for (const auto& [name, tensor] : inputs)
+      shards[py::str(name)] = arrayOf(shardOf(placementNamed(result.placements, c.layer->placementOf(name)), tensor, t, g));
+    for (const auto& [name, tensor] : result.results)
+      shards[py::str(name)] = arrayOf(shardOf(resultPlacement(c, result.placements, name), tensor, t, g));
+    std::map<std::string, std::int64_t> pads;
+    std::map<std::string, bool> counted;
+    for (const TensorPlacement& p : result.placements)
+      if (p.role == TensorRole::kParameter) {
+        pads[p.name] = padZeroCount(p, t, g);
+        counted[p.name] = p.countedOn(t, g);
+      }
+    out.ranks.emplace_back(t, g);
+    out.shards.push_back(std::move(shards));
+    out.padZeroCounts.push_back(std::move(pads));
+    out.counted.push_back(std::move(counted));
+  }
+}
 
 PyRunResult run(const py::kwargs& kwargs) {
   return translated("run", [&] {
@@ -282,6 +314,7 @@ PyRunResult run(const py::kwargs& kwargs) {
         if (e.op != "split") out.collectives.back().push_back(e);
     }
     out.placements = placementsText(c, result.placements);
+    addRankViews(c, inputs, result, out);
     return out;
   });
 }
@@ -348,6 +381,13 @@ PYBIND11_MODULE(tpsim, m) {
       .def_readonly("verification", &PyRunResult::verification, "one Verdict per result; empty for verify='none'")
       .def_readonly("placements", &PyRunResult::placements, "each tensor's placement and every rank's block")
       .def_readonly("ok", &PyRunResult::ok, "every result within its bound")
+      .def_readonly("ranks", &PyRunResult::ranks, "per rank r = t + T*g: (t, g)")
+      .def_readonly("shards", &PyRunResult::shards,
+                    "per rank: name -> the block of every input and result the rank holds (pad rows zero)")
+      .def_readonly("pad_zero_counts", &PyRunResult::padZeroCounts,
+                    "per rank: parameter -> gtp_local_pad_zero_count, its elements that are GTP_remat padding")
+      .def_readonly("counted", &PyRunResult::counted,
+                    "per rank: parameter -> whether Megatron's duplicate filters count the rank's copy")
       .def("__str__", [](const PyRunResult& r) {
         if (r.verification.empty()) return "# tpsim run: " + r.config + "\nverification skipped (verify='none')";
         std::string notes;
