@@ -403,3 +403,91 @@ def test_pad_rows_of_a_shard_are_zero_and_counted():
         if g == 0:
             assert np.array_equal(shard[:8], w[t * 8:(t + 1) * 8])
         assert zero_rows == (8 if g == 0 else 16)
+
+
+@pytest.fixture
+def saved_checkpoint(tmp_path):
+    """A checkpoint of a GTP_remat column layer as `tpsim run --save-checkpoint` writes it, and the
+    arrays that run read."""
+    args = dict(layer="column", tp=2, gtp_remat=2, bias=True, seed=11)
+    cli("run", *flags(args), "--save-checkpoint", str(tmp_path / "ckpt"), "--save", str(tmp_path / "saved"))
+    return tmp_path / "ckpt", {p.stem: np.load(p) for p in (tmp_path / "saved").glob("*.npy")}
+
+
+def test_checkpoint_inspect_is_the_cli_report(saved_checkpoint):
+    ckpt, _ = saved_checkpoint
+    info = tpsim.checkpoint.inspect(ckpt)  # a pathlib.Path works as a str does
+    assert info.text == cli("checkpoint", "inspect", str(ckpt)).stdout
+    assert str(info) == info.text and info.layer == "column"
+    assert info.keys["weight"] == dict(
+        dtype="fp32", global_shape=(16, 16), saved_shape=(64, 16), chunks=4, writers=[0, 1, 2, 3],
+        padding="24 rows per TP slice (T=2)",
+        placement="TP: shard dim 0; GTP_remat: shard dim 0 of the TP-local tensor, 24 pad rows per TP slice")
+    assert info.keys["bias"]["writers"] == [0, 1]  # the GTP_remat peers' copies are not written twice
+    assert list(info.objects) == ["_extra_state"]
+
+
+def test_checkpoint_load_gives_the_saved_arrays_and_feeds_a_run_at_another_topology(saved_checkpoint, tmp_path):
+    ckpt, saved = saved_checkpoint
+    loaded = tpsim.checkpoint.load(str(ckpt))
+    assert sorted(loaded) == ["bias", "weight"]
+    for name in loaded:
+        assert loaded[name].dtype == np.float32
+        assert np.array_equal(loaded[name], saved[name]), name
+    # The keys are the run's input names: the same as `tpsim run --load-checkpoint` at TP = 4.
+    args = dict(layer="column", tp=4, bias=True, seed=11)
+    out = tmp_path / "resharded"
+    cli("run", *flags(args), "--load-checkpoint", str(ckpt), "--save", str(out))
+    want = {p.stem: np.load(p) for p in out.glob("*.npy")}
+    generated = tpsim.run(**args, verify="none").inputs
+    r = tpsim.run(**args, inputs={**generated, **loaded})
+    assert r.ok
+    assert_bitwise_equal({**r.inputs, **r.results}, want)
+
+
+def test_checkpoint_consolidate_writes_the_cli_file(saved_checkpoint, tmp_path):
+    ckpt, _ = saved_checkpoint
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    report = tpsim.checkpoint.consolidate(ckpt, ours, dtype="bf16")
+    done = cli("checkpoint", "consolidate", str(ckpt), str(theirs), "--dtype", "bf16")
+    assert report == done.stdout.replace(str(theirs), str(ours))
+    assert ours.read_bytes() == theirs.read_bytes()
+    assert "weight                 BF16  (16, 16)" in report
+
+
+def cli_checkpoint_error(*args):
+    done = cli("checkpoint", *args, check=False)
+    assert done.returncode == 2, done
+    first = done.stderr.splitlines()[0]
+    assert first.startswith("tpsim checkpoint: ")
+    return first[len("tpsim checkpoint: "):]
+
+
+def test_checkpoint_errors_raise_the_cli_messages(saved_checkpoint, tmp_path):
+    ckpt, _ = saved_checkpoint
+    missing = tmp_path / "nothing"
+    with pytest.raises(ValueError) as e:
+        tpsim.checkpoint.inspect(missing)
+    assert str(e.value) == cli_checkpoint_error("inspect", str(missing)) == f"checkpoint {missing}: expected a directory, got nothing there"
+    # One flipped byte of a chunk: its checksum names the file and key, for every function.
+    rank1 = ckpt / "rank-00001.safetensors"
+    data = bytearray(rank1.read_bytes())
+    data[-1] ^= 0x40
+    rank1.write_bytes(bytes(data))
+    message = cli_checkpoint_error("inspect", str(ckpt))
+    assert "rank-00001.safetensors" in message
+    for call in (lambda: tpsim.checkpoint.inspect(ckpt), lambda: tpsim.checkpoint.load(ckpt)):
+        with pytest.raises(ValueError) as e:
+            call()
+        assert str(e.value) == message
+    out = tmp_path / "never.safetensors"
+    with pytest.raises(ValueError) as e:
+        tpsim.checkpoint.consolidate(ckpt, out)
+    assert str(e.value) == message
+    assert not out.exists(), "a failed consolidate writes nothing"
+    with pytest.raises(ValueError, match="^--dtype: expected saved, fp32, bf16 or fp16, got 'int8'$"):
+        tpsim.checkpoint.consolidate(ckpt, out, dtype="int8")
+    with pytest.raises(ValueError, match="^consolidate: FILE: expected a name ending in .safetensors, got 'x.npy'$"):
+        tpsim.checkpoint.consolidate(ckpt, "x.npy")
+    with pytest.raises(ValueError, match="^tpsim.checkpoint.load: path: expected a str or os.PathLike, got int$"):
+        tpsim.checkpoint.load(3)

@@ -331,6 +331,85 @@ PyLayout layout(const py::kwargs& kwargs) {
   });
 }
 
+// A path argument as a string: str or os.PathLike; ValueError naming `name` otherwise.
+std::string pathArgument(const char* function, const char* name, const py::object& value) {
+  const py::module_ os = py::module_::import("os");
+  if (py::isinstance<py::str>(value) || py::hasattr(value, "__fspath__")) {
+    const py::object path = os.attr("fspath")(value);
+    if (py::isinstance<py::str>(path)) return path.cast<std::string>();
+  }
+  throw py::value_error(std::string(function) + ": " + name + ": expected a str or os.PathLike, got " +
+                        std::string(py::str(value.get_type().attr("__name__"))));
+}
+
+// What tpsim.checkpoint.inspect returns: `tpsim checkpoint inspect`'s report, and its table as data.
+struct PyCheckpoint {
+  std::string text, layer;
+  py::dict keys, objects;
+};
+
+PyCheckpoint inspectCheckpoint(const py::object& path) {
+  const std::string dir = pathArgument("tpsim.checkpoint.inspect", "path", path);
+  return translated("checkpoint", [&] {
+    const CheckpointArgs parsed = parseCheckpointArgs({"inspect", dir});
+    PyCheckpoint out;
+    {
+      py::gil_scoped_release unlocked;
+      const CheckpointReader reader(parsed.dir);
+      out.text = inspectText(parsed.dir, reader);
+      out.layer = reader.layer();
+      py::gil_scoped_acquire locked;
+      for (const auto& [key, k] : reader.keys()) {
+        std::set<int> writers;
+        for (const CheckpointChunk& c : k.chunks) writers.insert(c.writer);
+        out.keys[py::str(key)] = py::dict(
+            py::arg("dtype") = dtypeName(k.dtype), py::arg("global_shape") = py::tuple(py::cast(k.globalShape)),
+            py::arg("saved_shape") = py::tuple(py::cast(k.savedGlobalShape)), py::arg("chunks") = k.chunks.size(),
+            py::arg("writers") = std::vector<int>(writers.begin(), writers.end()),
+            py::arg("padding") = checkpointPaddingText(k), py::arg("placement") = k.placement);
+      }
+      for (const auto& [key, o] : reader.objects()) {
+        const std::set<int> writers(o.writers.begin(), o.writers.end());
+        out.objects[py::str(key)] =
+            py::dict(py::arg("global_shape") = py::tuple(py::cast(o.globalShape)),
+                     py::arg("writers") = std::vector<int>(writers.begin(), writers.end()));
+      }
+    }
+    return out;
+  });
+}
+
+// Every tensor of the checkpoint, whole (pad rows dropped): the values consolidate writes, as arrays
+// (float32, in which the saved dtypes' values are exact; int64 as int64).
+py::dict loadCheckpoint(const py::object& path) {
+  const std::string dir = pathArgument("tpsim.checkpoint.load", "path", path);
+  return translated("checkpoint", [&] {
+    const CheckpointArgs parsed = parseCheckpointArgs({"inspect", dir});
+    TensorMap tensors;
+    {
+      py::gil_scoped_release unlocked;
+      const CheckpointReader reader(parsed.dir);
+      for (const auto& [key, k] : reader.keys()) {
+        const std::vector<char> bytes = reader.consolidated(key);
+        std::vector<double> values(bytes.size() / dtypeSize(k.dtype));
+        for (std::size_t i = 0; i < values.size(); ++i) values[i] = loadAsDouble(k.dtype, bytes.data() + i * dtypeSize(k.dtype));
+        tensors[key] = makeHost(k.globalShape, k.dtype, std::move(values));
+      }
+    }
+    return arraysOf(tensors);
+  });
+}
+
+std::string consolidateCheckpointTo(const py::object& path, const py::object& file, const std::string& dtype) {
+  const std::string dir = pathArgument("tpsim.checkpoint.consolidate", "path", path);
+  const std::string out = pathArgument("tpsim.checkpoint.consolidate", "file", file);
+  return translated("checkpoint", [&] {
+    const CheckpointArgs parsed = parseCheckpointArgs({"consolidate", dir, out, "--dtype", dtype});
+    py::gil_scoped_release unlocked;
+    return consolidateCheckpoint(parsed.dir, parsed.file, parsed.to);
+  });
+}
+
 }  // namespace
 }  // namespace tpsim::tools
 
@@ -419,6 +498,32 @@ PYBIND11_MODULE(tpsim, m) {
         "layer (float32, float64 or float16 values, rounded to dtype; int64 token ids); without it the\n"
         "data is generated from seed and the size arguments. Raises ValueError with the CLI's message\n"
         "for a bad argument or input, tpsim.RankFailure when a rank fails.");
+  py::module_ checkpoint = m.def_submodule(
+      "checkpoint", "Sharded checkpoints as `tpsim run --save-checkpoint` writes them: `tpsim checkpoint` as functions");
+  py::class_<PyCheckpoint>(checkpoint, "Checkpoint", "What inspect returns: the report and its table as data")
+      .def_readonly("text", &PyCheckpoint::text, "what `tpsim checkpoint inspect` prints")
+      .def_readonly("layer", &PyCheckpoint::layer, "the saving run's --layer ('' when not recorded)")
+      .def_readonly("keys", &PyCheckpoint::keys,
+                    "key -> dict(dtype, global_shape, saved_shape, chunks, writers, padding, placement)")
+      .def_readonly("objects", &PyCheckpoint::objects, "_extra_state key -> dict(global_shape, writers)")
+      .def("__str__", [](const PyCheckpoint& c) { return c.text; })
+      .def("__repr__", [](const PyCheckpoint& c) { return c.text; });
+  checkpoint.def("inspect", &inspectCheckpoint, py::arg("path"),
+                 "inspect(path) -> Checkpoint\n\n"
+                 "The checkpoint in directory `path`, read and checked whole (index, headers, checksums, tiling):\n"
+                 "`tpsim checkpoint inspect`. Raises ValueError with the CLI's message for a missing, corrupt or\n"
+                 "incomplete checkpoint.");
+  checkpoint.def("load", &loadCheckpoint, py::arg("path"),
+                 "load(path) -> dict\n\n"
+                 "key -> array: every tensor of the checkpoint unsharded, pad rows dropped (the values\n"
+                 "consolidate writes; float32, exact for every saved dtype). Keys are named as tpsim.run's\n"
+                 "inputs, so they can be passed to it. Raises ValueError as inspect does.");
+  checkpoint.def("consolidate", &consolidateCheckpointTo, py::arg("path"), py::arg("file"),
+                 py::arg("dtype") = "saved",
+                 "consolidate(path, file, dtype='saved') -> str\n\n"
+                 "Writes every tensor unsharded into one safetensors file (all or nothing) and returns what\n"
+                 "`tpsim checkpoint consolidate` prints. dtype: saved, fp32, bf16 or fp16.");
+
   m.def("layout", &layout,
         "layout(*, layer, tp=2, ...) -> Layout\n\n"
         "The placements of every tensor of the layer, drawn: `tpsim layout` with each flag as a keyword.\n"
