@@ -17,6 +17,14 @@ import pytest
 
 import tpsim
 
+try:
+    import torch
+    import torch.nn.functional as F
+
+    NO_TORCH = None
+except ImportError as e:  # PyTorch is optional (Debian: python3-torch)
+    NO_TORCH = f"PyTorch is not importable ({e}); apt install python3-torch to run this check"
+
 CLI = os.environ["TPSIM_CLI"]
 
 # One configuration per layer kind, and GTP_remat and bf16 runs: the keyword arguments of
@@ -491,3 +499,45 @@ def test_checkpoint_errors_raise_the_cli_messages(saved_checkpoint, tmp_path):
         tpsim.checkpoint.consolidate(ckpt, "x.npy")
     with pytest.raises(ValueError, match="^tpsim.checkpoint.load: path: expected a str or os.PathLike, got int$"):
         tpsim.checkpoint.load(3)
+
+
+def torch_forward(layer, t):
+    """The layer's forward in PyTorch on t (name -> tensor), as Megatron's unsharded module computes it."""
+    if layer in ("column", "row"):
+        return F.linear(t["input"], t["weight"], t.get("bias"))
+    if layer == "embedding":
+        return F.embedding(t["input"], t["weight"])
+    if layer == "mlp":
+        hidden = F.gelu(F.linear(t["input"], t["fc1.weight"], t.get("fc1.bias")))  # erf GeLU, as Megatron's
+        return F.linear(hidden, t["fc2.weight"], t.get("fc2.bias"))
+    # Grouped experts: token m through expert expert_ids[m]'s weight.
+    experts = torch.stack([t[f"weight{i}"] for i in range(len([n for n in t if n.startswith("weight")]))])
+    return torch.einsum("mk,mnk->mn", t["input"], experts[t["expert_ids"]])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_results_match_pytorch_autograd(case):
+    if NO_TORCH:
+        pytest.skip(NO_TORCH)
+    kwargs = CASES[case]
+    r = tpsim.run(**kwargs)
+    tensors = {}
+    for name, a in r.inputs.items():
+        if a.dtype == np.int64:
+            tensors[name] = torch.from_numpy(a)
+        elif name != "grad_output":
+            tensors[name] = torch.from_numpy(a.astype(np.float64)).requires_grad_()
+    y = torch_forward(kwargs["layer"], tensors)
+    y.backward(torch.from_numpy(r.inputs["grad_output"].astype(np.float64)))
+    # GTP_remat's MEAN reduction leaves each parameter gradient 1/G of the full batch's.
+    g = kwargs.get("gtp_remat", 1)
+    want = {"output": y.detach().numpy()}
+    for name, t in tensors.items():
+        if t.requires_grad:
+            want[f"{name}.grad"] = t.grad.numpy() / (1 if name == "input" else g)
+    assert sorted(want) == sorted(r.results)
+    # fp32 sums of a few dozen unit-sized terms; bf16 rounds every GEMM's operands to 8 bits.
+    tolerance = 2e-2 if kwargs.get("dtype") == "bf16" else 1e-5
+    for name, value in want.items():
+        err = np.abs(r.results[name].astype(np.float64) - value).max()
+        assert err <= tolerance * np.abs(value).max(), (name, err)
