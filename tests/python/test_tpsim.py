@@ -3,6 +3,9 @@
 Run by CTest (label python) with the module's folder on PYTHONPATH and TPSIM_CLI naming the tpsim
 executable of the same build.
 """
+import ast
+import contextlib
+import io
 import json
 import os
 import signal
@@ -541,3 +544,49 @@ def test_results_match_pytorch_autograd(case):
     for name, value in want.items():
         err = np.abs(r.results[name].astype(np.float64) - value).max()
         assert err <= tolerance * np.abs(value).max(), (name, err)
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+
+
+def test_the_example_script_runs_and_agrees_with_numpy():
+    done = subprocess.run([sys.executable, str(EXAMPLES / "gtp_remat_column.py")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("# tpsim run: layer=column tp=2 dtype=fp32 sequence-parallel bias gtp-remat=2")
+    assert sum(line.endswith("  OK") for line in lines) == 4
+    assert lines[-1] == ("rank 3 (t=1, g=1) holds weight (16, 32), gtp_local_pad_zero_count 256, "
+                         "bias skipped by the duplicate filters")
+
+
+def run_cells(sources):
+    """Runs code cells in one namespace as Jupyter does: per cell, what it printed and the value of
+    its last line when that is an expression."""
+    namespace = {"__name__": "__main__"}
+    out = []
+    for source in sources:
+        tree = ast.parse(source)
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(compile(tree, "<cell>", "exec"), namespace)
+            value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), namespace) if last else None
+        out.append((printed.getvalue(), value))
+    return out
+
+
+def test_the_notebook_runs_and_shows_what_it_stored():
+    notebook = json.loads((EXAMPLES / "tpsim.ipynb").read_text())
+    assert (notebook["nbformat"], notebook["nbformat_minor"]) == (4, 4)
+    cells = [c for c in notebook["cells"] if c["cell_type"] == "code"]
+    assert cells
+    for cell, (printed, value) in zip(cells, run_cells(["".join(c["source"]) for c in cells])):
+        stored = {o["output_type"]: o for o in cell["outputs"]}
+        assert ("".join(stored["stream"]["text"]) if "stream" in stored else "") == printed
+        if value is None:
+            assert "execute_result" not in stored
+            continue
+        data = stored["execute_result"]["data"]
+        assert "".join(data["text/plain"]) == repr(value)
+        if hasattr(value, "_repr_svg_"):
+            assert "".join(data["image/svg+xml"]) == value._repr_svg_()
