@@ -1,10 +1,12 @@
-// The Python module `tpsim`: `tpsim run` and `tpsim layout` as functions, numpy arrays in and out.
+// The Python module `tpsim`: `tpsim run`, `tpsim layout` and `tpsim checkpoint` as functions, numpy
+// arrays in and out.
 //
 // Keyword arguments are the commands' flags (tp=4 is --tp 4, sequence_parallel=True is
 // --sequence-parallel), parsed by the CLI's own parsers, so that a value the CLI refuses raises
 // ValueError with the CLI's message. Tensors travel as arrays instead of files: no --load, --save,
-// checkpoint or trace flags here. A failed rank raises tpsim.RankFailure; Ctrl-C stops a run within
-// a fraction of a second and raises KeyboardInterrupt. Not here: the GPU backend's tests.
+// checkpoint or trace flags in tpsim.run (tpsim.checkpoint.load's arrays are its inputs). A failed
+// rank raises tpsim.RankFailure; Ctrl-C stops a run within a fraction of a second and raises
+// KeyboardInterrupt. Not here: the GPU backend's tests.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
