@@ -502,6 +502,9 @@ def test_checkpoint_errors_raise_the_cli_messages(saved_checkpoint, tmp_path):
         tpsim.checkpoint.consolidate(ckpt, "x.npy")
     with pytest.raises(ValueError, match="^tpsim.checkpoint.load: path: expected a str or os.PathLike, got int$"):
         tpsim.checkpoint.load(3)
+    with pytest.raises(ValueError, match="^tpsim.checkpoint.consolidate: dtype: expected 'saved', 'fp32', 'bf16' or "
+                                         "'fp16', got <class 'numpy.float32'>$"):
+        tpsim.checkpoint.consolidate(ckpt, out, dtype=np.float32)
 
 
 def torch_forward(layer, t):

@@ -402,11 +402,14 @@ py::dict loadCheckpoint(const py::object& path) {
   });
 }
 
-std::string consolidateCheckpointTo(const py::object& path, const py::object& file, const std::string& dtype) {
+std::string consolidateCheckpointTo(const py::object& path, const py::object& file, const py::object& dtype) {
   const std::string dir = pathArgument("tpsim.checkpoint.consolidate", "path", path);
   const std::string out = pathArgument("tpsim.checkpoint.consolidate", "file", file);
+  if (!py::isinstance<py::str>(dtype))
+    throw py::value_error("tpsim.checkpoint.consolidate: dtype: expected 'saved', 'fp32', 'bf16' or 'fp16', got " +
+                          std::string(py::repr(dtype)));
   return translated("checkpoint", [&] {
-    const CheckpointArgs parsed = parseCheckpointArgs({"consolidate", dir, out, "--dtype", dtype});
+    const CheckpointArgs parsed = parseCheckpointArgs({"consolidate", dir, out, "--dtype", dtype.cast<std::string>()});
     py::gil_scoped_release unlocked;
     return consolidateCheckpoint(parsed.dir, parsed.file, parsed.to);
   });
