@@ -75,22 +75,23 @@ std::vector<std::string> commandLineOf(const char* function, const py::kwargs& k
 // Ctrl-C during a run. With the GIL released, Python's SIGINT handler only notes the signal for the
 // main thread to act on once the run returns; this handler, put in front of it for the run, also
 // sets the run's stop flag, so that the world stops at its next progress point and the run returns
-// at once (Stopped), to raise the KeyboardInterrupt Python's handler then raises.
-std::atomic<StopFlag*> sigintStops{nullptr};
+// at once (Stopped), to raise the KeyboardInterrupt Python's handler then raises. The flag is static:
+// a handler still running on another thread as the run ends never writes to a flag that is gone.
+StopFlag sigintStop{false};
 struct sigaction pythonSigint;  // Python's C-level handler, which this one calls on
 
 extern "C" void stopOnSigint(int signal, siginfo_t* info, void* context) {
-  if (StopFlag* stop = sigintStops.load()) stop->store(true);
+  sigintStop.store(true);
   if (pythonSigint.sa_flags & SA_SIGINFO) pythonSigint.sa_sigaction(signal, info, context);
   else if (pythonSigint.sa_handler != SIG_DFL && pythonSigint.sa_handler != SIG_IGN) pythonSigint.sa_handler(signal);
 }
 
-// For its lifetime, SIGINT sets `stop`: on Python's main thread (the only one that Python raises
-// KeyboardInterrupt in) and only where SIGINT raises it, under Python's default handler. Elsewhere
-// it does nothing, and a run ends as it would have.
+// For its lifetime, SIGINT sets flag(): on Python's main thread (the only one that Python raises
+// KeyboardInterrupt in, so runs there never overlap) and only where SIGINT raises it, under Python's
+// default handler. Elsewhere flag() is null, and a run ends as it would have.
 class SigintStops {
  public:
-  explicit SigintStops(StopFlag& stop) {
+  SigintStops() {
     const py::module_ threading = py::module_::import("threading"), signal = py::module_::import("signal");
     if (!threading.attr("current_thread")().is(threading.attr("main_thread")()) ||
         !signal.attr("getsignal")(SIGINT).is(signal.attr("default_int_handler")))
@@ -99,17 +100,16 @@ class SigintStops {
     mine.sa_sigaction = stopOnSigint;
     mine.sa_flags = SA_SIGINFO | SA_RESTART;
     sigemptyset(&mine.sa_mask);
-    sigintStops.store(&stop);
+    sigintStop.store(false);
     installed_ = ::sigaction(SIGINT, &mine, &pythonSigint) == 0;
-    if (!installed_) sigintStops.store(nullptr);
   }
   ~SigintStops() {
-    if (!installed_) return;
-    ::sigaction(SIGINT, &pythonSigint, nullptr);
-    sigintStops.store(nullptr);
+    if (installed_) ::sigaction(SIGINT, &pythonSigint, nullptr);
   }
   SigintStops(const SigintStops&) = delete;
   SigintStops& operator=(const SigintStops&) = delete;
+
+  const StopFlag* flag() const { return installed_ ? &sigintStop : nullptr; }
 
  private:
   bool installed_ = false;
@@ -283,9 +283,8 @@ PyRunResult run(const py::kwargs& kwargs) {
     }
     const RunArgs parsed = parseRunArgs(commandLineOf("tpsim.run", flags, kRunFileFlags));
     const RunConfig& c = parsed.config;
-    StopFlag stop{false};
-    const SigintStops sigint(stop);
-    const StopScope stopScope(&stop);
+    const SigintStops sigint;
+    const StopScope stopScope(sigint.flag());
     TensorMap inputs;
     if (arrays.is_none()) {
       checkSizes(c, {SizeSources::Inputs::kFlags, ""});
