@@ -403,6 +403,20 @@ def test_shards_are_the_blocks_each_rank_holds():
         assert r.pad_zero_counts[rank]["weight"] == 0
 
 
+def test_result_shards_are_what_each_rank_held_before_the_reductions_the_run_completes():
+    # The experts' output is left partial over expert TP for the token dispatcher: the ranks' sum.
+    r = tpsim.run(layer="grouped-row", tp=2)
+    partials = [r.shards[rank]["output"].astype(np.float64) for rank in range(2)]
+    assert not np.array_equal(partials[0], r.results["output"])
+    assert np.array_equal((partials[0] + partials[1]).astype(np.float32), r.results["output"])
+    # The GTP_remat peers' bias gradients are data-parallel halves of the batch, reduced by MEAN.
+    r = tpsim.run(layer="column", tp=2, gtp_remat=2, bias=True)
+    for t in range(2):
+        peers = [r.shards[rank]["bias.grad"].astype(np.float64) for rank, tg in enumerate(r.ranks) if tg[0] == t]
+        assert not np.array_equal(peers[0], peers[1])
+        np.testing.assert_allclose((peers[0] + peers[1]) / 2, r.results["bias.grad"][t * 8:(t + 1) * 8], rtol=1e-6)
+
+
 def test_pad_rows_of_a_shard_are_zero_and_counted():
     r = tpsim.run(layer="column", tp=2, gtp_remat=2, verify="none")
     w = r.inputs["weight"]

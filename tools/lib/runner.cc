@@ -189,18 +189,24 @@ RunResult runSharded(const RunConfig& config, const TensorMap& in, const Checkpo
     r.results[name] = assemble(p, copies);
     if (std::optional<HostTensor> other = farthestCopies(p, r.results[name], copies)) r.otherCopies[name] = *other;
   };
-  put("output", resultPlacement(c, r.placements, "output"), local("output"));
+  put("output", placement(kind.outputPlacement()), local("output"));
   if (per.results.front().count("input.grad")) {
-    if (placement(kind.inputPlacement() + ".grad").tp.kind == AxisKind::kPartial && c.disableGradReduce)
-      for (TensorMap& rank : per.results) {  // each TP rank's partial sum is its block of the stack
+    const TensorPlacement dx = placement(kind.inputPlacement() + ".grad");
+    if (dx.tp.kind == AxisKind::kPartial && c.disableGradReduce) {
+      // Left partial for its caller: every TP rank's partial sum, stacked. A partial sum the layer
+      // leaves to its token dispatcher (the experts) the run completes, as the dispatcher would.
+      for (TensorMap& rank : per.results) {
         HostTensor& partial = rank.at("input.grad");
         partial.shape.insert(partial.shape.begin(), 1);
       }
-    put("input.grad", resultPlacement(c, r.placements, "input.grad"), local("input.grad"));
+      put("input.grad", stackedPartials(dx), local("input.grad"));
+    } else {
+      put("input.grad", dx, local("input.grad"));
+    }
   }
   for (const TensorPlacement& p : r.placements) {
     if (p.role != TensorRole::kParameter) continue;
-    TensorPlacement grad = resultPlacement(c, r.placements, p.name + ".grad");
+    TensorPlacement grad = placement(p.name + ".grad");
     // The peers' gradients of a parameter they replicate are data-parallel partial sums: the DP
     // gradient reduction over them (MEAN or SUM, as the shards' reduce-scatter) happens here.
     const bool dataParallel = grad.gtp.kind == AxisKind::kReplicate && grid.gtpRemat() > 1;
@@ -214,19 +220,8 @@ RunResult runSharded(const RunConfig& config, const TensorMap& in, const Checkpo
   std::vector<std::string> expected = resultNames(c);
   std::sort(expected.begin(), expected.end());
   TPSIM_INTERNAL_ASSERT(names == expected, "runSharded: results other than resultNames() lists");
+  r.rankResults = std::move(per.results);
   return r;
-}
-
-TensorPlacement resultPlacement(const RunConfig& c, const std::vector<TensorPlacement>& placements,
-                                const std::string& result) {
-  if (result == "output") return placementNamed(placements, c.layer->outputPlacement());
-  if (result == "input.grad") {
-    const TensorPlacement& dx = placementNamed(placements, c.layer->inputPlacement() + ".grad");
-    // Left partial for its caller: every TP rank's partial sum, stacked. A partial sum the layer
-    // leaves to its token dispatcher (the experts) the run completes, as the dispatcher would.
-    return dx.tp.kind == AxisKind::kPartial && c.disableGradReduce ? stackedPartials(dx) : dx;
-  }
-  return placementNamed(placements, result);
 }
 
 std::vector<std::string> resultNames(const RunConfig& c) {

@@ -36,6 +36,10 @@ struct RunResult {
   // Results whose ranks' copies disagree, each with the copy of every element farthest from the
   // result (farthestCopies): verify checks them as well, so no rank's wrong copy goes unseen.
   std::map<std::string, HostTensor> otherCopies;
+  // Per rank r, its own results as it held them when the run ended, in its local shapes (pad rows
+  // included): the blocks `results` were assembled from, partial sums and data-parallel gradients
+  // before their reduction.
+  std::vector<TensorMap> rankResults;
 };
 
 // A run's checkpoint hooks. Every rank builds its modules' sharded state dict (keys as the inputs
@@ -56,13 +60,6 @@ RunResult runSharded(const RunConfig& config, const TensorMap& inputs, const Che
 // The names of runSharded's results for config: output, input.grad (unless the input is token ids)
 // and <parameter>.grad for each parameter; what `tpsim run --save` writes, known before the run.
 std::vector<std::string> resultNames(const RunConfig& config);
-
-// The placement that cuts the result named `result` (resultNames) into the blocks each rank holds
-// once the run is over: the output's, the input gradient's (its TP partial sums stacked under
-// disable_grad_reduce), a parameter gradient's (what the optimizer reads; replicated over the
-// GTP_remat peers, it is their reduced gradient). `placements` are the run's.
-TensorPlacement resultPlacement(const RunConfig& config, const std::vector<TensorPlacement>& placements,
-                                const std::string& result);
 
 // The placements of config's layer as its modules, built on T x G simulated ranks, describe
 // themselves (rank (0, 0)'s view; the description is the same on every rank), on config's sizes.

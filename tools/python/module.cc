@@ -240,9 +240,9 @@ struct PyRunResult {
   std::vector<Verdict> verification;
   std::string placements;
   bool ok = true;
-  // Per rank r = t + T·g, as the placements (core/placement.h) cut the tensors: (t, g); name ->
-  // its block of every input and result, pad rows as zeros; parameter -> gtp_local_pad_zero_count;
-  // parameter -> whether the duplicate filters count its copy.
+  // Per rank r = t + T·g: (t, g); name -> its block of every input as the placements
+  // (core/placement.h) cut it, pad rows zero, and its own results; parameter ->
+  // gtp_local_pad_zero_count; parameter -> whether the duplicate filters count its copy.
   std::vector<std::pair<int, int>> ranks;
   std::vector<py::dict> shards;
   std::vector<std::map<std::string, std::int64_t>> padZeroCounts;
@@ -257,8 +257,7 @@ void addRankViews(const RunConfig& c, const TensorMap& inputs, const RunResult& 
     py::dict shards;
     for (const auto& [name, tensor] : inputs)
       shards[py::str(name)] = arrayOf(shardOf(placementNamed(result.placements, c.layer->placementOf(name)), tensor, t, g));
-    for (const auto& [name, tensor] : result.results)
-      shards[py::str(name)] = arrayOf(shardOf(resultPlacement(c, result.placements, name), tensor, t, g));
+    for (const auto& [name, tensor] : result.rankResults[std::size_t(rank)]) shards[py::str(name)] = arrayOf(tensor);
     std::map<std::string, std::int64_t> pads;
     std::map<std::string, bool> counted;
     for (const TensorPlacement& p : result.placements)
@@ -466,7 +465,7 @@ PYBIND11_MODULE(tpsim, m) {
       .def_readonly("ok", &PyRunResult::ok, "every result within its bound")
       .def_readonly("ranks", &PyRunResult::ranks, "per rank r = t + T*g: (t, g)")
       .def_readonly("shards", &PyRunResult::shards,
-                    "per rank: name -> the block of every input and result the rank holds (pad rows zero)")
+                    "per rank: name -> the rank's block of every input (pad rows zero) and its own results")
       .def_readonly("pad_zero_counts", &PyRunResult::padZeroCounts,
                     "per rank: parameter -> gtp_local_pad_zero_count, its elements that are GTP_remat padding")
       .def_readonly("counted", &PyRunResult::counted,
