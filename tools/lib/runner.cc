@@ -89,7 +89,8 @@ std::vector<ShardedObject> checkpointObjectsOf(const RunConfig& config) {
   return out;
 }
 
-RunResult runSharded(const RunConfig& config, const TensorMap& in, const CheckpointHooks& hooks, Progress* progress) {
+RunResult runSharded(const RunConfig& config, const TensorMap& in, const CheckpointHooks& hooks, Progress* progress,
+                     bool keepRankResults) {
   config.validate();
   checkInputs(config, in);
   if (hooks.load || hooks.save) checkCheckpointable(config);
@@ -220,7 +221,7 @@ RunResult runSharded(const RunConfig& config, const TensorMap& in, const Checkpo
   std::vector<std::string> expected = resultNames(c);
   std::sort(expected.begin(), expected.end());
   TPSIM_INTERNAL_ASSERT(names == expected, "runSharded: results other than resultNames() lists");
-  r.rankResults = std::move(per.results);
+  if (keepRankResults) r.rankResults = std::move(per.results);
   return r;
 }
 

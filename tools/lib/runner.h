@@ -36,9 +36,9 @@ struct RunResult {
   // Results whose ranks' copies disagree, each with the copy of every element farthest from the
   // result (farthestCopies): verify checks them as well, so no rank's wrong copy goes unseen.
   std::map<std::string, HostTensor> otherCopies;
-  // Per rank r, its own results as it held them when the run ended, in its local shapes (pad rows
-  // included): the blocks `results` were assembled from, partial sums and data-parallel gradients
-  // before their reduction.
+  // With keepRankResults, per rank r its own results as it held them when the run ended, in its
+  // local shapes (pad rows included): the blocks `results` were assembled from, partial sums and
+  // data-parallel gradients before their reduction. Empty otherwise, so as not to hold them twice.
   std::vector<TensorMap> rankResults;
 };
 
@@ -55,7 +55,7 @@ struct CheckpointHooks {
 // runs forward and backward on every rank. With `progress`, its phases are forward and backward
 // (counting the ranks past each), then assemble.
 RunResult runSharded(const RunConfig& config, const TensorMap& inputs, const CheckpointHooks& hooks = {},
-                     Progress* progress = nullptr);
+                     Progress* progress = nullptr, bool keepRankResults = false);
 
 // The names of runSharded's results for config: output, input.grad (unless the input is token ids)
 // and <parameter>.grad for each parameter; what `tpsim run --save` writes, known before the run.

@@ -301,7 +301,7 @@ PyRunResult run(const py::kwargs& kwargs) {
     RunResult result;
     {
       py::gil_scoped_release unlocked;
-      result = runSharded(c, inputs);
+      result = runSharded(c, inputs, {}, nullptr, true);
       out.verification = verify(c, inputs, result, parsed.verify);
     }
     for (const Verdict& v : out.verification) out.ok = out.ok && v.outside == 0;
