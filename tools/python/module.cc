@@ -499,8 +499,10 @@ PYBIND11_MODULE(tpsim, m) {
         "computation: `tpsim run`, with each flag as a keyword (--gtp-remat 2 is gtp_remat=2,\n"
         "--sequence-parallel is sequence_parallel=True). inputs: name -> array for every tensor of the\n"
         "layer (float32, float64 or float16 values, rounded to dtype; int64 token ids); without it the\n"
-        "data is generated from seed and the size arguments. Raises ValueError with the CLI's message\n"
-        "for a bad argument or input, tpsim.RankFailure when a rank fails.");
+        "data is generated from seed and the size arguments. The result holds the unsharded results and\n"
+        "each rank's shards, pad counts and duplicate filters' choices. Raises ValueError with the CLI's\n"
+        "message for a bad argument or input, tpsim.RankFailure when a rank fails, KeyboardInterrupt on\n"
+        "Ctrl-C, which stops the run at once.");
   py::module_ checkpoint = m.def_submodule(
       "checkpoint", "Sharded checkpoints as `tpsim run --save-checkpoint` writes them: `tpsim checkpoint` as functions");
   py::class_<PyCheckpoint>(checkpoint, "Checkpoint", "What inspect returns: the report and its table as data")
