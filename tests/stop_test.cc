@@ -6,10 +6,13 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "sim/host_pool.h"
+#include "sim/sim_compute.h"
 #include "sim/world.h"
 
 namespace tpsim {
@@ -101,6 +104,20 @@ TEST(Stop, StopsARankInsideALongRunOfGemms) {
   ASSERT_TRUE(s.stopped);
   EXPECT_EQ(s.what, "sim: stopped from outside");
   EXPECT_LT(s.afterFlag, milliseconds(1000));
+}
+
+TEST(Stop, EveryGemmIsAProgressPoint) {
+  StopFlag flag{false};
+  const StopScope scope(&flag);
+  for (sim::GemmKernel kernel : {sim::GemmKernel::kEigen, sim::bestGemmKernel()})
+    for (DType dtype : {DType::kFloat32, DType::kFloat64}) {
+      sim::SimCompute compute(nullptr, kernel);
+      Tensor a = compute.zeros({64, 64}, dtype), c = compute.zeros({64, 64}, dtype);
+      flag.store(false);
+      EXPECT_NO_THROW(compute.gemm(a, a, c));
+      flag.store(true);
+      EXPECT_THROW(compute.gemm(a, a, c), Stopped) << sim::gemmKernelName(kernel) << " " << dtypeName(dtype);
+    }
 }
 
 TEST(Stop, AnUnsetFlagChangesNothing) {
