@@ -1,4 +1,5 @@
-"""The Python module against the tpsim CLI it mirrors, and against NumPy's float64 arithmetic.
+"""The Python module against the tpsim CLI it mirrors, and against NumPy's float64 arithmetic and
+PyTorch's autograd (where torch imports).
 
 Run by CTest (label python) with the module's folder on PYTHONPATH and TPSIM_CLI naming the tpsim
 executable of the same build.
