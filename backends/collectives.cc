@@ -12,6 +12,7 @@ const char* collectiveFailureName(CollectiveFailure kind) {
     case CollectiveFailure::kTimeout: return "timeout";
     case CollectiveFailure::kDroppedWork: return "dropped work";
     case CollectiveFailure::kBackend: return "backend";
+    case CollectiveFailure::kStopped: return "stopped";
   }
   return "unknown";
 }

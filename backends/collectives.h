@@ -49,6 +49,7 @@ enum class CollectiveFailure : std::uint8_t {
   kTimeout,      // a collective waited longer than its timeout for a rank that never came
   kDroppedWork,  // a Work handle was destroyed without wait()
   kBackend,      // the communication library reported an error
+  kStopped,      // the world's StopFlag was set (backends/stop.h)
 };
 const char* collectiveFailureName(CollectiveFailure kind);
 

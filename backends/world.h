@@ -3,8 +3,9 @@
 // sim::World runs the ranks on the host with exact collectives; gpu::World runs the same rank code
 // on CUDA devices. Both match collectives by per-group sequence number and turn a mismatch, a
 // deadlock, a failed rank, a timeout or a dropped Work into a CollectiveError on every rank and a
-// WorldError from run(). This header holds only what the tools need to drive either one; how a
-// world is built (and which backends exist) is the tools' business.
+// WorldError from run(), and a stop asked from outside (backends/stop.h) into Stopped. This header
+// holds only what the tools need to drive either one; how a world is built (and which backends
+// exist) is the tools' business.
 #pragma once
 
 #include <chrono>
@@ -69,6 +70,8 @@ class World {
 
   // Runs fn on every rank and returns when all ranks returned. Throws WorldError if any rank threw.
   // A rank still running `timeout` after the world failed is abandoned and named in the error.
+  // The ranks obey the caller's stop flag (backends/stop.h): once it is set, every rank's next
+  // collective or compute progress point throws, and run() throws Stopped when all have returned.
   virtual void run(const std::function<void(RankContext&)>& fn) = 0;
 
   // Per rank, the collectives it issued in the last run() (empty unless options.trace).

@@ -5,6 +5,7 @@
 #include <exception>
 
 #include "backends/errors.h"
+#include "backends/stop.h"
 #include "backends/threads.h"
 
 namespace tpsim::sim {
@@ -12,6 +13,7 @@ namespace tpsim::sim {
 struct HostPool::Job {
   std::int64_t count = 0;
   const std::function<void(std::int64_t)>* task = nullptr;
+  const StopFlag* stop = nullptr;  // the caller's: helpers run its tasks without it
   std::atomic<std::int64_t> next{0};
   std::int64_t finished = 0;  // tasks run to the end, under mu_
   int helpersInside = 0;      // helpers between claiming and reporting, under mu_
@@ -37,6 +39,7 @@ std::int64_t HostPool::work(Job& job) {
   std::int64_t ran = 0;
   for (std::int64_t i; (i = job.next.fetch_add(1, std::memory_order_relaxed)) < job.count; ++ran) {
     try {
+      throwIfStopped(job.stop, "sim");  // a progress point: each task is a block of c at most
       (*job.task)(i);
     } catch (...) {
       std::lock_guard<std::mutex> lock(job.errorMu);
@@ -73,6 +76,7 @@ void HostPool::run(std::int64_t count, const std::function<void(std::int64_t)>& 
   Job job;
   job.count = count;
   job.task = &task;
+  job.stop = currentStopFlag();
   {
     std::lock_guard<std::mutex> lock(mu_);
     jobs_.push_back(&job);
@@ -92,8 +96,10 @@ void HostPool::run(std::int64_t count, const std::function<void(std::int64_t)>& 
 void runTasks(HostPool* pool, std::int64_t count, const std::function<void(std::int64_t)>& task) {
   if (pool) return pool->run(count, task);
   std::exception_ptr error;
+  const StopFlag* stop = currentStopFlag();
   for (std::int64_t i = 0; i < count; ++i) {
     try {
+      throwIfStopped(stop, "sim");
       task(i);
     } catch (...) {
       if (!error) error = std::current_exception();

@@ -24,7 +24,8 @@ class HostPool {
   int helpers() const { return int(threads_.size()); }
 
   // Runs task(i) once for every i in [0, count) and returns when all have finished. Every task
-  // runs even when one throws; the first exception is rethrown here.
+  // runs even when one throws; the first exception is rethrown here. Once the caller's stop flag
+  // (backends/stop.h) is set, the tasks not yet begun throw Stopped instead.
   void run(std::int64_t count, const std::function<void(std::int64_t)>& task);
 
  private:
@@ -40,7 +41,8 @@ class HostPool {
   std::vector<std::thread> threads_;
 };
 
-// Runs task(i) for i in [0, count) on `pool`, or in order on the calling thread when it is null.
+// Runs task(i) for i in [0, count) on `pool`, or in order on the calling thread when it is null;
+// a stop as HostPool::run.
 void runTasks(HostPool* pool, std::int64_t count, const std::function<void(std::int64_t)>& task);
 
 }  // namespace tpsim::sim

@@ -16,6 +16,7 @@
 #include "backends/compute_checks.h"
 #include "backends/element_math.h"
 #include "backends/errors.h"
+#include "backends/stop.h"
 #include "sim/gelu.h"
 
 namespace tpsim::sim {
@@ -420,6 +421,7 @@ SimCompute::SimCompute(HostPool* pool, GemmKernel fp32Kernel) : pool_(pool), fp3
 
 void SimCompute::gemm(ConstView a, ConstView b, View c, float alpha, float beta) {
   compute_checks::checkGemm(Device::kHost, a, b, c);
+  throwIfStopped(currentStopFlag(), "sim");  // a progress point for the Eigen products too, which have no tasks
   if (a.dtype() == DType::kFloat64)
     gemmAs<double>(a, b, c, alpha, beta, pool_);
   else if (fp32Kernel_ == GemmKernel::kEigen)

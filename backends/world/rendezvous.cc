@@ -12,6 +12,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "backends/stop.h"
 #include "backends/threads.h"
 #include "backends/world/fiber.h"
 
@@ -224,6 +225,7 @@ struct RunState {
   Clock::duration minTimeout;
   std::vector<std::vector<TraceEvent>> trace;
   std::string name;       // message prefix: "sim", "gpu"
+  const StopFlag* stop = nullptr;  // the flag run()'s caller obeys; its workers obey it too
   // Shared with the world that owns them, so that an abandoned rank never outlives its compute.
   std::vector<std::shared_ptr<Compute>> computes;
   std::shared_ptr<Transport> transport;
@@ -771,6 +773,7 @@ void afterSwitch(RunState& run, RankState* r, void* request) {
 
 void workerLoop(std::shared_ptr<RunState> run, int index) {
   RunState& s = *run;
+  const StopScope stopScope(s.stop);  // the ranks' compute polls it (a GEMM's blocks)
   Worker& w = s.workers[index];
   std::unique_lock<std::mutex> lock(s.mu);
   while (w.unfinished > 0) {
@@ -800,6 +803,10 @@ void rankBody(RunState& run, RankState& r) {
   try {
     RankContext ctx{*r.compute, *r.world};
     run.fn(ctx);
+  } catch (const Stopped& e) {  // the rank's compute saw the flag before the watchdog did
+    std::lock_guard<std::mutex> lock(run.mu);
+    r.error = e.what();
+    run.fail(CollectiveFailure::kStopped, run.name + ": stopped from outside");
   } catch (const std::exception& e) {
     std::lock_guard<std::mutex> lock(run.mu);
     r.error = e.what();
@@ -855,6 +862,7 @@ void Rendezvous::run(const std::function<void(RankContext&)>& fn,
   TPSIM_INTERNAL_ASSERT(int(computes.size()) == o.size && transport, "one compute per rank and a transport");
   auto run = std::make_shared<RunState>();
   run->name = impl_->name;
+  run->stop = currentStopFlag();
   run->computes = computes;
   run->transport = transport;
   run->options = o;
@@ -891,6 +899,8 @@ void Rendezvous::run(const std::function<void(RankContext&)>& fn,
                                                     std::chrono::milliseconds(100));
       run->doneCv.wait_for(lock, tick);
       const auto now = Clock::now();
+      if (!run->failed && stopRequested(run->stop))
+        run->fail(CollectiveFailure::kStopped, run->name + ": stopped from outside");
       if (!run->failed) run->checkTimeouts(now);
       if (run->failed && run->unfinished > 0 && now - run->failTime > Clock::duration(o.timeout)) {
         abandoned = true;
@@ -921,6 +931,14 @@ void Rendezvous::run(const std::function<void(RankContext&)>& fn,
                   " never fired: rank ", f.rank, " issued ", run->ranks[f.rank]->collectives,
                   " collectives (group splits not counted); expected K <= ", run->ranks[f.rank]->collectives);
     return;
+  }
+  // Every rank has returned (or was abandoned): nothing of the run goes on. A stop is no failure
+  // of the world, and a rank's error after it is only how it stopped.
+  if (run->failureKind == CollectiveFailure::kStopped) {
+    const auto left = std::count_if(run->ranks.begin(), run->ranks.end(),
+                                    [](const auto& r) { return r->status != RankStatus::kFinished; });
+    throw Stopped(run->failureMessage + (left == 0 ? "" : detail::concat("; ", left, " ranks did not return within ",
+                                                                        o.timeout.count(), " ms and were abandoned")));
   }
   const bool fromCollective = run->failureKind != CollectiveFailure::kPeerFailed;
   std::string cause = fromCollective ? run->failureMessage

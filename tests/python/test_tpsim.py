@@ -1,10 +1,17 @@
-"""The Python module against the tpsim CLI it mirrors, and against NumPy's float64 arithmetic.
+"""The Python module against the tpsim CLI it mirrors, and against NumPy's float64 arithmetic and
+PyTorch's autograd (where torch imports).
 
 Run by CTest (label python) with the module's folder on PYTHONPATH and TPSIM_CLI naming the tpsim
 executable of the same build.
 """
+import ast
+import contextlib
+import io
+import json
 import os
+import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,6 +20,14 @@ import numpy as np
 import pytest
 
 import tpsim
+
+try:
+    import torch
+    import torch.nn.functional as F
+
+    NO_TORCH = None
+except ImportError as e:  # PyTorch is optional (Debian: python3-torch)
+    NO_TORCH = f"PyTorch is not importable ({e}); apt install python3-torch to run this check"
 
 CLI = os.environ["TPSIM_CLI"]
 
@@ -290,3 +305,306 @@ def test_a_corrupted_collective_fails_verification_as_in_the_cli():
     # The configuration line, the table and the notes under it, as the CLI prints them.
     for line in str(r).splitlines():
         assert line in done.stdout.splitlines(), line
+
+
+# A child interpreter: a short run, then one of tens of seconds that SIGINT interrupts, then the
+# short run again. It reports, as JSON, when KeyboardInterrupt reached it, its thread count before
+# and after, and whether the second short run gave the first's bits.
+INTERRUPTED_CHILD = r"""
+import json, os, signal, sys, time
+import numpy as np
+import tpsim
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job ignores SIGINT
+small = dict(layer="mlp", tp=4, gtp_remat=2, seed=3)
+before = tpsim.run(**small)
+threads = len(os.listdir("/proc/self/task"))
+print("running", flush=True)
+report = {"threads_before": threads}
+try:
+    tpsim.run(layer="mlp", tp=4, seq=512, batch=4, in_features=2048, ffn_hidden=8192)
+    report["interrupted"] = None
+except KeyboardInterrupt as e:
+    report["interrupted"] = time.time()
+    report["trace"] = repr(e)
+report["threads_after"] = len(os.listdir("/proc/self/task"))
+after = tpsim.run(**small)
+report["same_bits"] = all(np.array_equal(after.results[n], before.results[n]) for n in before.results)
+print(json.dumps(report), flush=True)
+"""
+
+
+@pytest.mark.parametrize("delay", [0.5, 3.0], ids=["after-0.5s", "after-3s"])
+def test_ctrl_c_stops_a_long_run_at_once_and_leaves_the_interpreter_working(delay):
+    child = subprocess.Popen([sys.executable, "-c", INTERRUPTED_CHILD], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "running\n"
+        time.sleep(delay)
+        sent = time.time()
+        child.send_signal(signal.SIGINT)
+        out, _ = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode == 0, out
+    report = json.loads(out)
+    assert report["interrupted"] is not None, "the run ended before the signal"
+    # The uninterrupted run takes tens of seconds; stopped, it returns within a fraction of one.
+    assert report["interrupted"] - sent < 1.5, report
+    assert report["trace"] == "KeyboardInterrupt()"
+    assert report["threads_after"] == report["threads_before"], report
+    assert report["same_bits"]
+
+
+def layout_rank_lines(args):
+    """`tpsim layout`'s per-rank lines of parameters and their gradients: {(tensor, rank): (pad zero
+    count, counted by the duplicate filters)}."""
+    import re
+
+    out, tensor = {}, None
+    for line in cli("layout", *flags(args)).stdout.splitlines():
+        if m := re.match(r"^(\S+) \(", line):
+            tensor = m.group(1)
+        elif m := re.match(r"^  r(\d+) \(t=.*; gtp_local_pad_zero_count (\d+); duplicate filters: (counted|skipped)$", line):
+            out[tensor, int(m.group(1))] = (int(m.group(2)), m.group(3) == "counted")
+    return out
+
+
+@pytest.mark.parametrize("args", [dict(layer="column", tp=2, gtp_remat=2, bias=True),
+                                  dict(layer="mlp", tp=2, gtp_remat=2, bias=True),
+                                  dict(layer="row", tp=4, bias=True)], ids=["column", "mlp", "row"])
+def test_pad_counts_and_duplicate_filters_are_the_cli_layouts(args):
+    r = tpsim.run(**args, verify="none")
+    want = layout_rank_lines(args)
+    params = sorted({tensor for tensor, _ in want if not tensor.endswith(".grad")})
+    assert params == sorted(r.pad_zero_counts[0]) and params
+    for rank in range(len(r.ranks)):
+        for p in params:
+            got = (r.pad_zero_counts[rank][p], r.counted[rank][p])
+            assert got == want[p, rank] == want[p + ".grad", rank], (p, rank)
+    if args.get("gtp_remat"):  # the G = 2 split pads: some rank holds padding, some copy is skipped
+        assert any(c > 0 for counts in r.pad_zero_counts for c in counts.values())
+        assert not all(c for counted in r.counted for c in counted.values())
+
+
+def test_shards_are_the_blocks_each_rank_holds():
+    s, b, K, N = 8, 4, 32, 64
+    r = tpsim.run(layer="column", tp=2, gtp_remat=2, sequence_parallel=True, seq=s, batch=b, in_features=K,
+                  out_features=N)
+    assert r.ranks == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    x, w = r.inputs["input"], r.inputs["weight"]
+    for rank, (t, g) in enumerate(r.ranks):
+        shard = r.shards[rank]
+        assert sorted(shard) == sorted([*r.inputs, *r.results])
+        # Sequence parallel: TP rank t holds rows t of the sequence; GTP_remat peer g its batch block.
+        assert np.array_equal(shard["input"], x[t * 4:(t + 1) * 4, g * 2:(g + 1) * 2])
+        # TP cuts the weight's rows; GTP_remat cuts the TP-local 32 rows again (no pad: 32 = 16 x G).
+        assert np.array_equal(shard["weight"], w[t * 32 + g * 16:t * 32 + g * 16 + 16])
+        # Gathered over the sequence, the output holds every token of its batch block and N/T columns.
+        assert np.array_equal(shard["output"], r.results["output"][:, g * 2:(g + 1) * 2, t * 32:(t + 1) * 32])
+        assert np.array_equal(shard["weight.grad"], r.results["weight.grad"][t * 32 + g * 16:t * 32 + g * 16 + 16])
+        assert r.pad_zero_counts[rank]["weight"] == 0
+
+
+def test_result_shards_are_what_each_rank_held_before_the_reductions_the_run_completes():
+    # The experts' output is left partial over expert TP for the token dispatcher: the ranks' sum.
+    r = tpsim.run(layer="grouped-row", tp=2)
+    partials = [r.shards[rank]["output"].astype(np.float64) for rank in range(2)]
+    assert not np.array_equal(partials[0], r.results["output"])
+    assert np.array_equal((partials[0] + partials[1]).astype(np.float32), r.results["output"])
+    # The GTP_remat peers' bias gradients are data-parallel halves of the batch, reduced by MEAN.
+    r = tpsim.run(layer="column", tp=2, gtp_remat=2, bias=True)
+    for t in range(2):
+        peers = [r.shards[rank]["bias.grad"].astype(np.float64) for rank, tg in enumerate(r.ranks) if tg[0] == t]
+        assert not np.array_equal(peers[0], peers[1])
+        np.testing.assert_allclose((peers[0] + peers[1]) / 2, r.results["bias.grad"][t * 8:(t + 1) * 8], rtol=1e-6)
+
+
+def test_pad_rows_of_a_shard_are_zero_and_counted():
+    r = tpsim.run(layer="column", tp=2, gtp_remat=2, verify="none")
+    w = r.inputs["weight"]
+    for rank, (t, g) in enumerate(r.ranks):
+        shard = r.shards[rank]["weight"]
+        zero_rows = int((shard == 0).all(axis=1).sum())
+        assert zero_rows * shard.shape[1] == r.pad_zero_counts[rank]["weight"] > 0
+        # TP rank t's 8 rows pad to 32 for G = 2: peer 0 holds them and 8 pad rows, peer 1 only pad.
+        if g == 0:
+            assert np.array_equal(shard[:8], w[t * 8:(t + 1) * 8])
+        assert zero_rows == (8 if g == 0 else 16)
+
+
+@pytest.fixture
+def saved_checkpoint(tmp_path):
+    """A checkpoint of a GTP_remat column layer as `tpsim run --save-checkpoint` writes it, and the
+    arrays that run read."""
+    args = dict(layer="column", tp=2, gtp_remat=2, bias=True, seed=11)
+    cli("run", *flags(args), "--save-checkpoint", str(tmp_path / "ckpt"), "--save", str(tmp_path / "saved"))
+    return tmp_path / "ckpt", {p.stem: np.load(p) for p in (tmp_path / "saved").glob("*.npy")}
+
+
+def test_checkpoint_inspect_is_the_cli_report(saved_checkpoint):
+    ckpt, _ = saved_checkpoint
+    info = tpsim.checkpoint.inspect(ckpt)  # a pathlib.Path works as a str does
+    assert info.text == cli("checkpoint", "inspect", str(ckpt)).stdout
+    assert str(info) == info.text and info.layer == "column"
+    assert info.keys["weight"] == dict(
+        dtype="fp32", global_shape=(16, 16), saved_shape=(64, 16), chunks=4, writers=[0, 1, 2, 3],
+        padding="24 rows per TP slice (T=2)",
+        placement="TP: shard dim 0; GTP_remat: shard dim 0 of the TP-local tensor, 24 pad rows per TP slice")
+    assert info.keys["bias"]["writers"] == [0, 1]  # the GTP_remat peers' copies are not written twice
+    assert list(info.objects) == ["_extra_state"]
+
+
+def test_checkpoint_load_gives_the_saved_arrays_and_feeds_a_run_at_another_topology(saved_checkpoint, tmp_path):
+    ckpt, saved = saved_checkpoint
+    loaded = tpsim.checkpoint.load(str(ckpt))
+    assert sorted(loaded) == ["bias", "weight"]
+    for name in loaded:
+        assert loaded[name].dtype == np.float32
+        assert np.array_equal(loaded[name], saved[name]), name
+    # The keys are the run's input names: the same as `tpsim run --load-checkpoint` at TP = 4.
+    args = dict(layer="column", tp=4, bias=True, seed=11)
+    out = tmp_path / "resharded"
+    cli("run", *flags(args), "--load-checkpoint", str(ckpt), "--save", str(out))
+    want = {p.stem: np.load(p) for p in out.glob("*.npy")}
+    generated = tpsim.run(**args, verify="none").inputs
+    r = tpsim.run(**args, inputs={**generated, **loaded})
+    assert r.ok
+    assert_bitwise_equal({**r.inputs, **r.results}, want)
+
+
+def test_checkpoint_consolidate_writes_the_cli_file(saved_checkpoint, tmp_path):
+    ckpt, _ = saved_checkpoint
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    report = tpsim.checkpoint.consolidate(ckpt, ours, dtype="bf16")
+    done = cli("checkpoint", "consolidate", str(ckpt), str(theirs), "--dtype", "bf16")
+    assert report == done.stdout.replace(str(theirs), str(ours))
+    assert ours.read_bytes() == theirs.read_bytes()
+    assert "weight                 BF16  (16, 16)" in report
+
+
+def cli_checkpoint_error(*args):
+    done = cli("checkpoint", *args, check=False)
+    assert done.returncode == 2, done
+    first = done.stderr.splitlines()[0]
+    assert first.startswith("tpsim checkpoint: ")
+    return first[len("tpsim checkpoint: "):]
+
+
+def test_checkpoint_errors_raise_the_cli_messages(saved_checkpoint, tmp_path):
+    ckpt, _ = saved_checkpoint
+    missing = tmp_path / "nothing"
+    with pytest.raises(ValueError) as e:
+        tpsim.checkpoint.inspect(missing)
+    assert str(e.value) == cli_checkpoint_error("inspect", str(missing)) == f"checkpoint {missing}: expected a directory, got nothing there"
+    # One flipped byte of a chunk: its checksum names the file and key, for every function.
+    rank1 = ckpt / "rank-00001.safetensors"
+    data = bytearray(rank1.read_bytes())
+    data[-1] ^= 0x40
+    rank1.write_bytes(bytes(data))
+    message = cli_checkpoint_error("inspect", str(ckpt))
+    assert "rank-00001.safetensors" in message
+    for call in (lambda: tpsim.checkpoint.inspect(ckpt), lambda: tpsim.checkpoint.load(ckpt)):
+        with pytest.raises(ValueError) as e:
+            call()
+        assert str(e.value) == message
+    out = tmp_path / "never.safetensors"
+    with pytest.raises(ValueError) as e:
+        tpsim.checkpoint.consolidate(ckpt, out)
+    assert str(e.value) == message
+    assert not out.exists(), "a failed consolidate writes nothing"
+    with pytest.raises(ValueError, match="^--dtype: expected saved, fp32, bf16 or fp16, got 'int8'$"):
+        tpsim.checkpoint.consolidate(ckpt, out, dtype="int8")
+    with pytest.raises(ValueError, match="^consolidate: FILE: expected a name ending in .safetensors, got 'x.npy'$"):
+        tpsim.checkpoint.consolidate(ckpt, "x.npy")
+    with pytest.raises(ValueError, match="^tpsim.checkpoint.load: path: expected a str or os.PathLike, got int$"):
+        tpsim.checkpoint.load(3)
+    with pytest.raises(ValueError, match="^tpsim.checkpoint.consolidate: dtype: expected 'saved', 'fp32', 'bf16' or "
+                                         "'fp16', got <class 'numpy.float32'>$"):
+        tpsim.checkpoint.consolidate(ckpt, out, dtype=np.float32)
+
+
+def torch_forward(layer, t):
+    """The layer's forward in PyTorch on t (name -> tensor), as Megatron's unsharded module computes it."""
+    if layer in ("column", "row"):
+        return F.linear(t["input"], t["weight"], t.get("bias"))
+    if layer == "embedding":
+        return F.embedding(t["input"], t["weight"])
+    if layer == "mlp":
+        hidden = F.gelu(F.linear(t["input"], t["fc1.weight"], t.get("fc1.bias")))  # erf GeLU, as Megatron's
+        return F.linear(hidden, t["fc2.weight"], t.get("fc2.bias"))
+    # Grouped experts: token m through expert expert_ids[m]'s weight.
+    experts = torch.stack([t[f"weight{i}"] for i in range(len([n for n in t if n.startswith("weight")]))])
+    return torch.einsum("mk,mnk->mn", t["input"], experts[t["expert_ids"]])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_results_match_pytorch_autograd(case):
+    if NO_TORCH:
+        pytest.skip(NO_TORCH)
+    kwargs = CASES[case]
+    r = tpsim.run(**kwargs)
+    tensors = {}
+    for name, a in r.inputs.items():
+        if a.dtype == np.int64:
+            tensors[name] = torch.from_numpy(a)
+        elif name != "grad_output":
+            tensors[name] = torch.from_numpy(a.astype(np.float64)).requires_grad_()
+    y = torch_forward(kwargs["layer"], tensors)
+    y.backward(torch.from_numpy(r.inputs["grad_output"].astype(np.float64)))
+    # GTP_remat's MEAN reduction leaves each parameter gradient 1/G of the full batch's.
+    g = kwargs.get("gtp_remat", 1)
+    want = {"output": y.detach().numpy()}
+    for name, t in tensors.items():
+        if t.requires_grad:
+            want[f"{name}.grad"] = t.grad.numpy() / (1 if name == "input" else g)
+    assert sorted(want) == sorted(r.results)
+    # fp32 sums of a few dozen unit-sized terms; bf16 rounds every GEMM's operands to 8 bits.
+    tolerance = 2e-2 if kwargs.get("dtype") == "bf16" else 1e-5
+    for name, value in want.items():
+        err = np.abs(r.results[name].astype(np.float64) - value).max()
+        assert err <= tolerance * np.abs(value).max(), (name, err)
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+
+
+def test_the_example_script_runs_and_agrees_with_numpy():
+    done = subprocess.run([sys.executable, str(EXAMPLES / "gtp_remat_column.py")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("# tpsim run: layer=column tp=2 dtype=fp32 sequence-parallel bias gtp-remat=2")
+    assert sum(line.endswith("  OK") for line in lines) == 4
+    assert lines[-1] == ("rank 3 (t=1, g=1) holds weight (16, 32), gtp_local_pad_zero_count 256, "
+                         "bias skipped by the duplicate filters")
+
+
+def run_cells(sources):
+    """Runs code cells in one namespace as Jupyter does: per cell, what it printed and the value of
+    its last line when that is an expression."""
+    namespace = {"__name__": "__main__"}
+    out = []
+    for source in sources:
+        tree = ast.parse(source)
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(compile(tree, "<cell>", "exec"), namespace)
+            value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), namespace) if last else None
+        out.append((printed.getvalue(), value))
+    return out
+
+
+def test_the_notebook_runs_and_shows_what_it_stored():
+    notebook = json.loads((EXAMPLES / "tpsim.ipynb").read_text())
+    assert (notebook["nbformat"], notebook["nbformat_minor"]) == (4, 4)
+    cells = [c for c in notebook["cells"] if c["cell_type"] == "code"]
+    assert cells
+    for cell, (printed, value) in zip(cells, run_cells(["".join(c["source"]) for c in cells])):
+        stored = {o["output_type"]: o for o in cell["outputs"]}
+        assert ("".join(stored["stream"]["text"]) if "stream" in stored else "") == printed
+        if value is None:
+            assert "execute_result" not in stored
+            continue
+        data = stored["execute_result"]["data"]
+        assert "".join(data["text/plain"]) == repr(value)
+        if hasattr(value, "_repr_svg_"):
+            assert "".join(data["image/svg+xml"]) == value._repr_svg_()

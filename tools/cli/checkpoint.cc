@@ -34,7 +34,19 @@ const char* kCheckpointExitCodes =
     "  2  bad input: arguments, a checkpoint that is missing, truncated, corrupt or incomplete, or a FILE\n"
     "     that cannot be written; the message names the file, the key and the expected and actual value\n";
 
-std::string paddingText(const CheckpointKey& k) {
+// printf into a string.
+template <class... Args>
+void appendf(std::string& out, const char* format, const Args&... args) {
+  const int n = std::snprintf(nullptr, 0, format, args...);
+  const std::size_t at = out.size();
+  out.resize(at + std::size_t(n) + 1);
+  std::snprintf(&out[at], std::size_t(n) + 1, format, args...);
+  out.pop_back();
+}
+
+}  // namespace
+
+std::string checkpointPaddingText(const CheckpointKey& k) {
   const CheckpointChunk& c = k.chunks.front();
   if (!c.gtpPadding) return "-";
   if (c.gtpPadding->padLength == 0) return "GTP_remat, none";
@@ -44,46 +56,46 @@ std::string paddingText(const CheckpointKey& k) {
                             : std::string("tensor"));
 }
 
-int inspect(const std::string& dir) {
-  const CheckpointReader reader(dir);
+std::string inspectText(const std::string& dir, const CheckpointReader& reader) {
+  std::string out;
   std::map<std::string, std::pair<int, std::int64_t>> files;  // file -> (writer, chunks)
   for (const auto& [key, k] : reader.keys())
     for (const auto& c : k.chunks) {
       files[c.file].first = c.writer;
       ++files[c.file].second;
     }
-  std::printf("# checkpoint %s: %zu tensors, %zu objects, %zu files (checksums verified)\n\n", terminalText(dir).c_str(),
+  appendf(out, "# checkpoint %s: %zu tensors, %zu objects, %zu files (checksums verified)\n\n", terminalText(dir).c_str(),
               reader.keys().size(), reader.objects().size(), files.size());
-  std::printf("%-22s %-5s %-14s %-14s %6s  %-10s %s\n", "key", "dtype", "global shape", "saved shape", "chunks",
+  appendf(out, "%-22s %-5s %-14s %-14s %6s  %-10s %s\n", "key", "dtype", "global shape", "saved shape", "chunks",
               "writers", "GTP_remat padding (not stored)");
   for (const auto& [key, k] : reader.keys()) {
     std::set<int> writers;
     for (const auto& c : k.chunks) writers.insert(c.writer);
-    std::printf("%-22s %-5s %-14s %-14s %6zu  %-10s %s\n", printable(key).c_str(), safetensorsDtype(k.dtype),
+    appendf(out, "%-22s %-5s %-14s %-14s %6zu  %-10s %s\n", printable(key).c_str(), safetensorsDtype(k.dtype),
                 shapeText(k.globalShape).c_str(), shapeText(k.savedGlobalShape).c_str(), k.chunks.size(),
-                world::rankList({writers.begin(), writers.end()}).c_str(), paddingText(k).c_str());
+                world::rankList({writers.begin(), writers.end()}).c_str(), checkpointPaddingText(k).c_str());
   }
   for (const auto& [key, o] : reader.objects()) {
     const std::set<int> writers(o.writers.begin(), o.writers.end());
-    std::printf("%-22s %-5s %-14s %-14s %6zu  %-10s %s\n", printable(key).c_str(), "-",
+    appendf(out, "%-22s %-5s %-14s %-14s %6zu  %-10s %s\n", printable(key).c_str(), "-",
                 shapeText(o.globalShape).c_str(), "-", o.writers.size(),
                 world::rankList({writers.begin(), writers.end()}).c_str(), "(value None)");
   }
   bool placed = false;
   for (const auto& [key, k] : reader.keys())
     if (!k.placement.empty()) {
-      if (!placed) std::printf("\n# placements when saved\n");
+      if (!placed) out += "\n# placements when saved\n";
       placed = true;
-      std::printf("%-22s %s\n", printable(key).c_str(), printable(k.placement).c_str());
+      appendf(out, "%-22s %s\n", printable(key).c_str(), printable(k.placement).c_str());
     }
-  std::printf("\n%-24s %6s %8s %12s\n", "file", "writer", "chunks", "bytes");
+  appendf(out, "\n%-24s %6s %8s %12s\n", "file", "writer", "chunks", "bytes");
   for (const auto& [file, info] : files)
-    std::printf("%-24s %6d %8lld %12lld\n", printable(file).c_str(), info.first, (long long)info.second,
-                (long long)std::filesystem::file_size(std::filesystem::path(dir) / file));
-  return 0;
+    appendf(out, "%-24s %6d %8lld %12lld\n", printable(file).c_str(), info.first, (long long)info.second,
+            (long long)std::filesystem::file_size(std::filesystem::path(dir) / file));
+  return out;
 }
 
-int consolidate(const std::string& dir, const std::string& file, std::optional<DType> to) {
+std::string consolidateCheckpoint(const std::string& dir, const std::string& file, std::optional<DType> to) {
   namespace fs = std::filesystem;
   const fs::path out(file);
   const fs::path parent = out.parent_path().empty() ? fs::path(".") : out.parent_path();
@@ -111,14 +123,13 @@ int consolidate(const std::string& dir, const std::string& file, std::optional<D
   OutputFiles output("consolidate: FILE");
   output.write(file, safetensorsBytes(tensors, {{"source", "tpsim checkpoint consolidate"}}));
   output.commit();
-  std::printf("# consolidated %s: %zu tensors, pad rows dropped, into %s\n", terminalText(dir).c_str(), tensors.size(),
-              terminalText(file).c_str());
+  std::string report;
+  appendf(report, "# consolidated %s: %zu tensors, pad rows dropped, into %s\n", terminalText(dir).c_str(),
+          tensors.size(), terminalText(file).c_str());
   for (const auto& t : tensors)
-    std::printf("%-22s %-5s %s\n", printable(t.name).c_str(), safetensorsDtype(t.dtype), shapeText(t.shape).c_str());
-  return 0;
+    appendf(report, "%-22s %-5s %s\n", printable(t.name).c_str(), safetensorsDtype(t.dtype), shapeText(t.shape).c_str());
+  return report;
 }
-
-}  // namespace
 
 CheckpointArgs parseCheckpointArgs(const std::vector<std::string>& args) {
   CheckpointArgs out;
@@ -178,8 +189,10 @@ int checkpointMain(const std::vector<std::string>& args) {
     std::fputs(parsed.help.c_str(), stdout);
     return 0;
   }
-  if (parsed.action == "inspect") return inspect(parsed.dir);
-  return consolidate(parsed.dir, parsed.file, parsed.to);
+  const std::string report = parsed.action == "inspect" ? inspectText(parsed.dir, CheckpointReader(parsed.dir))
+                                                        : consolidateCheckpoint(parsed.dir, parsed.file, parsed.to);
+  std::fputs(report.c_str(), stdout);
+  return 0;
 }
 
 }  // namespace tpsim::tools

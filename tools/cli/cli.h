@@ -93,6 +93,12 @@ struct CheckpointArgs {
   std::string help;
 };
 CheckpointArgs parseCheckpointArgs(const std::vector<std::string>& args);
+// What `tpsim checkpoint inspect DIR` prints of `reader`, DIR's checkpoint read and checked whole.
+std::string inspectText(const std::string& dir, const CheckpointReader& reader);
+// The inspect table's GTP_remat padding column of a key: "-", "GTP_remat, none", "24 rows per TP slice (T=2)".
+std::string checkpointPaddingText(const CheckpointKey& key);
+// `tpsim checkpoint consolidate DIR FILE`: writes FILE (all or nothing), returns what it prints.
+std::string consolidateCheckpoint(const std::string& dir, const std::string& file, std::optional<DType> to);
 
 // Parses `args` against `options` into a notified variables_map. Throws UsageError for a stray
 // word: Boost would drop it silently, so `--bias false` would run with the bias on.

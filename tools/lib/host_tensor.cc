@@ -258,6 +258,12 @@ HostTensor fromBackend(Compute& compute, ConstView v) {
 }
 
 
+HostTensor hostOf(const StoredTensor& t) {
+  HostTensor out{t.shape, t.dtype, std::vector<double>(std::size_t(t.numel()))};
+  for (std::size_t i = 0; i < out.values.size(); ++i) out.values[i] = t.at(std::int64_t(i));
+  return out;
+}
+
 StoredTensor storedFromBackend(Compute& compute, ConstView v) {
   Tensor dense;
   if (!v.isContiguous()) {

@@ -88,5 +88,6 @@ bool assembleRect(const TensorPlacement& placement, const std::function<const St
 Tensor toBackend(Compute& compute, const HostTensor& t);
 HostTensor fromBackend(Compute& compute, ConstView v);
 StoredTensor storedFromBackend(Compute& compute, ConstView v);
+HostTensor hostOf(const StoredTensor& t);
 
 }  // namespace tpsim::tools

@@ -6,6 +6,7 @@
 #include <random>
 
 #include "backends/errors.h"
+#include "backends/stop.h"
 #include "tools/lib/layers/kinds.h"
 
 namespace tpsim::tools {
@@ -147,6 +148,14 @@ ShapeMap tensorShapes(const RunConfig& c) {
 TensorMap generateInputs(const RunConfig& c) {
   const ShapeMap shapes = tensorShapes(c);
   std::mt19937_64 rng(c.seed);
+  const StopFlag* stop = currentStopFlag();
+  // v[i] = draw() for each i, with a progress point every 2^20 draws (tens of milliseconds).
+  auto fill = [stop](std::vector<double>& v, const auto& draw) {
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      if (i % (std::size_t(1) << 20) == 0) throwIfStopped(stop, "tpsim run");
+      v[i] = draw();
+    }
+  };
   TensorMap m;
   // The draws keep the kind's order, so a seed makes the same data.
   for (const TensorSpec& t : c.layer->tensors(c)) {
@@ -156,11 +165,11 @@ TensorMap generateInputs(const RunConfig& c) {
     std::vector<double> v(static_cast<std::size_t>(n));
     if (!t.idRange.empty()) {
       std::uniform_int_distribution<std::int64_t> id(0, sizeValue(c, t.idRange) - 1);
-      for (double& x : v) x = double(id(rng));
+      fill(v, [&] { return double(id(rng)); });
       m[t.name] = makeHost(shape, DType::kInt64, std::move(v));
     } else {
       std::normal_distribution<double> dist(0.0, t.sigma);
-      for (double& x : v) x = dist(rng);
+      fill(v, [&] { return dist(rng); });
       m[t.name] = makeHost(shape, c.dtype, std::move(v));
     }
   }

@@ -186,6 +186,7 @@ std::int64_t sizeValue(const RunConfig& config, const std::string& symbol);
 // tensor's size in bytes (as doubles) does not fit in int64.
 ShapeMap tensorShapes(const RunConfig& config);
 // Seeded data with those shapes, drawn in the kind's order and rounded to the configured dtype.
+// Obeys the calling thread's stop flag (backends/stop.h).
 TensorMap generateInputs(const RunConfig& config);
 // config with its sizes read from `shapes` (loaded files or a checkpoint's tensors): each size from
 // its own tensor's dim, where `shapes` has that tensor.

@@ -1,23 +1,29 @@
-// The Python module `tpsim`: `tpsim run` and `tpsim layout` as functions, numpy arrays in and out.
+// The Python module `tpsim`: `tpsim run`, `tpsim layout` and `tpsim checkpoint` as functions, numpy
+// arrays in and out.
 //
 // Keyword arguments are the commands' flags (tp=4 is --tp 4, sequence_parallel=True is
 // --sequence-parallel), parsed by the CLI's own parsers, so that a value the CLI refuses raises
 // ValueError with the CLI's message. Tensors travel as arrays instead of files: no --load, --save,
-// checkpoint or trace flags here. A failed rank raises tpsim.RankFailure. Not here: Ctrl-C during a
-// run (it ends when the run does), checkpoints, the GPU backend's tests.
+// checkpoint or trace flags in tpsim.run (tpsim.checkpoint.load's arrays are its inputs). A failed
+// rank raises tpsim.RankFailure; Ctrl-C stops a run within a fraction of a second and raises
+// KeyboardInterrupt. Not here: the GPU backend's tests.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <boost/program_options/errors.hpp>
+#include <csignal>
 #include <cstdio>
+#include <map>
 #include <new>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "backends/errors.h"
+#include "backends/stop.h"
 #include "backends/world.h"
 #include "core/placement.h"
 #include "core/rank_grid.h"
@@ -66,6 +72,49 @@ std::vector<std::string> commandLineOf(const char* function, const py::kwargs& k
   return args;
 }
 
+// Ctrl-C during a run. With the GIL released, Python's SIGINT handler only notes the signal for the
+// main thread to act on once the run returns; this handler, put in front of it for the run, also
+// sets the run's stop flag, so that the world stops at its next progress point and the run returns
+// at once (Stopped), to raise the KeyboardInterrupt Python's handler then raises. The flag is static:
+// a handler still running on another thread as the run ends never writes to a flag that is gone.
+StopFlag sigintStop{false};
+struct sigaction pythonSigint;  // Python's C-level handler, which this one calls on
+
+extern "C" void stopOnSigint(int signal, siginfo_t* info, void* context) {
+  sigintStop.store(true);
+  if (pythonSigint.sa_flags & SA_SIGINFO) pythonSigint.sa_sigaction(signal, info, context);
+  else if (pythonSigint.sa_handler != SIG_DFL && pythonSigint.sa_handler != SIG_IGN) pythonSigint.sa_handler(signal);
+}
+
+// For its lifetime, SIGINT sets flag(): on Python's main thread (the only one that Python raises
+// KeyboardInterrupt in, so runs there never overlap) and only where SIGINT raises it, under Python's
+// default handler. Elsewhere flag() is null, and a run ends as it would have.
+class SigintStops {
+ public:
+  SigintStops() {
+    const py::module_ threading = py::module_::import("threading"), signal = py::module_::import("signal");
+    if (!threading.attr("current_thread")().is(threading.attr("main_thread")()) ||
+        !signal.attr("getsignal")(SIGINT).is(signal.attr("default_int_handler")))
+      return;
+    struct sigaction mine {};
+    mine.sa_sigaction = stopOnSigint;
+    mine.sa_flags = SA_SIGINFO | SA_RESTART;
+    sigemptyset(&mine.sa_mask);
+    sigintStop.store(false);
+    installed_ = ::sigaction(SIGINT, &mine, &pythonSigint) == 0;
+  }
+  ~SigintStops() {
+    if (installed_) ::sigaction(SIGINT, &pythonSigint, nullptr);
+  }
+  SigintStops(const SigintStops&) = delete;
+  SigintStops& operator=(const SigintStops&) = delete;
+
+  const StopFlag* flag() const { return installed_ ? &sigintStop : nullptr; }
+
+ private:
+  bool installed_ = false;
+};
+
 // Runs `body`, turning the library's errors into Python's as the CLI turns them into messages
 // (tools/cli/main.cc): the same text, less the "tpsim COMMAND: " the CLI puts before it.
 template <class Body>
@@ -77,6 +126,11 @@ auto translated(const std::string& command, Body&& body) -> decltype(body()) {
   };
   try {
     return body();
+  } catch (const Stopped&) {
+    // Python's handler noted the signal: running it now raises KeyboardInterrupt.
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    PyErr_SetString(PyExc_KeyboardInterrupt, ("tpsim " + command + ": stopped").c_str());
+    throw py::error_already_set();
   } catch (const UsageError& e) {
     throw py::value_error(e.message);
   } catch (const boost::program_options::error& e) {
@@ -186,7 +240,37 @@ struct PyRunResult {
   std::vector<Verdict> verification;
   std::string placements;
   bool ok = true;
+  // Per rank r = t + T·g: (t, g); name -> its block of every input as the placements
+  // (core/placement.h) cut it, pad rows zero, and its own results; parameter ->
+  // gtp_local_pad_zero_count; parameter -> whether the duplicate filters count its copy.
+  std::vector<std::pair<int, int>> ranks;
+  std::vector<py::dict> shards;
+  std::vector<std::map<std::string, std::int64_t>> padZeroCounts;
+  std::vector<std::map<std::string, bool>> counted;
 };
+
+// What each rank holds of the run's inputs and results, its pad counts and duplicate filters' choices.
+void addRankViews(const RunConfig& c, const TensorMap& inputs, const RunResult& result, PyRunResult& out) {
+  const LayerGrid grid(c.tp, c.gtpRemat);
+  for (int rank = 0; rank < grid.size(); ++rank) {
+    const int t = grid.t(rank), g = grid.g(rank);
+    py::dict shards;
+    for (const auto& [name, tensor] : inputs)
+      shards[py::str(name)] = arrayOf(shardOf(placementNamed(result.placements, c.layer->placementOf(name)), tensor, t, g));
+    for (const auto& [name, sharded] : result.sharded) shards[py::str(name)] = arrayOf(hostOf(sharded.local(t, g)));
+    std::map<std::string, std::int64_t> pads;
+    std::map<std::string, bool> counted;
+    for (const TensorPlacement& p : result.placements)
+      if (p.role == TensorRole::kParameter) {
+        pads[p.name] = padZeroCount(p, t, g);
+        counted[p.name] = p.countedOn(t, g);
+      }
+    out.ranks.emplace_back(t, g);
+    out.shards.push_back(std::move(shards));
+    out.padZeroCounts.push_back(std::move(pads));
+    out.counted.push_back(std::move(counted));
+  }
+}
 
 PyRunResult run(const py::kwargs& kwargs) {
   return translated("run", [&] {
@@ -198,6 +282,8 @@ PyRunResult run(const py::kwargs& kwargs) {
     }
     const RunArgs parsed = parseRunArgs(commandLineOf("tpsim.run", flags, kRunFileFlags));
     const RunConfig& c = parsed.config;
+    const SigintStops sigint;
+    const StopScope stopScope(sigint.flag());
     TensorMap inputs;
     if (arrays.is_none()) {
       checkSizes(c, {SizeSources::Inputs::kFlags, ""});
@@ -228,6 +314,7 @@ PyRunResult run(const py::kwargs& kwargs) {
         if (e.op != "split") out.collectives.back().push_back(e);
     }
     out.placements = placementsText(c, result.placements);
+    addRankViews(c, inputs, result, out);
     return out;
   });
 }
@@ -241,6 +328,88 @@ PyLayout layout(const py::kwargs& kwargs) {
     const LayoutArgs parsed = parseLayoutArgs(commandLineOf("tpsim.layout", kwargs, kLayoutFileFlags));
     const std::vector<TensorPlacement> placements = layoutPlacements(parsed.config);
     return PyLayout{layoutText(parsed.config, placements, false), layoutSvg(parsed.config, placements)};
+  });
+}
+
+// A path argument as a string: str or os.PathLike; ValueError naming `name` otherwise.
+std::string pathArgument(const char* function, const char* name, const py::object& value) {
+  const py::module_ os = py::module_::import("os");
+  if (py::isinstance<py::str>(value) || py::hasattr(value, "__fspath__")) {
+    const py::object path = os.attr("fspath")(value);
+    if (py::isinstance<py::str>(path)) return path.cast<std::string>();
+  }
+  throw py::value_error(std::string(function) + ": " + name + ": expected a str or os.PathLike, got " +
+                        std::string(py::str(value.get_type().attr("__name__"))));
+}
+
+// What tpsim.checkpoint.inspect returns: `tpsim checkpoint inspect`'s report, and its table as data.
+struct PyCheckpoint {
+  std::string text, layer;
+  py::dict keys, objects;
+};
+
+PyCheckpoint inspectCheckpoint(const py::object& path) {
+  const std::string dir = pathArgument("tpsim.checkpoint.inspect", "path", path);
+  return translated("checkpoint", [&] {
+    const CheckpointArgs parsed = parseCheckpointArgs({"inspect", dir});
+    PyCheckpoint out;
+    {
+      py::gil_scoped_release unlocked;
+      const CheckpointReader reader(parsed.dir);
+      out.text = inspectText(parsed.dir, reader);
+      out.layer = reader.layer();
+      py::gil_scoped_acquire locked;
+      for (const auto& [key, k] : reader.keys()) {
+        std::set<int> writers;
+        for (const CheckpointChunk& c : k.chunks) writers.insert(c.writer);
+        out.keys[py::str(key)] = py::dict(
+            py::arg("dtype") = dtypeName(k.dtype), py::arg("global_shape") = py::tuple(py::cast(k.globalShape)),
+            py::arg("saved_shape") = py::tuple(py::cast(k.savedGlobalShape)), py::arg("chunks") = k.chunks.size(),
+            py::arg("writers") = std::vector<int>(writers.begin(), writers.end()),
+            py::arg("padding") = checkpointPaddingText(k), py::arg("placement") = k.placement);
+      }
+      for (const auto& [key, o] : reader.objects()) {
+        const std::set<int> writers(o.writers.begin(), o.writers.end());
+        out.objects[py::str(key)] =
+            py::dict(py::arg("global_shape") = py::tuple(py::cast(o.globalShape)),
+                     py::arg("writers") = std::vector<int>(writers.begin(), writers.end()));
+      }
+    }
+    return out;
+  });
+}
+
+// Every tensor of the checkpoint, whole (pad rows dropped): the values consolidate writes, as arrays
+// (float32, in which the saved dtypes' values are exact; int64 as int64).
+py::dict loadCheckpoint(const py::object& path) {
+  const std::string dir = pathArgument("tpsim.checkpoint.load", "path", path);
+  return translated("checkpoint", [&] {
+    const CheckpointArgs parsed = parseCheckpointArgs({"inspect", dir});
+    TensorMap tensors;
+    {
+      py::gil_scoped_release unlocked;
+      const CheckpointReader reader(parsed.dir);
+      for (const auto& [key, k] : reader.keys()) {
+        const std::vector<char> bytes = reader.consolidated(key);
+        std::vector<double> values(bytes.size() / dtypeSize(k.dtype));
+        for (std::size_t i = 0; i < values.size(); ++i) values[i] = loadAsDouble(k.dtype, bytes.data() + i * dtypeSize(k.dtype));
+        tensors[key] = makeHost(k.globalShape, k.dtype, std::move(values));
+      }
+    }
+    return arraysOf(tensors);
+  });
+}
+
+std::string consolidateCheckpointTo(const py::object& path, const py::object& file, const py::object& dtype) {
+  const std::string dir = pathArgument("tpsim.checkpoint.consolidate", "path", path);
+  const std::string out = pathArgument("tpsim.checkpoint.consolidate", "file", file);
+  if (!py::isinstance<py::str>(dtype))
+    throw py::value_error("tpsim.checkpoint.consolidate: dtype: expected 'saved', 'fp32', 'bf16' or 'fp16', got " +
+                          std::string(py::repr(dtype)));
+  return translated("checkpoint", [&] {
+    const CheckpointArgs parsed = parseCheckpointArgs({"consolidate", dir, out, "--dtype", dtype.cast<std::string>()});
+    py::gil_scoped_release unlocked;
+    return consolidateCheckpoint(parsed.dir, parsed.file, parsed.to);
   });
 }
 
@@ -294,6 +463,13 @@ PYBIND11_MODULE(tpsim, m) {
       .def_readonly("verification", &PyRunResult::verification, "one Verdict per result; empty for verify='none'")
       .def_readonly("placements", &PyRunResult::placements, "each tensor's placement and every rank's block")
       .def_readonly("ok", &PyRunResult::ok, "every result within its bound")
+      .def_readonly("ranks", &PyRunResult::ranks, "per rank r = t + T*g: (t, g)")
+      .def_readonly("shards", &PyRunResult::shards,
+                    "per rank: name -> the rank's block of every input (pad rows zero) and its own results")
+      .def_readonly("pad_zero_counts", &PyRunResult::padZeroCounts,
+                    "per rank: parameter -> gtp_local_pad_zero_count, its elements that are GTP_remat padding")
+      .def_readonly("counted", &PyRunResult::counted,
+                    "per rank: parameter -> whether Megatron's duplicate filters count the rank's copy")
       .def("__str__", [](const PyRunResult& r) {
         if (r.verification.empty()) return "# tpsim run: " + r.config + "\nverification skipped (verify='none')";
         std::string notes;
@@ -323,8 +499,36 @@ PYBIND11_MODULE(tpsim, m) {
         "computation: `tpsim run`, with each flag as a keyword (--gtp-remat 2 is gtp_remat=2,\n"
         "--sequence-parallel is sequence_parallel=True). inputs: name -> array for every tensor of the\n"
         "layer (float32, float64 or float16 values, rounded to dtype; int64 token ids); without it the\n"
-        "data is generated from seed and the size arguments. Raises ValueError with the CLI's message\n"
-        "for a bad argument or input, tpsim.RankFailure when a rank fails.");
+        "data is generated from seed and the size arguments. The result holds the unsharded results and\n"
+        "each rank's shards, pad counts and duplicate filters' choices. Raises ValueError with the CLI's\n"
+        "message for a bad argument or input, tpsim.RankFailure when a rank fails, KeyboardInterrupt on\n"
+        "Ctrl-C, which stops the run at once.");
+  py::module_ checkpoint = m.def_submodule(
+      "checkpoint", "Sharded checkpoints as `tpsim run --save-checkpoint` writes them: `tpsim checkpoint` as functions");
+  py::class_<PyCheckpoint>(checkpoint, "Checkpoint", "What inspect returns: the report and its table as data")
+      .def_readonly("text", &PyCheckpoint::text, "what `tpsim checkpoint inspect` prints")
+      .def_readonly("layer", &PyCheckpoint::layer, "the saving run's --layer ('' when not recorded)")
+      .def_readonly("keys", &PyCheckpoint::keys,
+                    "key -> dict(dtype, global_shape, saved_shape, chunks, writers, padding, placement)")
+      .def_readonly("objects", &PyCheckpoint::objects, "_extra_state key -> dict(global_shape, writers)")
+      .def("__str__", [](const PyCheckpoint& c) { return c.text; })
+      .def("__repr__", [](const PyCheckpoint& c) { return c.text; });
+  checkpoint.def("inspect", &inspectCheckpoint, py::arg("path"),
+                 "inspect(path) -> Checkpoint\n\n"
+                 "The checkpoint in directory `path`, read and checked whole (index, headers, checksums, tiling):\n"
+                 "`tpsim checkpoint inspect`. Raises ValueError with the CLI's message for a missing, corrupt or\n"
+                 "incomplete checkpoint.");
+  checkpoint.def("load", &loadCheckpoint, py::arg("path"),
+                 "load(path) -> dict\n\n"
+                 "key -> array: every tensor of the checkpoint unsharded, pad rows dropped (the values\n"
+                 "consolidate writes; float32, exact for every saved dtype). Keys are named as tpsim.run's\n"
+                 "inputs, so they can be passed to it. Raises ValueError as inspect does.");
+  checkpoint.def("consolidate", &consolidateCheckpointTo, py::arg("path"), py::arg("file"),
+                 py::arg("dtype") = "saved",
+                 "consolidate(path, file, dtype='saved') -> str\n\n"
+                 "Writes every tensor unsharded into one safetensors file (all or nothing) and returns what\n"
+                 "`tpsim checkpoint consolidate` prints. dtype: saved, fp32, bf16 or fp16.");
+
   m.def("layout", &layout,
         "layout(*, layer, tp=2, ...) -> Layout\n\n"
         "The placements of every tensor of the layer, drawn: `tpsim layout` with each flag as a keyword.\n"
