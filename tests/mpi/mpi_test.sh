@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One check of a world spread over MPI processes (tests/mpi/CMakeLists.txt):
+#   mpi_test.sh MPIEXEC DRIVER bitwise P            12 ranks over P processes = 12 ranks in one, bit for bit
+#   mpi_test.sh MPIEXEC DRIVER placement P SIZE     SIZE ranks do not spread over P: exit 2 from every process
+#   mpi_test.sh MPIEXEC DRIVER fault P SIZE FAULT   exit 3 from every process within the timeout, none left
+set -euo pipefail
+mpiexec=$1 driver=$2 mode=$3 p=$4
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+timeout_ms=3000
+
+fail() { echo "FAIL: $*" >&2; exit 1; }
+show() { echo "--- stdout"; cat "$tmp/out"; echo "--- stderr"; cat "$tmp/err"; }
+
+# Runs the driver under mpiexec with a hang guard; sets rc and elapsed (ms). Each process reports
+# its own exit status ("process exit N"): a launcher that outlives a killed process (Open MPI with
+# orte_enable_recovery) does not pass them on.
+spread() {
+  local start=$(date +%s%N)
+  set +e
+  timeout -k 5 100 "$mpiexec" -n "$p" sh -c '"$0" "$@"; s=$?; echo "process exit $s" >&2; exit $s' "$driver" "$@" \
+    >"$tmp/out" 2>"$tmp/err"
+  rc=$?
+  set -e
+  elapsed=$(( ($(date +%s%N) - start) / 1000000 ))
+  show
+  [ "$rc" -ne 124 ] || fail "mpiexec hung"
+  # No process left behind: the driver runs under no other test at the same time (RESOURCE_LOCK).
+  sleep 0.5
+  ! pgrep -f "^$driver" >/dev/null || { pgrep -af "^$driver"; fail "driver processes outlived mpiexec"; }
+}
+
+case "$mode" in
+  bitwise)
+    "$driver" 12 >"$tmp/one"
+    spread 12
+    [ "$rc" -eq 0 ] || fail "exit $rc, expected 0"
+    lines=$(wc -l <"$tmp/one")
+    [ "$lines" -eq $((12 * 15)) ] || fail "one process printed $lines hashes, expected $((12 * 15))"
+    diff <(sort "$tmp/one") <(sort "$tmp/out") || fail "the outputs of $p processes differ from one process's"
+    ;;
+  placement)
+    spread "$5"
+    [ "$rc" -eq 2 ] || fail "exit $rc, expected 2"
+    n=$(grep -c "exit 2: a world of $5 ranks cannot spread over $p processes" "$tmp/err" || true)
+    [ "$n" -eq "$p" ] || fail "$n processes reported the placement error, expected $p"
+    ;;
+  fault)
+    size=$5 fault=$6
+    spread "$size" "$timeout_ms" "$fault"
+    exits=$(grep -c "^process exit 3$" "$tmp/err" || true)
+    others=$(grep "^process exit " "$tmp/err" | grep -v "^process exit 3$" | grep -vc "^process exit 137$" || true)
+    # Every process within the timeout (and the launch), plus the final agreement's.
+    [ "$elapsed" -lt $((3 * timeout_ms + 20000)) ] || fail "took $elapsed ms"
+    expected=$p
+    [[ "$fault" != *:kill ]] || expected=$((p - 1))
+    grep "^process [0-9]*: exit 3: " "$tmp/err" | sed 's/^process [0-9]*: exit 3: //' | sort >"$tmp/causes" || true
+    # Once one process exits 3 the launcher may end the others (they have printed by then), unless
+    # it is told to outlive a killed process.
+    [ "$exits" -ge 1 ] && [ "$others" -eq 0 ] || fail "$exits processes exited 3, $others otherwise"
+    [[ "$fault" != *:kill ]] || [ "$exits" -eq "$expected" ] || fail "$exits processes exited 3, expected $expected"
+    [ "$(wc -l <"$tmp/causes")" -eq "$expected" ] || fail "$(wc -l <"$tmp/causes") processes reported the failure, expected $expected"
+    # The launcher's own status: 3, or (after a killed process, when it outlives it) 0.
+    [ "$rc" -eq 3 ] || { [[ "$fault" == *:kill ]] && [ "$rc" -eq 0 ]; } || fail "mpiexec exit $rc, expected 3"
+    # The same diagnostic from every process; a timeout may be seen first by any of them.
+    if [ "$(sort -u "$tmp/causes" | wc -l)" -ne 1 ]; then
+      ! grep -qv "^sim: timeout: " "$tmp/causes" || fail "processes reported different failures"
+    fi
+    ;;
+  *) fail "unknown mode $mode" ;;
+esac
+echo "OK ($mode, $p processes)"
