@@ -88,6 +88,7 @@ struct Session::Impl {
   int process = 0;
   int processes = 1;
   int nextWorld = 0;  // worlds made so far: a world's key, the same in every process
+  int nextGather = 0;
 
   std::mutex mu;
   std::deque<std::tuple<int, int, std::shared_ptr<std::string>>> outbox;  // (dest, tag, payload)
@@ -97,7 +98,10 @@ struct Session::Impl {
   std::map<std::string, std::set<int>> finished;                          // run key -> processes
   ActiveRun active;
   std::atomic<bool> stop{false};
+  Clock::time_point stopDeadline;  // how long a stopping progress thread lets its sends complete
   std::thread progress;
+  // Sends a peer never took before the process ended: MPI may still read their buffers.
+  std::vector<std::shared_ptr<std::string>> abandoned;
 
   void send(const std::vector<int>& to, Tag tag, std::string payload) {
     auto shared = std::make_shared<std::string>(std::move(payload));
@@ -191,9 +195,18 @@ struct Session::Impl {
       if (idle > 100) std::this_thread::sleep_for(std::chrono::microseconds(idle));
       else if (idle > 0) std::this_thread::yield();
     }
-    // Sends still in flight go to a peer that no longer listens (it failed or finished); the
-    // process is ending, and finish() ends the job if a peer does not come.
-    for (auto& s : sending) MPI_Request_free(&s.first);
+    // A large send completes only as its peer receives it: give the peers until the deadline, then
+    // leave the rest to MPI (a peer that failed or died no longer listens).
+    while (!sending.empty() && Clock::now() < stopDeadline) {
+      int done = 0;
+      MPI_Test(&sending.back().first, &done, MPI_STATUS_IGNORE);
+      if (done) sending.pop_back();
+      else std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    for (auto& s : sending) {
+      MPI_Request_free(&s.first);
+      abandoned.push_back(std::move(s.second));
+    }
   }
 
   // Hands the active run what arrived for it, outside mu (the sink takes the rendezvous' lock,
@@ -338,7 +351,41 @@ std::unique_ptr<World> Session::makeWorld(const WorldOptions& options) {
   return std::make_unique<sim::World>(options, std::make_shared<Transport>(impl_, options.size));
 }
 
+std::vector<std::string> Session::gather(std::string mine, std::chrono::milliseconds timeout) {
+  Impl& s = *impl_;
+  const std::string key = detail::concat("g", s.nextGather++);
+  if (s.process != 0) {
+    std::string payload;
+    putString(payload, key);
+    payload += mine;
+    s.send({0}, kPart, std::move(payload));
+    return {};
+  }
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      auto it = s.parts.find(key);
+      if (s.processes == 1 || (it != s.parts.end() && int(it->second.size()) == s.processes - 1)) {
+        std::vector<std::string> all{std::move(mine)};
+        for (int p = 1; p < s.processes; ++p) all.push_back(std::move(it->second[p]));
+        if (it != s.parts.end()) s.parts.erase(it);
+        return all;
+      }
+      if (Clock::now() > deadline) {
+        std::string missing;
+        for (int p = 1; p < s.processes; ++p)
+          if (it == s.parts.end() || !it->second.count(p)) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
+        throw Error(detail::concat("mpi: process 0 waited more than ", timeout.count(),
+                                   " ms for the ranks' results of process(es) ", missing));
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
 void Session::finish(int exitCode, std::chrono::milliseconds timeout) {
+  impl_->stopDeadline = Clock::now() + timeout;
   impl_->stop = true;
   impl_->progress.join();
   MPI_Request request;

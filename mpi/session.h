@@ -12,6 +12,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "backends/world.h"
 
@@ -42,6 +43,10 @@ class Session {
   // A world of options.size ranks over every process of the job; each process calls it in the same
   // order with the same options. Throws Error (placementError) when the ranks do not spread evenly.
   std::unique_ptr<World> makeWorld(const WorldOptions& options);
+
+  // Process 0 gets every process's `mine`, by process; the others send theirs and get nothing.
+  // Every process calls it at the same point. Throws Error when a part has not come within `timeout`.
+  std::vector<std::string> gather(std::string mine, std::chrono::milliseconds timeout);
 
   // Ends the job from this process with `exitCode`: waits at most `timeout` for every process to
   // get here (none then ends while another still prints its report), finalizes MPI and returns.

@@ -3,6 +3,12 @@
 #   mpi_test.sh MPIEXEC DRIVER bitwise P            12 ranks over P processes = 12 ranks in one, bit for bit
 #   mpi_test.sh MPIEXEC DRIVER placement P SIZE     SIZE ranks do not spread over P: exit 2 from every process
 #   mpi_test.sh MPIEXEC DRIVER fault P SIZE FAULT   exit 3 from every process within the timeout, none left
+#   mpi_test.sh MPIEXEC TPSIM run P                 tpsim run, every layer kind at T = 4, G = 3 (and G = 1,
+#                                                   sequence parallel where it applies) over P processes = in one:
+#                                                   the same report, the same files bit for bit
+#   mpi_test.sh MPIEXEC TPSIM runfail P             tpsim run over P processes: a rank's injected throw
+#                                                   ends every process with exit 3 and the same cause;
+#                                                   4 ranks over 3 processes: exit 2 from every process
 set -euo pipefail
 mpiexec=$1 driver=$2 mode=$3 p=$4
 tmp=$(mktemp -d)
@@ -66,6 +72,48 @@ case "$mode" in
     if [ "$(sort -u "$tmp/causes" | wc -l)" -ne 1 ]; then
       ! grep -qv "^sim: timeout: " "$tmp/causes" || fail "processes reported different failures"
     fi
+    ;;
+  run)
+    tpsim=$driver
+    for kind in column row embedding mlp grouped-column grouped-row; do
+      case "$kind" in
+        column | mlp) sp="-S" ;;
+        row) sp="-S --input-is-parallel" ;;
+        embedding) sp="--reduce-scatter-embeddings" ;;
+        *) sp="" ;;
+      esac
+      for grid in "--tp 4 -G 3 -b 3 --tokens 24" "--tp 4 -b 3 --seq 12 $sp"; do
+        args="run --layer $kind $grid"
+        "$tpsim" $args --save "$tmp/one" >"$tmp/one.txt" 2>&1 || fail "tpsim $args: exit $?: $(cat "$tmp/one.txt")"
+        # 4 ranks do not spread over 3 processes (tpsim_mpi_placement covers the refusal): 2 there.
+        spread_p=$p
+        [ $((4 % p)) -eq 0 ] || [[ "$grid" == *"-G 3"* ]] || spread_p=2
+        set +e
+        timeout -k 5 100 "$mpiexec" -n "$spread_p" "$tpsim" $args --save "$tmp/spread" >"$tmp/spread.txt" 2>"$tmp/err"
+        rc=$?
+        set -e
+        [ "$rc" -eq 0 ] || { cat "$tmp/err"; fail "mpiexec -n $spread_p tpsim $args: exit $rc"; }
+        diff <(sed "s|$tmp/one|DIR|" "$tmp/one.txt") <(sed "s|$tmp/spread|DIR|" "$tmp/spread.txt") ||
+          fail "tpsim $args: the report of $spread_p processes differs from one process's"
+        for f in "$tmp"/one/*; do
+          cmp "$f" "$tmp/spread/$(basename "$f")" || fail "tpsim $args: $(basename "$f") differs"
+        done
+        [ "$(ls "$tmp/one" | wc -l)" -eq "$(ls "$tmp/spread" | wc -l)" ] || fail "tpsim $args: other files"
+        rm -rf "$tmp/one" "$tmp/spread"
+      done
+    done
+    ;;
+  runfail)
+    driver=$2
+    spread run --layer mlp --tp 4 --inject 3:1:throw --timeout 5
+    [ "$rc" -eq 3 ] || fail "exit $rc, expected 3"
+    n=$(grep -c "^tpsim run: the simulated world failed: rank 3 failed: injected fault: rank 3 throws" "$tmp/err" || true)
+    [ "$n" -eq "$p" ] || fail "$n processes reported rank 3's fault, expected $p"
+    p=3
+    spread run --layer mlp --tp 4
+    [ "$rc" -eq 2 ] || fail "exit $rc, expected 2"
+    n=$(grep -c "^tpsim run: --tp x --gtp-remat: a world of 4 ranks cannot spread over 3 processes" "$tmp/err" || true)
+    [ "$n" -eq 3 ] || fail "$n processes reported the placement error, expected 3"
     ;;
   *) fail "unknown mode $mode" ;;
 esac

@@ -13,6 +13,7 @@
 #include "tools/lib/backend.h"
 #include "tools/cli/cli.h"
 #include "tools/lib/input_file.h"
+#include "tools/lib/job.h"
 #include "tools/lib/memory.h"
 #include "tools/lib/npy.h"
 #include "tools/lib/output_files.h"
@@ -397,6 +398,7 @@ int runMain(const std::vector<std::string>& args) {
   CheckpointWriter writer(c.layer->name());
   const RunResult result = runSharded(
       c, inputs, {reader ? &*reader : nullptr, saveCheckpoint.empty() ? nullptr : &writer}, &progress);
+  if (jobProcess() != 0) return 0;  // process 0 verifies, writes and reports (docs/distributed.md)
   std::size_t collectives = 0, splits = 0;
   for (const auto& events : result.trace)
     for (const auto& e : events) ++(e.op == "split" ? splits : collectives);
