@@ -190,8 +190,14 @@ struct Session::Impl {
         busy = true;
       }
       busy = dispatch() || busy;
-      // Back off to a 1 ms poll when nothing moves: the processes may share few cores.
-      idle = busy ? 0 : std::min(idle + 1, 1000);
+      // Back off to a 1 ms poll when nothing moves and nothing is awaited: the processes may share
+      // few cores. A large message moves only as both ends poll, so transfers in flight keep it short.
+      bool inFlight = !sending.empty();
+      if (!inFlight) {
+        std::lock_guard<std::mutex> lock(mu);
+        inFlight = !awaited.empty();
+      }
+      idle = busy ? 0 : std::min(idle + 1, inFlight ? 100 : 1000);
       if (idle > 100) std::this_thread::sleep_for(std::chrono::microseconds(idle));
       else if (idle > 0) std::this_thread::yield();
     }

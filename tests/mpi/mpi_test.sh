@@ -3,7 +3,7 @@
 #   mpi_test.sh MPIEXEC DRIVER bitwise P            12 ranks over P processes = 12 ranks in one, bit for bit
 #   mpi_test.sh MPIEXEC DRIVER placement P SIZE     SIZE ranks do not spread over P: exit 2 from every process
 #   mpi_test.sh MPIEXEC DRIVER fault P SIZE FAULT   exit 3 from every process within the timeout, none left
-#   mpi_test.sh MPIEXEC TPSIM run P                 tpsim run, every layer kind at T = 4, G = 3 (and G = 1,
+#   mpi_test.sh MPIEXEC TPSIM run P                 tpsim run (and demo), every layer kind at T = 4, G = 3 (and G = 1,
 #                                                   sequence parallel where it applies) over P processes = in one:
 #                                                   the same report, the same files bit for bit
 #   mpi_test.sh MPIEXEC TPSIM runfail P             tpsim run over P processes: a rank's injected throw
@@ -102,6 +102,12 @@ case "$mode" in
         rm -rf "$tmp/one" "$tmp/spread"
       done
     done
+    # tpsim demo: T = 4.
+    spread_p=$p
+    [ $((4 % p)) -eq 0 ] || spread_p=2
+    "$tpsim" demo >"$tmp/one.txt"
+    timeout -k 5 100 "$mpiexec" -n "$spread_p" "$tpsim" demo >"$tmp/spread.txt" || fail "mpiexec tpsim demo: exit $?"
+    diff "$tmp/one.txt" "$tmp/spread.txt" || fail "tpsim demo: the report of $spread_p processes differs"
     ;;
   runfail)
     driver=$2

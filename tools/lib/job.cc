@@ -1,5 +1,6 @@
 #include "tools/lib/job.h"
 
+#include <cstdio>
 #include <cstring>
 
 #include "backends/errors.h"
@@ -69,6 +70,16 @@ std::unique_ptr<World> makeJobWorld(const std::string& backend, const WorldOptio
                      std::to_string(jobProcesses()) + " processes); a spread world is the simulator's"};
   const std::string error = mpi::placementError(options.size, jobProcesses());
   if (!error.empty()) throw UsageError{"--tp x --gtp-remat: " + error};
+  if (jobProcess() == 0) {
+    std::string map;
+    for (int p = 0; p < jobProcesses(); ++p) {
+      const int first = p * options.size / jobProcesses(), last = (p + 1) * options.size / jobProcesses() - 1;
+      map += detail::concat(p == 0 ? "" : ", ", p, ": ", first, first == last ? "" : detail::concat("-", last));
+    }
+    // stderr: the report on stdout is the same as one process's.
+    std::fprintf(stderr, "tpsim: %d ranks over %d MPI processes (process: ranks): %s\n", options.size,
+                 jobProcesses(), map.c_str());
+  }
   return session()->makeWorld(options);
 }
 
