@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -395,12 +396,19 @@ void Session::finish(int exitCode, std::chrono::milliseconds timeout) {
   impl_->stop = true;
   impl_->progress.join();
   MPI_Request request;
-  MPI_Ibarrier(impl_->comm, &request);
+  int status = MPI_Ibarrier(impl_->comm, &request);
   const auto deadline = Clock::now() + timeout;
   int done = 0;
-  while (MPI_Test(&request, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done && Clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  if (!done) { std::fflush(nullptr); std::_Exit(exitCode); }
+  while (status == MPI_SUCCESS && !done && Clock::now() < deadline) {
+    status = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+    if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (status != MPI_SUCCESS || !done) {
+    // A process never came, or MPI saw one die: MPI_Finalize would wait for it. Ending here makes
+    // the launcher end the job (or, told to outlive failures, leaves the others their own timeouts).
+    std::fflush(nullptr);
+    std::_Exit(exitCode);
+  }
   MPI_Comm_free(&impl_->comm);
   MPI_Finalize();
 }

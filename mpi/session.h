@@ -50,7 +50,8 @@ class Session {
 
   // Ends the job from this process with `exitCode`: waits at most `timeout` for every process to
   // get here (none then ends while another still prints its report), finalizes MPI and returns.
-  // A process that never comes (killed, hung) is ended by MPI_Abort, which ends the whole job.
+  // When a process never comes (killed, hung), this one exits with exitCode without finalizing,
+  // and Open MPI's launcher ends the job.
   void finish(int exitCode, std::chrono::milliseconds timeout);
 
   struct Impl;
