@@ -101,7 +101,7 @@ struct Session::Impl {
   std::atomic<bool> stop{false};
   Clock::time_point stopDeadline;  // how long a stopping progress thread lets its sends complete
   std::thread progress;
-  // Sends a peer never took before the process ended: MPI may still read their buffers.
+  // Transfers a peer never completed before the process ended: MPI may still use their buffers.
   std::vector<std::shared_ptr<std::string>> abandoned;
 
   void send(const std::vector<int>& to, Tag tag, std::string payload) {
@@ -151,6 +151,13 @@ struct Session::Impl {
 
   void progressLoop() {
     std::vector<std::pair<MPI_Request, std::shared_ptr<std::string>>> sending;
+    // Receives are nonblocking too: the data of a matched message may never come (its sender died).
+    struct Receive {
+      MPI_Request request;
+      int source, tag;
+      std::shared_ptr<std::string> payload;
+    };
+    std::vector<Receive> receiving;
     int idle = 0;
     // Stops once told to and every queued send is posted: a failure's notice must leave.
     for (bool last = false; !last;) {
@@ -185,15 +192,27 @@ struct Session::Impl {
         if (!ready) break;
         int bytes = 0;
         MPI_Get_count(&status, MPI_BYTE, &bytes);
-        std::string payload(std::size_t(bytes), '\0');
-        MPI_Mrecv(payload.data(), bytes, MPI_BYTE, &message, MPI_STATUS_IGNORE);
-        received(status.MPI_SOURCE, status.MPI_TAG, std::move(payload));
+        Receive r{MPI_REQUEST_NULL, status.MPI_SOURCE, status.MPI_TAG, std::make_shared<std::string>(std::size_t(bytes), '\0')};
+        MPI_Imrecv(r.payload->data(), bytes, MPI_BYTE, &message, &r.request);
+        receiving.push_back(std::move(r));
         busy = true;
+      }
+      for (std::size_t i = 0; i < receiving.size();) {
+        int done = 0;
+        MPI_Test(&receiving[i].request, &done, MPI_STATUS_IGNORE);
+        if (done) {
+          received(receiving[i].source, receiving[i].tag, std::move(*receiving[i].payload));
+          receiving[i] = std::move(receiving.back());
+          receiving.pop_back();
+          busy = true;
+        } else {
+          ++i;
+        }
       }
       busy = dispatch() || busy;
       // Back off to a 1 ms poll when nothing moves and nothing is awaited: the processes may share
       // few cores. A large message moves only as both ends poll, so transfers in flight keep it short.
-      bool inFlight = !sending.empty();
+      bool inFlight = !sending.empty() || !receiving.empty();
       if (!inFlight) {
         std::lock_guard<std::mutex> lock(mu);
         inFlight = !awaited.empty();
@@ -213,6 +232,10 @@ struct Session::Impl {
     for (auto& s : sending) {
       MPI_Request_free(&s.first);
       abandoned.push_back(std::move(s.second));
+    }
+    for (Receive& r : receiving) {
+      MPI_Request_free(&r.request);
+      abandoned.push_back(std::move(r.payload));
     }
   }
 

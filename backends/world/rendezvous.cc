@@ -98,7 +98,7 @@ struct Membership {
   std::uint64_t nextSeq = 0;
 };
 
-// Fills g's members' placement; globalRanks set.
+// From g.globalRanks: how many members this process runs, and which other processes run the rest.
 void place(GroupState& g, const Transport& transport) {
   g.localMembers = 0;
   g.peers.clear();
