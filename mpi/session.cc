@@ -415,7 +415,9 @@ std::vector<std::string> Session::gather(std::string mine, std::chrono::millisec
 }
 
 void Session::finish(int exitCode, std::chrono::milliseconds timeout) {
-  impl_->stopDeadline = Clock::now() + timeout;
+  // After a failure a peer may never take a part sent to it; after success every part was taken but
+  // the gathered results may still be on their way to process 0.
+  impl_->stopDeadline = Clock::now() + (exitCode == 0 ? timeout : std::chrono::milliseconds(0));
   impl_->stop = true;
   impl_->progress.join();
   MPI_Request request;
