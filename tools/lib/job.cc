@@ -59,7 +59,10 @@ int jobProcess() { return session() ? session()->process() : 0; }
 int jobProcesses() { return session() ? session()->processes() : 1; }
 
 int leaveJob(int code) {
-  if (session()) session()->finish(code, std::chrono::milliseconds(60'000));
+  // The other processes wait for process 0, which may still verify and write a large run's results
+  // (the job ends when one process leaves without the others); a failed process's peers fail within
+  // their timeouts.
+  if (session()) session()->finish(code, code == 0 ? std::chrono::hours(1) : std::chrono::minutes(1));
   return code;
 }
 
