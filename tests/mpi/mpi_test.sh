@@ -24,16 +24,22 @@ show() { echo "--- stdout"; cat "$tmp/out"; echo "--- stderr"; cat "$tmp/err"; }
 spread() {
   local start=$(date +%s%N)
   set +e
-  timeout -k 5 100 "$mpiexec" -n "$p" sh -c '"$0" "$@"; s=$?; echo "process exit $s" >&2; exit $s' "$driver" "$@" \
+  timeout -k 5 100 "$mpiexec" -n "$p" \
+    sh -c '"$0" "$@" & pid=$!; echo "process pid $pid" >&2; wait $pid; s=$?; echo "process exit $s" >&2; exit $s' \
+    "$driver" "$@" \
     >"$tmp/out" 2>"$tmp/err"
   rc=$?
   set -e
   elapsed=$(( ($(date +%s%N) - start) / 1000000 ))
   show
   [ "$rc" -ne 124 ] || fail "mpiexec hung"
-  # No process left behind: the driver runs under no other test at the same time (RESOURCE_LOCK).
+  # No process left behind (a zombie whose parent the launcher ended is no longer running).
   sleep 0.5
-  ! pgrep -f "^$driver" >/dev/null || { pgrep -af "^$driver"; fail "driver processes outlived mpiexec"; }
+  for pid in $(sed -n 's/^process pid //p' "$tmp/err"); do
+    state=$(ps -o stat= -p "$pid" || true)
+    [ -z "$state" ] || [[ "$state" == Z* ]] || fail "process $pid outlived mpiexec: $(ps -o stat=,args= -p "$pid")"
+  done
+  [ "$(grep -c "^process pid " "$tmp/err")" -eq "$p" ] || fail "expected $p processes started"
 }
 
 case "$mode" in
