@@ -72,8 +72,10 @@ world::TransportToken HostTransport::execute(const world::Collective& c) {
   return nullptr;
 }
 
-World::World(WorldOptions options)
-    : rendezvous_("sim", options), transport_(std::make_shared<HostTransport>()) {
+World::World(WorldOptions options) : World(options, std::make_shared<HostTransport>()) {}
+
+World::World(WorldOptions options, std::shared_ptr<world::Transport> transport)
+    : rendezvous_("sim", options), transport_(std::move(transport)) {
   const int threads =
       options.threads > 0 ? options.threads : std::max(1, int(std::thread::hardware_concurrency()));
   const int rankWorkers = rendezvous_.options().threads;  // min(threads, size)

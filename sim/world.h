@@ -31,6 +31,8 @@ class HostTransport final : public world::Transport {
 class World final : public tpsim::World {
  public:
   explicit World(WorldOptions options);
+  // Ranks a peer process runs, as transport.processOf says, are only named here (backends/mpi/session.h).
+  World(WorldOptions options, std::shared_ptr<world::Transport> transport);
 
   int size() const override { return rendezvous_.options().size; }
   std::string description() const override { return "sim"; }

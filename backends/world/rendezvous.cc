@@ -85,6 +85,9 @@ struct Fingerprint {
 struct GroupState {
   std::vector<int> globalRanks;  // by group rank
   std::string label;
+  std::string id;                // the same in every process: "w" for the world, a split's "w.3.1"
+  int localMembers = 0;          // members this process runs
+  std::vector<int> peers;        // the other processes running members, ascending
   std::unordered_map<std::uint64_t, std::shared_ptr<struct Op>> pending;  // by sequence number
   std::string name() const { return label + "[" + rankList(globalRanks) + "]"; }
 };
@@ -95,6 +98,18 @@ struct Membership {
   int rank = 0;
   std::uint64_t nextSeq = 0;
 };
+
+// From g.globalRanks: how many members this process runs, and which other processes run the rest.
+void place(GroupState& g, const Transport& transport) {
+  g.localMembers = 0;
+  g.peers.clear();
+  for (int r : g.globalRanks) {
+    const int p = transport.processOf(r);
+    if (p == transport.process()) ++g.localMembers;
+    else if (std::find(g.peers.begin(), g.peers.end(), p) == g.peers.end()) g.peers.push_back(p);
+  }
+  std::sort(g.peers.begin(), g.peers.end());
+}
 
 // What a rank with an injected op, count or dtype fault issues instead of fp on a group of n.
 Fingerprint tampered(Fingerprint fp, FaultKind kind, int n) {
@@ -134,6 +149,7 @@ struct Op {
   std::vector<std::pair<std::shared_ptr<GroupState>, int>> splitResult;  // per group rank
   bool done = false;
   bool faulty = false;              // a member's issue was altered by an injected fault: move no data
+  bool exchanging = false;          // the local members have issued; the peer processes' parts are awaited
   int abandonedBy = -1;             // a rank whose Work died during exception unwinding
   Clock::time_point firstArrival;
   Clock::duration timeout{};
@@ -147,7 +163,8 @@ struct Op {
 };
 
 // kStalled: an injected stall; to the fabric the rank is busy outside collectives (no deadlock).
-enum class RankStatus : std::uint8_t { kReady, kRunning, kParked, kStalled, kFinished };
+// kRemote: a rank a peer process runs.
+enum class RankStatus : std::uint8_t { kReady, kRunning, kParked, kStalled, kFinished, kRemote };
 
 struct RankState {
   int rank = 0;
@@ -229,6 +246,13 @@ struct RunState {
   // Shared with the world that owns them, so that an abandoned rank never outlives its compute.
   std::vector<std::shared_ptr<Compute>> computes;
   std::shared_ptr<Transport> transport;
+  // A world spread over processes: the collectives whose peers' parts are awaited, by exchange key;
+  // when this process's ranks have all returned; and whether every peer's have.
+  std::map<std::string, std::shared_ptr<Op>> exchanges;
+  bool finishSent = false;
+  Clock::time_point finishTime;
+  bool peersDone = false;
+  std::string peerRankError;  // a kPeerFailed failure of a peer's rank: its error
 
   CollectiveError failureFor(int rank) const {
     if (failureKind == CollectiveFailure::kPeerFailed && rank == failedRank)
@@ -236,8 +260,9 @@ struct RunState {
     return CollectiveError(failureKind, failureMessage);
   }
 
-  // Caller holds mu. Cancels every pending collective and wakes every parked rank.
-  void fail(CollectiveFailure kind, std::string message, int rank = -1) {
+  // Caller holds mu. Cancels every pending collective and wakes every parked rank; tells the peer
+  // processes unless the failure came from one.
+  void fail(CollectiveFailure kind, std::string message, int rank = -1, bool fromPeer = false) {
     if (failed) return;
     failed = true;
     failureKind = kind;
@@ -245,6 +270,8 @@ struct RunState {
     failedRank = rank;
     failTime = Clock::now();
     transport->abort();
+    if (!fromPeer) transport->failed(kind, failureMessage, rank, rank >= 0 ? ranks[rank]->error : "");
+    exchanges.clear();
     for (auto& r : ranks)
       if (r->status == RankStatus::kParked || r->status == RankStatus::kStalled) wake(r.get());
     for (auto& entry : pendingOps) entry.second->group->pending.clear();  // breaks group <-> op cycles
@@ -276,6 +303,9 @@ struct RunState {
       case RankStatus::kFinished: return "finished";
       case RankStatus::kParked: return "waits on " + r.parkedOn->describe();
       case RankStatus::kStalled: return "stalls (an injected fault) before issuing " + r.stallWhat;
+      case RankStatus::kRemote:
+        return detail::concat("runs in process ", transport->processOf(rank),
+                              ", whose part of it has not been received");
       default: return "is running (outside collectives)";
     }
   }
@@ -293,6 +323,9 @@ struct RunState {
   // Caller holds mu. Called whenever a rank stops running; reports a deadlock at once.
   void checkDeadlock() {
     if (failed || running > 0 || readyCount > 0 || stalled > 0 || parked == 0) return;
+    // A peer process may still complete an exchange; a deadlock across processes ends in a timeout.
+    for (auto& r : ranks)
+      if (r->status == RankStatus::kParked && r->parkedOn->exchanging) return;
     std::string msg = name + ": deadlock: every live rank is blocked and no pending collective can complete";
     for (auto& r : ranks) {
       if (r->status == RankStatus::kParked)
@@ -337,7 +370,7 @@ struct RunState {
 };
 
 // The members' split results (a rendezvous matter: no data moves). Caller holds mu.
-void completeSplit(Op& op) {
+void completeSplit(Op& op, const Transport& transport) {
   const int n = int(op.arrived.size());
   std::map<int, std::vector<int>> byColor;  // color -> parent ranks
   for (int r = 0; r < n; ++r)
@@ -348,7 +381,9 @@ void completeSplit(Op& op) {
                      [&](int a, int b) { return op.splitKey[a] < op.splitKey[b]; });
     auto group = std::make_shared<GroupState>();
     group->label = op.fp.label;
+    group->id = detail::concat(op.group->id, ".", op.seq, ".", color);
     for (int m : members) group->globalRanks.push_back(op.group->globalRanks[m]);
+    place(*group, transport);
     for (std::size_t i = 0; i < members.size(); ++i) op.splitResult[members[i]] = {group, int(i)};
   }
 }
@@ -370,6 +405,176 @@ Collective collectiveOf(const Op& op) {
   c.issued = op.tokens;
   return c;
 }
+
+// A process's part of an exchange: the fingerprint its members issued, whether a fault altered it,
+// each member's group rank (and split color and key), then their inputs unless no data moves.
+// Processes of one world share the machine's byte order (mpirun on one kind of node).
+template <class T>
+void put(std::string& out, const T& v) {
+  out.append(reinterpret_cast<const char*>(&v), sizeof v);
+}
+
+struct PartReader {
+  const std::string& bytes;
+  std::size_t at = 0;
+  template <class T>
+  T get() {
+    T v;
+    TPSIM_INTERNAL_ASSERT(at + sizeof v <= bytes.size(), "a peer's exchange part is truncated");
+    std::memcpy(&v, bytes.data() + at, sizeof v);
+    at += sizeof v;
+    return v;
+  }
+  const char* take(std::size_t n) {
+    TPSIM_INTERNAL_ASSERT(at + n <= bytes.size(), "a peer's exchange part is truncated");
+    at += n;
+    return bytes.data() + at - n;
+  }
+};
+
+bool movesData(const Op& op) { return !op.faulty && op.fp.kind != OpKind::kSplit && op.fp.kind != OpKind::kBarrier; }
+
+std::string exchangeKey(const Op& op) { return detail::concat(op.group->id, "#", op.seq); }
+
+// Caller holds mu. Every local member of op has issued it: send this process's part to the peers.
+void startExchange(RunState& run, Op& op) {
+  std::string part;
+  put(part, op.fp.kind);
+  put(part, op.fp.dtype);
+  put(part, op.fp.inCount);
+  put(part, op.fp.outCount);
+  put(part, op.fp.reduce);
+  put(part, op.fp.root);
+  put(part, std::uint32_t(op.fp.label.size()));
+  part += op.fp.label;
+  put(part, std::uint8_t(op.faulty));
+  put(part, std::uint32_t(op.group->localMembers));
+  for (std::size_t r = 0; r < op.arrived.size(); ++r) {
+    if (!op.arrived[r]) continue;
+    put(part, std::int32_t(r));
+    put(part, std::int32_t(op.splitColor[r]));
+    put(part, std::int32_t(op.splitKey[r]));
+  }
+  if (movesData(op))
+    for (std::size_t r = 0; r < op.arrived.size(); ++r)
+      if (op.arrived[r])
+        part.append(static_cast<const char*>(op.in[r].data()), std::size_t(op.in[r].numel()) * dtypeSize(op.fp.dtype));
+  op.exchanging = true;
+  const std::string key = exchangeKey(op);
+  run.exchanges[key] = run.pendingOps.at({op.group.get(), op.seq});
+  run.transport->exchange(key, op.group->peers, std::move(part));
+}
+
+// Caller holds mu. Every peer's part of op arrived: check that all members issued the same
+// collective, then compute the local members' outputs from every member's input, as one process would.
+void completeExchange(RunState& run, Op& op, const std::vector<std::string>& parts) {
+  const int n = int(op.arrived.size());
+  std::vector<std::size_t> dataAt(parts.size());
+  std::vector<int> partOf(n, -1);
+  bool mismatch = false;
+  for (std::size_t p = 0; p < parts.size(); ++p) {
+    PartReader in{parts[p]};
+    Fingerprint fp;
+    fp.kind = in.get<OpKind>();
+    fp.dtype = in.get<DType>();
+    fp.inCount = in.get<std::int64_t>();
+    fp.outCount = in.get<std::int64_t>();
+    fp.reduce = in.get<ReduceOp>();
+    fp.root = in.get<int>();
+    const auto labelSize = in.get<std::uint32_t>();
+    fp.label.assign(in.take(labelSize), labelSize);
+    const bool faulty = in.get<std::uint8_t>() != 0;
+    op.faulty = op.faulty || faulty;
+    const auto members = in.get<std::uint32_t>();
+    for (std::uint32_t i = 0; i < members; ++i) {
+      const int r = in.get<std::int32_t>();
+      TPSIM_INTERNAL_ASSERT(r >= 0 && r < n && !op.arrived[r], "a peer's exchange part names a wrong member");
+      op.arrived[r] = 1;
+      op.issued[r] = fp;
+      op.splitColor[r] = in.get<std::int32_t>();
+      op.splitKey[r] = in.get<std::int32_t>();
+      partOf[r] = int(p);
+    }
+    dataAt[p] = in.at;
+    mismatch = mismatch || !(fp == op.fp);
+  }
+  if (mismatch) {
+    std::string msg = detail::concat(run.name, ": collective mismatch on ", op.group->name(), " at seq ", op.seq, ":");
+    for (int r = 0; r < n; ++r)
+      msg += detail::concat("\n  rank ", op.group->globalRanks[r], " issued ", op.issued[r].str());
+    msg += "\nevery member must issue the same collectives in the same order";
+    run.fail(CollectiveFailure::kMismatch, msg);
+    return;
+  }
+  run.pendingOps.erase({op.group.get(), op.seq});
+  op.group->pending.erase(op.seq);
+  if (op.abandonedBy >= 0) return;
+  if (op.fp.kind == OpKind::kSplit) {
+    completeSplit(op, *run.transport);
+  } else if (movesData(op)) {
+    Collective c = collectiveOf(op);
+    const std::size_t esize = dtypeSize(op.fp.dtype);
+    // Peers' members' outputs are computed too (the transport's code is the one-process code) and dropped.
+    std::vector<char> dropped(std::size_t(op.fp.outCount) * esize);
+    for (int r = 0; r < n; ++r) {
+      if (partOf[r] < 0) continue;
+      std::size_t& at = dataAt[std::size_t(partOf[r])];
+      const std::size_t bytes = std::size_t(op.fp.inCount) * esize;
+      TPSIM_INTERNAL_ASSERT(at + bytes <= parts[std::size_t(partOf[r])].size(), "a peer's exchange part is truncated");
+      c.in[r] = ConstView(parts[std::size_t(partOf[r])].data() + at, Shape{op.fp.inCount}, op.fp.dtype,
+                          run.transport->device());
+      c.out[r] = View(dropped.data(), Shape{op.fp.outCount}, op.fp.dtype, run.transport->device());
+      at += bytes;
+    }
+    try {
+      op.doneToken = run.transport->execute(c);
+    } catch (const std::exception& e) {
+      run.fail(CollectiveFailure::kBackend,
+               detail::concat(run.name, ": ", op.describe(), " failed in the transport: ", e.what()));
+      return;
+    }
+  }
+  op.done = true;
+  op.exchanging = false;
+  for (RankState* w : op.waiters) run.wake(w);
+  op.waiters.clear();
+}
+
+// The rendezvous' side of a transport whose world spans processes; outlives a run() it may call into.
+class RunSink final : public PeerSink {
+ public:
+  explicit RunSink(std::shared_ptr<RunState> run) : run_(std::move(run)) {}
+
+  void delivered(const std::string& key, std::vector<std::string> parts) override {
+    std::lock_guard<std::mutex> lock(run_->mu);
+    auto it = run_->exchanges.find(key);
+    if (run_->failed || it == run_->exchanges.end()) return;
+    const std::shared_ptr<Op> op = it->second;
+    run_->exchanges.erase(it);
+    try {
+      completeExchange(*run_, *op, parts);
+    } catch (const std::exception& e) {
+      run_->fail(CollectiveFailure::kBackend,
+                 detail::concat(run_->name, ": ", op->describe(), " failed in the exchange between processes: ", e.what()));
+    }
+  }
+
+  void peerFailed(CollectiveFailure kind, const std::string& message, int rank, const std::string& rankError) override {
+    std::lock_guard<std::mutex> lock(run_->mu);
+    if (run_->failed) return;
+    run_->peerRankError = rankError;
+    run_->fail(kind, message, rank, true);
+  }
+
+  void peersFinished() override {
+    std::lock_guard<std::mutex> lock(run_->mu);
+    run_->peersDone = true;
+    run_->doneCv.notify_all();
+  }
+
+ private:
+  std::shared_ptr<RunState> run_;
+};
 
 class SimWork final : public Work {
  public:
@@ -718,7 +923,7 @@ class SimCollectives final : public Collectives {
       run.pendingOps.erase({group, seq});
       if (op->abandonedBy < 0) {
         if (fp.kind == OpKind::kSplit) {
-          completeSplit(*op);
+          completeSplit(*op, *run.transport);
         } else if (!op->faulty) {  // every member agreed with a faulty issue: no fabric defines the data
           try {
             op->doneToken = run.transport->execute(collectiveOf(*op));
@@ -732,6 +937,8 @@ class SimCollectives final : public Collectives {
         for (RankState* w : op->waiters) run.wake(w);
         op->waiters.clear();
       }
+    } else if (op->arrivedCount == group->localMembers) {
+      startExchange(run, *op);
     }
     return std::make_unique<SimWork>(run_, op, self_);
   }
@@ -872,13 +1079,22 @@ void Rendezvous::run(const std::function<void(RankContext&)>& fn,
   run->workers = std::vector<Worker>(o.threads);
   auto worldGroup = std::make_shared<GroupState>();
   worldGroup->label = "world";
+  worldGroup->id = "w";
   for (int r = 0; r < o.size; ++r) worldGroup->globalRanks.push_back(r);
+  place(*worldGroup, *transport);
+  const bool spread = !worldGroup->peers.empty();
+  int local = 0;
   for (int r = 0; r < o.size; ++r) {
     auto state = std::make_unique<RankState>();
     RankState* s = state.get();
     s->rank = r;
+    if (transport->processOf(r) != transport->process()) {
+      s->status = RankStatus::kRemote;
+      run->ranks.push_back(std::move(state));
+      continue;
+    }
     s->compute = computes[r].get();
-    s->worker = r % o.threads;
+    s->worker = local++ % o.threads;
     s->groups.push_back(std::make_shared<Membership>(Membership{worldGroup, r, 0}));
     s->world = std::make_unique<SimCollectives>(run.get(), s->groups[0], s);
     s->fiber = std::make_unique<Fiber>(o.stackBytes, [runPtr = run.get(), s] { rankBody(*runPtr, *s); });
@@ -886,7 +1102,8 @@ void Rendezvous::run(const std::function<void(RankContext&)>& fn,
     ++run->workers[s->worker].unfinished;
     run->ranks.push_back(std::move(state));
   }
-  run->unfinished = run->readyCount = o.size;
+  run->unfinished = run->readyCount = local;
+  if (spread) transport->attach(std::make_shared<RunSink>(run));
 
   std::vector<std::thread> threads =
       startThreads(o.threads, [run](int w) { workerLoop(run, w); }, "worker threads for the world's ranks (--threads)");
@@ -894,7 +1111,15 @@ void Rendezvous::run(const std::function<void(RankContext&)>& fn,
   bool abandoned = false;
   {
     std::unique_lock<std::mutex> lock(run->mu);
-    while (run->unfinished > 0) {
+    // Spread over processes, a run ends when every process's ranks have returned or the world failed.
+    auto sendFinish = [&] {
+      if (!spread || run->unfinished > 0 || run->finishSent || run->failed) return;
+      run->finishSent = true;
+      run->finishTime = Clock::now();
+      transport->finished();
+    };
+    while (run->unfinished > 0 || (spread && !run->failed && !run->peersDone)) {
+      sendFinish();
       const auto tick = std::clamp<Clock::duration>(run->minTimeout / 4, std::chrono::milliseconds(1),
                                                     std::chrono::milliseconds(100));
       run->doneCv.wait_for(lock, tick);
@@ -902,13 +1127,19 @@ void Rendezvous::run(const std::function<void(RankContext&)>& fn,
       if (!run->failed && stopRequested(run->stop))
         run->fail(CollectiveFailure::kStopped, run->name + ": stopped from outside");
       if (!run->failed) run->checkTimeouts(now);
+      if (!run->failed && run->finishSent && !run->peersDone && now - run->finishTime > Clock::duration(o.timeout))
+        run->fail(CollectiveFailure::kTimeout,
+                  detail::concat(run->name, ": timeout: the ranks of process ", transport->process(),
+                                 " returned, but those of its peers did not within ", o.timeout.count(), " ms"));
       if (run->failed && run->unfinished > 0 && now - run->failTime > Clock::duration(o.timeout)) {
         abandoned = true;
         break;
       }
     }
+    sendFinish();  // when the peers had finished first
   }
   for (auto& t : threads) abandoned ? t.detach() : t.join();
+  if (spread) transport->attach(nullptr);
 
   // Worker threads are gone (or detached); what follows reads state no running fiber writes,
   // except an abandoned rank's, which is read under the lock.
@@ -917,6 +1148,7 @@ void Rendezvous::run(const std::function<void(RankContext&)>& fn,
   std::vector<std::string> rankErrors(o.size);
   std::map<std::string, std::vector<int>> byMessage;  // ranks grouped by the error they ended with
   for (auto& r : run->ranks) {
+    if (r->status == RankStatus::kRemote) continue;  // its process reports it
     if (r->status != RankStatus::kFinished)
       rankErrors[r->rank] = detail::concat("rank ", r->rank, " did not return within ", o.timeout.count(),
                                            " ms after the failure; its thread was abandoned");
@@ -927,7 +1159,7 @@ void Rendezvous::run(const std::function<void(RankContext&)>& fn,
   if (!run->failed) {
     TPSIM_CHECK(run->misplaced.empty(), impl_->name, ": ", run->misplaced.empty() ? "" : run->misplaced.front());
     for (const Fault& f : o.faults)
-      TPSIM_CHECK(run->ranks[f.rank]->collectives >= f.collective, impl_->name, ": injected fault ", f.str(),
+      TPSIM_CHECK(run->ranks[f.rank]->status == RankStatus::kRemote || run->ranks[f.rank]->collectives >= f.collective, impl_->name, ": injected fault ", f.str(),
                   " never fired: rank ", f.rank, " issued ", run->ranks[f.rank]->collectives,
                   " collectives (group splits not counted); expected K <= ", run->ranks[f.rank]->collectives);
     return;
@@ -941,9 +1173,11 @@ void Rendezvous::run(const std::function<void(RankContext&)>& fn,
                                                                         o.timeout.count(), " ms and were abandoned")));
   }
   const bool fromCollective = run->failureKind != CollectiveFailure::kPeerFailed;
+  const RankState& failedRank = *run->ranks[std::max(run->failedRank, 0)];
   std::string cause = fromCollective ? run->failureMessage
                                      : detail::concat("rank ", run->failedRank, " failed: ",
-                                                      run->ranks[run->failedRank]->error);
+                                                      failedRank.status == RankStatus::kRemote ? run->peerRankError
+                                                                                               : failedRank.error);
   std::string summary;
   for (const auto& [message, ranks] : byMessage)
     summary += detail::concat(ranks.size() == 1 ? "\n  rank " : "\n  ranks ", rankList(ranks), ": ",

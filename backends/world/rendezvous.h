@@ -45,6 +45,20 @@ struct Collective {
   std::vector<TransportToken> issued;  // what Transport::issued returned for each member
 };
 
+// What a transport whose world spans processes reports back to the rendezvous, from its own thread.
+class PeerSink {
+ public:
+  virtual ~PeerSink() = default;
+  // Every peer process's part of exchange `key`, in the order of the processes exchange() named.
+  virtual void delivered(const std::string& key, std::vector<std::string> parts) = 0;
+  // A peer's world failed: kind, the message every rank's CollectiveError carries, and the failed
+  // rank with its error when a rank's own exception was the cause (rank -1 otherwise).
+  virtual void peerFailed(CollectiveFailure kind, const std::string& message, int rank,
+                          const std::string& rankError) = 0;
+  // Every peer process's ranks have returned from this run.
+  virtual void peersFinished() = 0;
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -69,6 +83,33 @@ class Transport {
   // The world failed: abandon transfers in flight (NCCL: abort the communicators) so that nothing
   // waits on them. Called once, under the rendezvous lock.
   virtual void abort() {}
+
+  // A world spread over processes runs only this process's ranks here. A collective whose group
+  // spans processes is matched among the local members, then each process of the group sends its
+  // part (fingerprint, local inputs) to the others through exchange(); every process computes its
+  // members' outputs from all the inputs with execute(), so results do not depend on the spread.
+  virtual int processOf(int globalRank) const {
+    (void)globalRank;
+    return 0;
+  }
+  virtual int process() const { return 0; }
+  // One run() begins (a sink) or ends (null).
+  virtual void attach(std::shared_ptr<PeerSink> sink) { (void)sink; }
+  // Sends `part` to `processes` and delivers theirs under the same key. Never blocks.
+  virtual void exchange(const std::string& key, const std::vector<int>& processes, std::string part) {
+    (void)key;
+    (void)processes;
+    (void)part;
+  }
+  // This process's world failed (not on a peer's word): tell every peer. Never blocks.
+  virtual void failed(CollectiveFailure kind, const std::string& message, int rank, const std::string& rankError) {
+    (void)kind;
+    (void)message;
+    (void)rank;
+    (void)rankError;
+  }
+  // Every rank of this process returned: tell every peer. Never blocks.
+  virtual void finished() {}
 };
 
 // "0-3,5,7": a compact list of ranks, as the fabric names groups ("tp[0-3]") in its messages.

@@ -11,6 +11,7 @@
 
 #include "tools/lib/backend.h"
 #include "tools/lib/input_file.h"
+#include "tools/lib/job.h"
 #include "tools/cli/cli.h"
 #include "tools/lib/output_files.h"
 #include "tools/lib/runner.h"
@@ -100,6 +101,7 @@ int demoMain(const std::vector<std::string>& args) {
               c.gtpRemat > 1 ? " and GTP_remat peer g the batch block g" : "");
   const TensorMap inputs = generateInputs(c);
   const RunResult r = runSharded(c, inputs);
+  if (jobProcess() != 0) return 0;  // process 0 reports (docs/distributed.md)
   const LayerGrid grid(c.tp, c.gtpRemat);
 
   // Each parameter's placement, then the blocks of it each rank holds (tpsim layout draws them).

@@ -16,6 +16,7 @@
 #include "backends/errors.h"
 #include "backends/world.h"
 #include "tools/lib/backend.h"
+#include "tools/lib/job.h"
 #include "tools/cli/cli.h"
 #include "tools/lib/layout.h"
 #include "tpsim_config.h"
@@ -172,5 +173,9 @@ int main(int argc, char** argv) {
   }
   const std::string command = args[0];
   args.erase(args.begin());
-  return checkStdout(command, runCommand(command, args));
+  // Under an MPI launcher every process runs the command on its share of the ranks; process 0 alone
+  // prints the report (docs/distributed.md). Errors still come from every process, on stderr.
+  tpsim::tools::joinJob();
+  if (tpsim::tools::jobProcess() != 0 && !std::freopen("/dev/null", "w", stdout)) return 2;
+  return tpsim::tools::leaveJob(checkStdout(command, runCommand(command, args)));
 }

@@ -14,6 +14,7 @@
 #include "tools/lib/backend.h"
 #include "tools/cli/cli.h"
 #include "tools/lib/input_file.h"
+#include "tools/lib/job.h"
 #include "tools/lib/memory.h"
 #include "tools/lib/npy.h"
 #include "tools/lib/output_files.h"
@@ -340,6 +341,13 @@ RunArgs parseRunArgs(const std::vector<std::string>& args) {
   if (vm.count("trace") && trace.file.empty()) throw UsageError{"--trace: expected a file path, got an empty path"};
   checkTraceOptions(trace, !vm["clock"].defaulted(), !vm["device-model"].defaulted());
   c.record = !trace.file.empty();
+  // Spread over an MPI job, only process 0 holds every rank's results; the ranks' records and
+  // checkpoint chunks stay where they ran.
+  for (const auto& [flag, used] : {std::pair<const char*, bool>{"--trace", c.record},
+                                   std::pair<const char*, bool>{"--save-checkpoint", !out.saveCheckpoint.empty()}})
+    if (used && jobProcesses() > 1)
+      throw UsageError{std::string(flag) + ": expected a run in one process, got an MPI job of " +
+                       std::to_string(jobProcesses()) + " processes (docs/distributed.md)"};
   if (!out.loadCheckpoint.empty() || !out.saveCheckpoint.empty()) checkCheckpointable(c);
   out.progressAfter = progressDelay();
   return out;
@@ -402,6 +410,7 @@ int runMain(const std::vector<std::string>& args) {
   CheckpointWriter writer(c.layer->name());
   const RunResult result = runSharded(
       c, inputs, {reader ? &*reader : nullptr, saveCheckpoint.empty() ? nullptr : &writer}, &progress, false);
+  if (jobProcess() != 0) return 0;  // process 0 verifies, writes and reports (docs/distributed.md)
   std::size_t collectives = 0, splits = 0;
   for (const auto& events : result.trace)
     for (const auto& e : events) ++(e.op == "split" ? splits : collectives);

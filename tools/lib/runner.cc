@@ -12,6 +12,7 @@
 #include "core/process_groups.h"
 #include "core/rank_grid.h"
 #include "tools/lib/backend.h"
+#include "tools/lib/job.h"
 
 namespace tpsim::tools {
 namespace {
@@ -114,7 +115,7 @@ RunResult runSharded(const RunConfig& config, const TensorMap& in, const Checkpo
   wo.trace = true;
   wo.faults = c.faults;
   wo.timeout = c.timeout;
-  const std::unique_ptr<World> world = makeWorld(c.backend, wo);
+  const std::unique_ptr<World> world = makeJobWorld(c.backend, wo);
   std::vector<RankRecord> records(c.record ? std::size_t(grid.size()) : 0);
   const TraceClock::time_point t0 = TraceClock::now();
   auto rankMain = [&](RankContext& base) {
@@ -180,11 +181,15 @@ RunResult runSharded(const RunConfig& config, const TensorMap& in, const Checkpo
   };
   if (progress) progress->counted({"forward", "backward"}, grid.size());
   runWorld(*world, rankMain);
+  // Spread over an MPI job, process 0 assembles every rank's results; the other processes are done.
+  std::vector<std::vector<TraceEvent>> trace = world->trace();
+  gatherRanks(per.results, trace, c.timeout);
+  if (jobProcess() != 0) return {};
   if (progress) progress->phase("assemble");
 
   // Each result with the placement that puts its ranks' tensors together.
   RunResult r;
-  r.trace = world->trace();
+  r.trace = std::move(trace);
   r.records = std::move(records);
   r.placements = std::move(per.placements);
   auto placement = [&](const std::string& name) { return placementNamed(r.placements, name); };

@@ -1,0 +1,441 @@
+#include "backends/mpi/session.h"
+
+#include <mpi.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "backends/errors.h"
+#include "backends/world/rendezvous.h"
+#include "sim/world.h"
+
+namespace tpsim::mpi {
+
+int processOf(int rank, int size, int processes) { return rank / (size / processes); }
+
+std::string placementError(int size, int processes) {
+  if (size % processes == 0) return "";
+  return detail::concat("a world of ", size, " ranks cannot spread over ", processes,
+                        " processes: expected a number of processes that divides ", size, " (each runs size / P ranks), got ",
+                        processes);
+}
+
+bool Session::launched() {
+  // Open MPI's mpirun, PMIx launchers (srun --mpi=pmix, prterun), PMI-2 launchers (srun --mpi=pmi2).
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK"})
+    if (std::getenv(name)) return true;
+  return false;
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Message tags; every payload starts with the key of the run it belongs to.
+enum Tag : int { kPart = 1, kFailed = 2, kFinished = 3 };
+
+void putString(std::string& out, const std::string& s) {
+  const auto size = std::uint32_t(s.size());
+  out.append(reinterpret_cast<const char*>(&size), sizeof size);
+  out += s;
+}
+
+std::string getString(const std::string& in, std::size_t& at) {
+  std::uint32_t size = 0;
+  TPSIM_INTERNAL_ASSERT(at + sizeof size <= in.size(), "a peer's message is truncated");
+  std::memcpy(&size, in.data() + at, sizeof size);
+  at += sizeof size;
+  TPSIM_INTERNAL_ASSERT(at + size <= in.size(), "a peer's message is truncated");
+  at += size;
+  return in.substr(at - size, size);
+}
+
+struct FailNotice {
+  CollectiveFailure kind = CollectiveFailure::kPeerFailed;
+  std::string message;
+  int rank = -1;
+  std::string rankError;
+};
+
+// The run a process's rendezvous has attached: where its exchanges, failures and finish go.
+struct ActiveRun {
+  std::string key;
+  std::shared_ptr<world::PeerSink> sink;
+  std::vector<int> peers;
+  bool failureReported = false;
+  bool finishReported = false;
+};
+
+}  // namespace
+
+// The job's communicator and the one thread that calls MPI after MPI_Init (MPI_THREAD_SERIALIZED):
+// it posts the sends the rendezvous queues, receives whatever arrives, in any order and ahead of
+// the run it belongs to, and hands each run what it waits for. Nothing here blocks on a peer, so a
+// peer that dies or hangs costs a timeout of the rendezvous, not a hang.
+struct Session::Impl {
+  MPI_Comm comm = MPI_COMM_NULL;
+  int process = 0;
+  int processes = 1;
+  int nextWorld = 0;  // worlds made so far: a world's key, the same in every process
+  int nextGather = 0;
+
+  std::mutex mu;
+  std::deque<std::tuple<int, int, std::shared_ptr<std::string>>> outbox;  // (dest, tag, payload)
+  std::map<std::string, std::map<int, std::string>> parts;                // exchange key -> process -> part
+  std::map<std::string, std::vector<int>> awaited;                        // exchange key -> processes
+  std::map<std::string, FailNotice> failures;                             // run key -> first notice
+  std::map<std::string, std::set<int>> finished;                          // run key -> processes
+  ActiveRun active;
+  std::atomic<bool> stop{false};
+  Clock::time_point stopDeadline;  // how long a stopping progress thread lets its sends complete
+  std::thread progress;
+  // Transfers a peer never completed before the process ended: MPI may still use their buffers.
+  std::vector<std::shared_ptr<std::string>> abandoned;
+
+  void send(const std::vector<int>& to, Tag tag, std::string payload) {
+    auto shared = std::make_shared<std::string>(std::move(payload));
+    std::lock_guard<std::mutex> lock(mu);
+    for (int p : to) outbox.emplace_back(p, tag, shared);
+  }
+
+  // Caller holds mu. Drops what a run left behind once it ended.
+  void forget(const std::string& runKey) {
+    const std::string prefix = runKey + "/";
+    for (auto it = parts.lower_bound(prefix); it != parts.end() && it->first.compare(0, prefix.size(), prefix) == 0;)
+      it = parts.erase(it);
+    for (auto it = awaited.lower_bound(prefix); it != awaited.end() && it->first.compare(0, prefix.size(), prefix) == 0;)
+      it = awaited.erase(it);
+    failures.erase(runKey);
+    finished.erase(runKey);
+  }
+
+  void received(int source, int tag, std::string payload) {
+    std::size_t at = 0;
+    std::lock_guard<std::mutex> lock(mu);
+    switch (tag) {
+      case kPart: {
+        std::string key = getString(payload, at);
+        parts[key][source] = payload.substr(at);
+        break;
+      }
+      case kFailed: {
+        const std::string runKey = getString(payload, at);
+        FailNotice notice;
+        TPSIM_INTERNAL_ASSERT(at + 1 + sizeof(std::int32_t) <= payload.size(), "a peer's message is truncated");
+        notice.kind = static_cast<CollectiveFailure>(payload[at]);
+        std::int32_t rank = 0;
+        std::memcpy(&rank, payload.data() + at + 1, sizeof rank);
+        at += 1 + sizeof rank;
+        notice.rank = rank;
+        notice.message = getString(payload, at);
+        notice.rankError = getString(payload, at);
+        failures.emplace(runKey, std::move(notice));
+        break;
+      }
+      case kFinished: finished[getString(payload, at)].insert(source); break;
+      default: TPSIM_INTERNAL_ASSERT(false, "a message with unknown tag ", tag, " from process ", source);
+    }
+  }
+
+  void progressLoop() {
+    std::vector<std::pair<MPI_Request, std::shared_ptr<std::string>>> sending;
+    // Receives are nonblocking too: the data of a matched message may never come (its sender died).
+    struct Receive {
+      MPI_Request request;
+      int source, tag;
+      std::shared_ptr<std::string> payload;
+    };
+    std::vector<Receive> receiving;
+    int idle = 0;
+    // Stops once told to and every queued send is posted: a failure's notice must leave.
+    for (bool last = false; !last;) {
+      last = stop.load();
+      bool busy = false;
+      std::deque<std::tuple<int, int, std::shared_ptr<std::string>>> queued;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        queued.swap(outbox);
+      }
+      for (auto& [dest, tag, payload] : queued) {
+        MPI_Request request;
+        MPI_Isend(payload->data(), int(payload->size()), MPI_BYTE, dest, tag, comm, &request);
+        sending.emplace_back(request, payload);
+        busy = true;
+      }
+      for (std::size_t i = 0; i < sending.size();) {
+        int done = 0;
+        MPI_Test(&sending[i].first, &done, MPI_STATUS_IGNORE);
+        if (done) {
+          sending[i] = std::move(sending.back());
+          sending.pop_back();
+        } else {
+          ++i;
+        }
+      }
+      for (;;) {
+        int ready = 0;
+        MPI_Message message;
+        MPI_Status status;
+        MPI_Improbe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm, &ready, &message, &status);
+        if (!ready) break;
+        int bytes = 0;
+        MPI_Get_count(&status, MPI_BYTE, &bytes);
+        Receive r{MPI_REQUEST_NULL, status.MPI_SOURCE, status.MPI_TAG, std::make_shared<std::string>(std::size_t(bytes), '\0')};
+        MPI_Imrecv(r.payload->data(), bytes, MPI_BYTE, &message, &r.request);
+        receiving.push_back(std::move(r));
+        busy = true;
+      }
+      for (std::size_t i = 0; i < receiving.size();) {
+        int done = 0;
+        MPI_Test(&receiving[i].request, &done, MPI_STATUS_IGNORE);
+        if (done) {
+          received(receiving[i].source, receiving[i].tag, std::move(*receiving[i].payload));
+          receiving[i] = std::move(receiving.back());
+          receiving.pop_back();
+          busy = true;
+        } else {
+          ++i;
+        }
+      }
+      busy = dispatch() || busy;
+      // Back off to a 1 ms poll when nothing moves and nothing is awaited: the processes may share
+      // few cores. A large message moves only as both ends poll, so transfers in flight keep it short.
+      bool inFlight = !sending.empty() || !receiving.empty();
+      if (!inFlight) {
+        std::lock_guard<std::mutex> lock(mu);
+        inFlight = !awaited.empty();
+      }
+      idle = busy ? 0 : std::min(idle + 1, inFlight ? 100 : 1000);
+      if (idle > 100) std::this_thread::sleep_for(std::chrono::microseconds(idle));
+      else if (idle > 0) std::this_thread::yield();
+    }
+    // A large send completes only as its peer receives it: give the peers until the deadline, then
+    // leave the rest to MPI (a peer that failed or died no longer listens).
+    while (!sending.empty() && Clock::now() < stopDeadline) {
+      int done = 0;
+      MPI_Test(&sending.back().first, &done, MPI_STATUS_IGNORE);
+      if (done) sending.pop_back();
+      else std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    for (auto& s : sending) {
+      MPI_Request_free(&s.first);
+      abandoned.push_back(std::move(s.second));
+    }
+    for (Receive& r : receiving) {
+      MPI_Request_free(&r.request);
+      abandoned.push_back(std::move(r.payload));
+    }
+  }
+
+  // Hands the active run what arrived for it, outside mu (the sink takes the rendezvous' lock,
+  // under which the rendezvous calls send()).
+  bool dispatch() {
+    std::shared_ptr<world::PeerSink> sink;
+    std::vector<std::pair<std::string, std::vector<std::string>>> complete;
+    std::optional<FailNotice> failure;
+    bool allFinished = false;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!active.sink) return false;
+      sink = active.sink;
+      auto f = failures.find(active.key);
+      if (f != failures.end() && !active.failureReported) {
+        failure = f->second;
+        active.failureReported = true;
+      }
+      for (auto it = awaited.begin(); it != awaited.end();) {
+        auto got = parts.find(it->first);
+        bool all = got != parts.end();
+        for (int p : it->second) all = all && got->second.count(p);
+        if (!all) {
+          ++it;
+          continue;
+        }
+        std::vector<std::string> ordered;
+        for (int p : it->second) ordered.push_back(std::move(got->second[p]));
+        complete.emplace_back(it->first, std::move(ordered));
+        parts.erase(got);
+        it = awaited.erase(it);
+      }
+      if (!active.finishReported && finished[active.key].size() == active.peers.size()) {
+        active.finishReported = allFinished = true;
+      }
+    }
+    if (failure) sink->peerFailed(failure->kind, failure->message, failure->rank, failure->rankError);
+    for (auto& [key, ordered] : complete) sink->delivered(key.substr(key.find('/') + 1), std::move(ordered));
+    if (allFinished) sink->peersFinished();
+    return failure || !complete.empty() || allFinished;
+  }
+};
+
+namespace {
+
+// The simulator's data movement for the members this process runs, with the peers reached
+// through the session.
+class Transport final : public world::Transport {
+ public:
+  Transport(std::shared_ptr<Session::Impl> session, int size)
+      : session_(std::move(session)), size_(size), world_(session_->nextWorld++) {
+    for (int p = 0; p < session_->processes; ++p)
+      if (p != session_->process) peers_.push_back(p);
+  }
+
+  Device device() const override { return Device::kHost; }
+  world::TransportToken execute(const world::Collective& c) override { return host_.execute(c); }
+  int processOf(int globalRank) const override { return mpi::processOf(globalRank, size_, session_->processes); }
+  int process() const override { return session_->process; }
+
+  void attach(std::shared_ptr<world::PeerSink> sink) override {
+    Session::Impl& s = *session_;
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (!sink) {
+      s.forget(s.active.key);
+      s.active = ActiveRun{};
+      return;
+    }
+    s.active = ActiveRun{detail::concat("w", world_, ".", runs_++), std::move(sink), peers_, false, false};
+  }
+
+  void exchange(const std::string& key, const std::vector<int>& processes, std::string part) override {
+    Session::Impl& s = *session_;
+    std::string fullKey;
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      fullKey = s.active.key + "/" + key;
+      s.awaited[fullKey] = processes;
+    }
+    std::string payload;
+    putString(payload, fullKey);
+    payload += part;
+    s.send(processes, kPart, std::move(payload));
+  }
+
+  void failed(CollectiveFailure kind, const std::string& message, int rank, const std::string& rankError) override {
+    std::string payload;
+    putString(payload, activeKey());
+    payload += char(kind);
+    const auto rank32 = std::int32_t(rank);
+    payload.append(reinterpret_cast<const char*>(&rank32), sizeof rank32);
+    putString(payload, message);
+    putString(payload, rankError);
+    session_->send(peers_, kFailed, std::move(payload));
+  }
+
+  void finished() override {
+    std::string payload;
+    putString(payload, activeKey());
+    session_->send(peers_, kFinished, std::move(payload));
+  }
+
+ private:
+  std::string activeKey() {
+    std::lock_guard<std::mutex> lock(session_->mu);
+    return session_->active.key;
+  }
+
+  std::shared_ptr<Session::Impl> session_;
+  int size_;
+  int world_;
+  int runs_ = 0;
+  std::vector<int> peers_;
+  sim::HostTransport host_;
+};
+
+}  // namespace
+
+Session::Session() : impl_(std::make_shared<Impl>()) {
+  int provided = 0;
+  MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+  TPSIM_CHECK(provided >= MPI_THREAD_SERIALIZED, "mpi: the MPI library provides thread level ", provided,
+              "; expected MPI_THREAD_SERIALIZED (", MPI_THREAD_SERIALIZED, ") or higher");
+  MPI_Comm_dup(MPI_COMM_WORLD, &impl_->comm);
+  // A peer that died shows as a timeout of the rendezvous, not as an abort inside MPI.
+  MPI_Comm_set_errhandler(impl_->comm, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(impl_->comm, &impl_->process);
+  MPI_Comm_size(impl_->comm, &impl_->processes);
+  impl_->progress = std::thread([impl = impl_.get()] { impl->progressLoop(); });
+}
+
+Session::~Session() {
+  if (impl_->progress.joinable()) finish(0, std::chrono::milliseconds(60'000));
+}
+
+int Session::process() const { return impl_->process; }
+int Session::processes() const { return impl_->processes; }
+
+std::unique_ptr<World> Session::makeWorld(const WorldOptions& options) {
+  const std::string error = placementError(options.size, impl_->processes);
+  if (!error.empty()) throw Error(error);
+  return std::make_unique<sim::World>(options, std::make_shared<Transport>(impl_, options.size));
+}
+
+std::vector<std::string> Session::gather(std::string mine, std::chrono::milliseconds timeout) {
+  Impl& s = *impl_;
+  const std::string key = detail::concat("g", s.nextGather++);
+  if (s.process != 0) {
+    std::string payload;
+    putString(payload, key);
+    payload += mine;
+    s.send({0}, kPart, std::move(payload));
+    return {};
+  }
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      auto it = s.parts.find(key);
+      if (s.processes == 1 || (it != s.parts.end() && int(it->second.size()) == s.processes - 1)) {
+        std::vector<std::string> all{std::move(mine)};
+        for (int p = 1; p < s.processes; ++p) all.push_back(std::move(it->second[p]));
+        if (it != s.parts.end()) s.parts.erase(it);
+        return all;
+      }
+      if (Clock::now() > deadline) {
+        std::string missing;
+        for (int p = 1; p < s.processes; ++p)
+          if (it == s.parts.end() || !it->second.count(p)) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
+        throw Error(detail::concat("mpi: process 0 waited more than ", timeout.count(),
+                                   " ms for the ranks' results of process(es) ", missing));
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+void Session::finish(int exitCode, std::chrono::milliseconds timeout) {
+  // After a failure a peer may never take a part sent to it; after success every part was taken but
+  // the gathered results may still be on their way to process 0.
+  impl_->stopDeadline = Clock::now() + (exitCode == 0 ? timeout : std::chrono::milliseconds(0));
+  impl_->stop = true;
+  impl_->progress.join();
+  MPI_Request request;
+  int status = MPI_Ibarrier(impl_->comm, &request);
+  const auto deadline = Clock::now() + timeout;
+  int done = 0;
+  while (status == MPI_SUCCESS && !done && Clock::now() < deadline) {
+    status = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+    if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (status != MPI_SUCCESS || !done) {
+    // A process never came, or MPI saw one die: MPI_Finalize would wait for it. Ending here makes
+    // the launcher end the job (or, told to outlive failures, leaves the others their own timeouts).
+    std::fflush(nullptr);
+    std::_Exit(exitCode);
+  }
+  MPI_Comm_free(&impl_->comm);
+  MPI_Finalize();
+}
+
+}  // namespace tpsim::mpi

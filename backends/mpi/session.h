@@ -1,0 +1,63 @@
+// mpi::Session: a world spread over the processes of an MPI job (mpirun -np P, srun -n P).
+//
+// Each process runs a contiguous block of the world's ranks on its own rendezvous (the simulator's:
+// fibers, host memory). A collective whose group spans processes is matched among the local
+// members; then each process of the group sends the others its part, the fingerprint its members
+// issued and their inputs, and every process computes its members' outputs with the simulator's
+// own code from all the inputs, so the results are bitwise those of one process. A failure in one
+// process (a mismatch, a failed rank, a timeout) reaches every other one, and every process's
+// run() throws the same WorldError. docs/distributed.md.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backends/world.h"
+
+namespace tpsim::mpi {
+
+// Which process runs `rank` of a world of `size` ranks spread over `processes`: contiguous blocks
+// of size / processes ranks, process p running ranks [p·size/P, (p+1)·size/P).
+int processOf(int rank, int size, int processes);
+// Why a world of `size` ranks cannot spread over `processes` ("" when it can): each process needs
+// the same number of ranks.
+std::string placementError(int size, int processes);
+
+class Session {
+ public:
+  // Whether an MPI launcher (mpirun, mpiexec, srun) started this process.
+  static bool launched();
+
+  // Joins the job (MPI_Init_thread). One per process, before any world, never remade.
+  Session();
+  // Finalizes MPI unless finish() ended the process already.
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  int process() const;
+  int processes() const;
+
+  // A world of options.size ranks over every process of the job; each process calls it in the same
+  // order with the same options. Throws Error (placementError) when the ranks do not spread evenly.
+  std::unique_ptr<World> makeWorld(const WorldOptions& options);
+
+  // Process 0 gets every process's `mine`, by process; the others send theirs and get nothing.
+  // Every process calls it at the same point. Throws Error when a part has not come within `timeout`.
+  std::vector<std::string> gather(std::string mine, std::chrono::milliseconds timeout);
+
+  // Ends the job from this process with `exitCode`: waits at most `timeout` for every process to
+  // get here (none then ends while another still prints its report), finalizes MPI and returns.
+  // When a process never comes (killed, hung), this one exits with exitCode without finalizing,
+  // and Open MPI's launcher ends the job.
+  void finish(int exitCode, std::chrono::milliseconds timeout);
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace tpsim::mpi

@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# One check of a world spread over MPI processes (tests/mpi/CMakeLists.txt):
+#   mpi_test.sh MPIEXEC DRIVER bitwise P            12 ranks over P processes = 12 ranks in one, bit for bit
+#   mpi_test.sh MPIEXEC DRIVER placement P SIZE     SIZE ranks do not spread over P: exit 2 from every process
+#   mpi_test.sh MPIEXEC DRIVER fault P SIZE FAULT   exit 3 from every process within the timeout, none left
+#   mpi_test.sh MPIEXEC TPSIM run P                 tpsim run (and demo), every layer kind at T = 4, G = 3 (and G = 1,
+#                                                   sequence parallel where it applies) over P processes = in one:
+#                                                   the same report, the same files bit for bit
+#   mpi_test.sh MPIEXEC TPSIM runfail P             tpsim run over P processes: a rank's injected throw
+#                                                   ends every process with exit 3 and the same cause;
+#                                                   4 ranks over 3 processes: exit 2 from every process
+set -euo pipefail
+mpiexec=$1 driver=$2 mode=$3 p=$4
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+timeout_ms=3000
+
+fail() { echo "FAIL: $*" >&2; exit 1; }
+show() { echo "--- stdout"; cat "$tmp/out"; echo "--- stderr"; cat "$tmp/err"; }
+
+# Runs the driver under mpiexec with a hang guard; sets rc and elapsed (ms). Each process reports
+# its own exit status ("process exit N"): a launcher that outlives a killed process (Open MPI with
+# orte_enable_recovery) does not pass them on.
+spread() {
+  local start=$(date +%s%N)
+  set +e
+  timeout -k 5 100 "$mpiexec" -n "$p" \
+    sh -c '"$0" "$@" & pid=$!; echo "process pid $pid" >&2; wait $pid; s=$?; echo "process exit $s" >&2; exit $s' \
+    "$driver" "$@" \
+    >"$tmp/out" 2>"$tmp/err"
+  rc=$?
+  set -e
+  elapsed=$(( ($(date +%s%N) - start) / 1000000 ))
+  show
+  [ "$rc" -ne 124 ] || fail "mpiexec hung"
+  # No process left behind (a zombie whose parent the launcher ended is no longer running).
+  sleep 0.5
+  for pid in $(sed -n 's/^process pid //p' "$tmp/err"); do
+    state=$(ps -o stat= -p "$pid" || true)
+    [ -z "$state" ] || [[ "$state" == Z* ]] || fail "process $pid outlived mpiexec: $(ps -o stat=,args= -p "$pid")"
+  done
+  [ "$(grep -c "^process pid " "$tmp/err")" -eq "$p" ] || fail "expected $p processes started"
+}
+
+case "$mode" in
+  bitwise)
+    "$driver" 12 >"$tmp/one"
+    spread 12
+    [ "$rc" -eq 0 ] || fail "exit $rc, expected 0"
+    lines=$(wc -l <"$tmp/one")
+    [ "$lines" -eq $((12 * 15)) ] || fail "one process printed $lines hashes, expected $((12 * 15))"
+    diff <(sort "$tmp/one") <(sort "$tmp/out") || fail "the outputs of $p processes differ from one process's"
+    ;;
+  placement)
+    spread "$5"
+    [ "$rc" -eq 2 ] || fail "exit $rc, expected 2"
+    n=$(grep -c "exit 2: a world of $5 ranks cannot spread over $p processes" "$tmp/err" || true)
+    [ "$n" -eq "$p" ] || fail "$n processes reported the placement error, expected $p"
+    ;;
+  fault)
+    size=$5 fault=$6
+    spread "$size" "$timeout_ms" "$fault"
+    exits=$(grep -c "^process exit 3$" "$tmp/err" || true)
+    others=$(grep "^process exit " "$tmp/err" | grep -v "^process exit 3$" | grep -vc "^process exit 137$" || true)
+    # Every process within the timeout (and the launch), plus the final agreement's.
+    [ "$elapsed" -lt $((3 * timeout_ms + 20000)) ] || fail "took $elapsed ms"
+    expected=$p
+    [[ "$fault" != *:kill ]] || expected=$((p - 1))
+    grep "^process [0-9]*: exit 3: " "$tmp/err" | sed 's/^process [0-9]*: exit 3: //' | sort >"$tmp/causes" || true
+    # Once one process exits 3 the launcher may end the others (they have printed by then), unless
+    # it is told to outlive a killed process.
+    [ "$exits" -ge 1 ] && [ "$others" -eq 0 ] || fail "$exits processes exited 3, $others otherwise"
+    [[ "$fault" != *:kill ]] || [ "$exits" -eq "$expected" ] || fail "$exits processes exited 3, expected $expected"
+    [ "$(wc -l <"$tmp/causes")" -eq "$expected" ] || fail "$(wc -l <"$tmp/causes") processes reported the failure, expected $expected"
+    # The launcher's own status: 3, or (after a killed process, when it outlives it) 0.
+    [ "$rc" -eq 3 ] || { [[ "$fault" == *:kill ]] && [ "$rc" -eq 0 ]; } || fail "mpiexec exit $rc, expected 3"
+    # The same diagnostic from every process; a timeout may be seen first by any of them.
+    if [ "$(sort -u "$tmp/causes" | wc -l)" -ne 1 ]; then
+      ! grep -qv "^sim: timeout: " "$tmp/causes" || fail "processes reported different failures"
+    fi
+    ;;
+  run)
+    tpsim=$driver
+    for kind in column row embedding mlp grouped-column grouped-row; do
+      case "$kind" in
+        column | mlp) sp="-S" ;;
+        row) sp="-S --input-is-parallel" ;;
+        embedding) sp="--reduce-scatter-embeddings" ;;
+        *) sp="" ;;
+      esac
+      for grid in "--tp 4 -G 3 -b 3 --tokens 24" "--tp 4 -b 3 --seq 12 $sp"; do
+        args="run --layer $kind $grid"
+        "$tpsim" $args --save "$tmp/one" >"$tmp/one.txt" 2>&1 || fail "tpsim $args: exit $?: $(cat "$tmp/one.txt")"
+        # 4 ranks do not spread over 3 processes (tpsim_mpi_placement covers the refusal): 2 there.
+        spread_p=$p
+        [ $((4 % p)) -eq 0 ] || [[ "$grid" == *"-G 3"* ]] || spread_p=2
+        set +e
+        timeout -k 5 100 "$mpiexec" -n "$spread_p" "$tpsim" $args --save "$tmp/spread" >"$tmp/spread.txt" 2>"$tmp/err"
+        rc=$?
+        set -e
+        [ "$rc" -eq 0 ] || { cat "$tmp/err"; fail "mpiexec -n $spread_p tpsim $args: exit $rc"; }
+        diff <(sed "s|$tmp/one|DIR|" "$tmp/one.txt") <(sed "s|$tmp/spread|DIR|" "$tmp/spread.txt") ||
+          fail "tpsim $args: the report of $spread_p processes differs from one process's"
+        for f in "$tmp"/one/*; do
+          cmp "$f" "$tmp/spread/$(basename "$f")" || fail "tpsim $args: $(basename "$f") differs"
+        done
+        [ "$(ls "$tmp/one" | wc -l)" -eq "$(ls "$tmp/spread" | wc -l)" ] || fail "tpsim $args: other files"
+        rm -rf "$tmp/one" "$tmp/spread"
+      done
+    done
+    # tpsim demo: T = 4.
+    spread_p=$p
+    [ $((4 % p)) -eq 0 ] || spread_p=2
+    "$tpsim" demo >"$tmp/one.txt"
+    timeout -k 5 100 "$mpiexec" -n "$spread_p" "$tpsim" demo >"$tmp/spread.txt" || fail "mpiexec tpsim demo: exit $?"
+    diff "$tmp/one.txt" "$tmp/spread.txt" || fail "tpsim demo: the report of $spread_p processes differs"
+    ;;
+  runfail)
+    driver=$2
+    spread run --layer mlp --tp 4 --inject 3:1:throw --timeout 5
+    [ "$rc" -eq 3 ] || fail "exit $rc, expected 3"
+    n=$(grep -c "^tpsim run: the simulated world failed: rank 3 failed: injected fault: rank 3 throws" "$tmp/err" || true)
+    [ "$n" -eq "$p" ] || fail "$n processes reported rank 3's fault, expected $p"
+    p=3
+    spread run --layer mlp --tp 4
+    [ "$rc" -eq 2 ] || fail "exit $rc, expected 2"
+    n=$(grep -c "^tpsim run: --tp x --gtp-remat: a world of 4 ranks cannot spread over 3 processes" "$tmp/err" || true)
+    [ "$n" -eq 3 ] || fail "$n processes reported the placement error, expected 3"
+    ;;
+  *) fail "unknown mode $mode" ;;
+esac
+echo "OK ($mode, $p processes)"

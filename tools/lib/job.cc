@@ -1,0 +1,156 @@
+#include "tools/lib/job.h"
+
+#include <cstdio>
+#include <cstring>
+
+#include "backends/errors.h"
+#include "tools/lib/backend.h"
+#include "tools/lib/usage_error.h"
+#include "tpsim_config.h"
+#if TPSIM_HAVE_MPI
+#include "backends/mpi/session.h"
+#endif
+
+namespace tpsim::tools {
+
+#if TPSIM_HAVE_MPI
+namespace {
+
+std::unique_ptr<mpi::Session>& session() {
+  static std::unique_ptr<mpi::Session> s;
+  return s;
+}
+
+// The wire form of one process's ranks: raw values in this machine's byte order, as backends/mpi/ sends.
+template <class T>
+void put(std::string& out, const T& v) {
+  out.append(reinterpret_cast<const char*>(&v), sizeof v);
+}
+void putString(std::string& out, const std::string& s) {
+  put(out, std::uint64_t(s.size()));
+  out += s;
+}
+
+struct Reader {
+  const std::string& in;
+  std::size_t at = 0;
+  template <class T>
+  T get() {
+    T v;
+    TPSIM_INTERNAL_ASSERT(at + sizeof v <= in.size(), "a process's gathered results are truncated");
+    std::memcpy(&v, in.data() + at, sizeof v);
+    at += sizeof v;
+    return v;
+  }
+  std::string getString() {
+    const auto size = get<std::uint64_t>();
+    TPSIM_INTERNAL_ASSERT(at + size <= in.size(), "a process's gathered results are truncated");
+    at += size;
+    return in.substr(at - size, size);
+  }
+};
+
+}  // namespace
+
+void joinJob() {
+  if (mpi::Session::launched()) session() = std::make_unique<mpi::Session>();
+}
+int jobProcess() { return session() ? session()->process() : 0; }
+int jobProcesses() { return session() ? session()->processes() : 1; }
+
+int leaveJob(int code) {
+  // The other processes wait for process 0, which may still verify and write a large run's results
+  // (the job ends when one process leaves without the others); a failed process's peers fail within
+  // their timeouts.
+  if (session()) session()->finish(code, code == 0 ? std::chrono::hours(1) : std::chrono::minutes(1));
+  return code;
+}
+
+std::unique_ptr<World> makeJobWorld(const std::string& backend, const WorldOptions& options) {
+  if (jobProcesses() == 1) return makeWorld(backend, options);
+  if (backend != "sim")
+    throw UsageError{"--backend " + backend + ": expected sim under an MPI launcher (" +
+                     std::to_string(jobProcesses()) + " processes); a spread world is the simulator's"};
+  const std::string error = mpi::placementError(options.size, jobProcesses());
+  if (!error.empty()) throw UsageError{"--tp x --gtp-remat: " + error};
+  if (jobProcess() == 0) {
+    std::string map;
+    for (int p = 0; p < jobProcesses(); ++p) {
+      const int first = p * options.size / jobProcesses(), last = (p + 1) * options.size / jobProcesses() - 1;
+      map += detail::concat(p == 0 ? "" : ", ", p, ": ", first, first == last ? "" : detail::concat("-", last));
+    }
+    // stderr: the report on stdout is the same as one process's.
+    std::fprintf(stderr, "tpsim: %d ranks over %d MPI processes (process: ranks): %s\n", options.size,
+                 jobProcesses(), map.c_str());
+  }
+  return session()->makeWorld(options);
+}
+
+void gatherRanks(std::vector<std::map<std::string, StoredTensor>>& results, std::vector<std::vector<TraceEvent>>& trace,
+                 std::chrono::milliseconds timeout) {
+  if (jobProcesses() == 1) return;
+  const int size = int(results.size());
+  std::string mine;
+  for (int r = 0; r < size; ++r) {
+    if (mpi::processOf(r, size, jobProcesses()) != jobProcess()) continue;
+    put(mine, std::uint64_t(results[std::size_t(r)].size()));
+    for (const auto& [name, t] : results[std::size_t(r)]) {
+      putString(mine, name);
+      put(mine, t.dtype);
+      put(mine, std::uint64_t(t.shape.size()));
+      for (std::int64_t d : t.shape) put(mine, d);
+      put(mine, std::uint64_t(t.bytes.size()));
+      mine.append(t.bytes.data(), t.bytes.size());
+    }
+    put(mine, std::uint64_t(trace[std::size_t(r)].size()));
+    for (const TraceEvent& e : trace[std::size_t(r)]) {
+      putString(mine, e.op);
+      putString(mine, e.group);
+      put(mine, e.seq);
+      putString(mine, e.dtype);
+      put(mine, e.bytes);
+    }
+  }
+  const std::vector<std::string> parts = session()->gather(std::move(mine), timeout);
+  for (int p = 1; p < int(parts.size()); ++p) {
+    Reader in{parts[std::size_t(p)]};
+    for (int r = 0; r < size; ++r) {
+      if (mpi::processOf(r, size, jobProcesses()) != p) continue;
+      std::map<std::string, StoredTensor>& map = results[std::size_t(r)];
+      for (auto n = in.get<std::uint64_t>(); n > 0; --n) {
+        const std::string name = in.getString();
+        StoredTensor& t = map[name];
+        t.dtype = in.get<DType>();
+        t.shape.resize(in.get<std::uint64_t>());
+        for (std::int64_t& d : t.shape) d = in.get<std::int64_t>();
+        const std::string bytes = in.getString();  // as putString writes it: its size, then the bytes
+        t.bytes.assign(bytes.begin(), bytes.end());
+      }
+      auto& events = trace[std::size_t(r)];
+      events.resize(in.get<std::uint64_t>());
+      for (TraceEvent& e : events) {
+        e.op = in.getString();
+        e.group = in.getString();
+        e.seq = in.get<std::uint64_t>();
+        e.dtype = in.getString();
+        e.bytes = in.get<std::int64_t>();
+      }
+    }
+  }
+}
+
+#else
+
+void joinJob() {}
+int jobProcess() { return 0; }
+int jobProcesses() { return 1; }
+int leaveJob(int code) { return code; }
+std::unique_ptr<World> makeJobWorld(const std::string& backend, const WorldOptions& options) {
+  return makeWorld(backend, options);
+}
+void gatherRanks(std::vector<std::map<std::string, StoredTensor>>&, std::vector<std::vector<TraceEvent>>&,
+                 std::chrono::milliseconds) {}
+
+#endif
+
+}  // namespace tpsim::tools

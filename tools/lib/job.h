@@ -1,0 +1,32 @@
+// The MPI job a launcher (mpirun, srun) started this process in, where the build has MPI: `tpsim
+// run` then spreads its world over the job's processes, and process 0 gathers the ranks' results,
+// verifies, writes and prints (docs/distributed.md). Without a launcher: process 0 of 1.
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backends/world.h"
+#include "tools/lib/host_tensor.h"
+
+namespace tpsim::tools {
+
+// Joins the job when a launcher started this process; once, from main, before any command.
+void joinJob();
+int jobProcess();
+int jobProcesses();
+// Ends this process's part of the job with the command's exit code, returned (mpi::Session::finish).
+int leaveJob(int code);
+
+// makeWorld, spread over the job's processes when there are several (simulator only). Throws
+// UsageError (exit 2) when the ranks do not spread evenly.
+std::unique_ptr<World> makeJobWorld(const std::string& backend, const WorldOptions& options);
+// After a run on a makeJobWorld world: on process 0, every rank's results and trace, which only the
+// process that ran a rank filled; elsewhere unchanged. Waits at most `timeout` for the processes.
+void gatherRanks(std::vector<std::map<std::string, StoredTensor>>& results, std::vector<std::vector<TraceEvent>>& trace,
+                 std::chrono::milliseconds timeout);
+
+}  // namespace tpsim::tools
