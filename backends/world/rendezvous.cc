@@ -14,6 +14,7 @@
 
 #include "backends/stop.h"
 #include "backends/threads.h"
+#include "backends/wire.h"
 #include "backends/world/fiber.h"
 
 namespace tpsim::world {
@@ -409,29 +410,6 @@ Collective collectiveOf(const Op& op) {
 // A process's part of an exchange: the fingerprint its members issued, whether a fault altered it,
 // each member's group rank (and split color and key), then their inputs unless no data moves.
 // Processes of one world share the machine's byte order (mpirun on one kind of node).
-template <class T>
-void put(std::string& out, const T& v) {
-  out.append(reinterpret_cast<const char*>(&v), sizeof v);
-}
-
-struct PartReader {
-  const std::string& bytes;
-  std::size_t at = 0;
-  template <class T>
-  T get() {
-    T v;
-    TPSIM_INTERNAL_ASSERT(at + sizeof v <= bytes.size(), "a peer's exchange part is truncated");
-    std::memcpy(&v, bytes.data() + at, sizeof v);
-    at += sizeof v;
-    return v;
-  }
-  const char* take(std::size_t n) {
-    TPSIM_INTERNAL_ASSERT(at + n <= bytes.size(), "a peer's exchange part is truncated");
-    at += n;
-    return bytes.data() + at - n;
-  }
-};
-
 bool movesData(const Op& op) { return !op.faulty && op.fp.kind != OpKind::kSplit && op.fp.kind != OpKind::kBarrier; }
 
 std::string exchangeKey(const Op& op) { return detail::concat(op.group->id, "#", op.seq); }
@@ -439,21 +417,21 @@ std::string exchangeKey(const Op& op) { return detail::concat(op.group->id, "#",
 // Caller holds mu. Every local member of op has issued it: send this process's part to the peers.
 void startExchange(RunState& run, Op& op) {
   std::string part;
-  put(part, op.fp.kind);
-  put(part, op.fp.dtype);
-  put(part, op.fp.inCount);
-  put(part, op.fp.outCount);
-  put(part, op.fp.reduce);
-  put(part, op.fp.root);
-  put(part, std::uint32_t(op.fp.label.size()));
+  wire::put(part, op.fp.kind);
+  wire::put(part, op.fp.dtype);
+  wire::put(part, op.fp.inCount);
+  wire::put(part, op.fp.outCount);
+  wire::put(part, op.fp.reduce);
+  wire::put(part, op.fp.root);
+  wire::put(part, std::uint32_t(op.fp.label.size()));
   part += op.fp.label;
-  put(part, std::uint8_t(op.faulty));
-  put(part, std::uint32_t(op.group->localMembers));
+  wire::put(part, std::uint8_t(op.faulty));
+  wire::put(part, std::uint32_t(op.group->localMembers));
   for (std::size_t r = 0; r < op.arrived.size(); ++r) {
     if (!op.arrived[r]) continue;
-    put(part, std::int32_t(r));
-    put(part, std::int32_t(op.splitColor[r]));
-    put(part, std::int32_t(op.splitKey[r]));
+    wire::put(part, std::int32_t(r));
+    wire::put(part, std::int32_t(op.splitColor[r]));
+    wire::put(part, std::int32_t(op.splitKey[r]));
   }
   if (movesData(op))
     for (std::size_t r = 0; r < op.arrived.size(); ++r)
@@ -473,7 +451,7 @@ void completeExchange(RunState& run, Op& op, const std::vector<std::string>& par
   std::vector<int> partOf(n, -1);
   bool mismatch = false;
   for (std::size_t p = 0; p < parts.size(); ++p) {
-    PartReader in{parts[p]};
+    wire::Reader in(parts[p], "a peer's exchange part");
     Fingerprint fp;
     fp.kind = in.get<OpKind>();
     fp.dtype = in.get<DType>();
@@ -495,7 +473,7 @@ void completeExchange(RunState& run, Op& op, const std::vector<std::string>& par
       op.splitKey[r] = in.get<std::int32_t>();
       partOf[r] = int(p);
     }
-    dataAt[p] = in.at;
+    dataAt[p] = in.at();
     mismatch = mismatch || !(fp == op.fp);
   }
   if (mismatch) {

@@ -239,30 +239,13 @@ Tensor toBackend(Compute& compute, const HostTensor& t) {
   return out;
 }
 
-HostTensor fromBackend(Compute& compute, ConstView v) {
-  Tensor dense;
-  if (!v.isContiguous()) {
-    dense = compute.empty(v.shape(), v.dtype());
-    compute.copy(v, dense);
-    v = dense;
-  }
-  std::vector<char> bytes(v.bytes());
-  compute.download(v, bytes.data());
-  HostTensor out;
-  for (int i = 0; i < v.rank(); ++i) out.shape.push_back(v.dim(i));
-  out.dtype = v.dtype();
-  out.values.resize(std::size_t(v.numel()));
-  for (std::size_t i = 0; i < out.values.size(); ++i)
-    out.values[i] = loadAsDouble(v.dtype(), bytes.data() + i * dtypeSize(v.dtype()));
-  return out;
-}
-
-
 HostTensor hostOf(const StoredTensor& t) {
   HostTensor out{t.shape, t.dtype, std::vector<double>(std::size_t(t.numel()))};
   for (std::size_t i = 0; i < out.values.size(); ++i) out.values[i] = t.at(std::int64_t(i));
   return out;
 }
+
+HostTensor fromBackend(Compute& compute, ConstView v) { return hostOf(storedFromBackend(compute, v)); }
 
 StoredTensor storedFromBackend(Compute& compute, ConstView v) {
   Tensor dense;

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "backends/errors.h"
+#include "backends/wire.h"
 #include "tools/lib/backend.h"
 #include "tools/lib/usage_error.h"
 #include "tpsim_config.h"
@@ -21,34 +22,6 @@ std::unique_ptr<mpi::Session>& session() {
   return s;
 }
 
-// The wire form of one process's ranks: raw values in this machine's byte order, as backends/mpi/ sends.
-template <class T>
-void put(std::string& out, const T& v) {
-  out.append(reinterpret_cast<const char*>(&v), sizeof v);
-}
-void putString(std::string& out, const std::string& s) {
-  put(out, std::uint64_t(s.size()));
-  out += s;
-}
-
-struct Reader {
-  const std::string& in;
-  std::size_t at = 0;
-  template <class T>
-  T get() {
-    T v;
-    TPSIM_INTERNAL_ASSERT(at + sizeof v <= in.size(), "a process's gathered results are truncated");
-    std::memcpy(&v, in.data() + at, sizeof v);
-    at += sizeof v;
-    return v;
-  }
-  std::string getString() {
-    const auto size = get<std::uint64_t>();
-    TPSIM_INTERNAL_ASSERT(at + size <= in.size(), "a process's gathered results are truncated");
-    at += size;
-    return in.substr(at - size, size);
-  }
-};
 
 }  // namespace
 
@@ -93,27 +66,26 @@ void gatherRanks(std::vector<std::map<std::string, StoredTensor>>& results, std:
   std::string mine;
   for (int r = 0; r < size; ++r) {
     if (mpi::processOf(r, size, jobProcesses()) != jobProcess()) continue;
-    put(mine, std::uint64_t(results[std::size_t(r)].size()));
+    wire::put(mine, std::uint64_t(results[std::size_t(r)].size()));
     for (const auto& [name, t] : results[std::size_t(r)]) {
-      putString(mine, name);
-      put(mine, t.dtype);
-      put(mine, std::uint64_t(t.shape.size()));
-      for (std::int64_t d : t.shape) put(mine, d);
-      put(mine, std::uint64_t(t.bytes.size()));
-      mine.append(t.bytes.data(), t.bytes.size());
+      wire::putString(mine, name);
+      wire::put(mine, t.dtype);
+      wire::put(mine, std::uint64_t(t.shape.size()));
+      for (std::int64_t d : t.shape) wire::put(mine, d);
+      wire::putString(mine, std::string(t.bytes.begin(), t.bytes.end()));
     }
-    put(mine, std::uint64_t(trace[std::size_t(r)].size()));
+    wire::put(mine, std::uint64_t(trace[std::size_t(r)].size()));
     for (const TraceEvent& e : trace[std::size_t(r)]) {
-      putString(mine, e.op);
-      putString(mine, e.group);
-      put(mine, e.seq);
-      putString(mine, e.dtype);
-      put(mine, e.bytes);
+      wire::putString(mine, e.op);
+      wire::putString(mine, e.group);
+      wire::put(mine, e.seq);
+      wire::putString(mine, e.dtype);
+      wire::put(mine, e.bytes);
     }
   }
   const std::vector<std::string> parts = session()->gather(std::move(mine), timeout);
   for (int p = 1; p < int(parts.size()); ++p) {
-    Reader in{parts[std::size_t(p)]};
+    wire::Reader in(parts[std::size_t(p)], "a process's gathered results");
     for (int r = 0; r < size; ++r) {
       if (mpi::processOf(r, size, jobProcesses()) != p) continue;
       std::map<std::string, StoredTensor>& map = results[std::size_t(r)];
@@ -123,7 +95,7 @@ void gatherRanks(std::vector<std::map<std::string, StoredTensor>>& results, std:
         t.dtype = in.get<DType>();
         t.shape.resize(in.get<std::uint64_t>());
         for (std::int64_t& d : t.shape) d = in.get<std::int64_t>();
-        const std::string bytes = in.getString();  // as putString writes it: its size, then the bytes
+        const std::string bytes = in.getString();
         t.bytes.assign(bytes.begin(), bytes.end());
       }
       auto& events = trace[std::size_t(r)];

@@ -41,12 +41,13 @@ std::optional<double> readNumber(const std::string& file) {
 //              (4), and the holes that freed conversions leave between them in the one heap (3,
 //              measured); in a sequence-parallel run a split share passes whole through the rank's
 //              all-gather or reduce-scatter (4 bytes an element of the whole)
-//   shards     (32 + 32(G - 1))Wp: each parameter's shard and gradient as doubles and backend tensors,
-//              main_grad, GTP_remat's gathers
+//   shards     (20 + 32(G - 1))Wp: each parameter's shard and gradient as backend tensors, the
+//              gradient as the run keeps it, the shard's doubles while it is cut, main_grad,
+//              GTP_remat's gathers
 //   step       8S: the kind's other per-rank intermediates (LayerKind::stepIntermediates, in doubles)
 // or
 //   kept       4(T(fX·X + fY·Y) + Wp): the results as the ranks left them, which verify reads in place
-//   reference  48(X + Y) + pW + 16 min(2^20, max(X, Y, W)) + 8R: the dense results sent whole, their
+//   reference  52(X + Y) + pW + 16 min(2^20, max(X, Y, W)) + 8R: the dense results sent whole, their
 //              bounds and the magnitudes behind them; the parameters' part p
 //              (LayerKind::referenceBytesPerParameter); the rows verify reads at a time; what the
 //              kind's reference holds at once besides (LayerKind::referenceIntermediates, in doubles)
@@ -76,14 +77,15 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   const bool sequenceSplit = c.sequenceParallel || c.reduceScatterEmbeddings;
   auto rankCopies = [&](double f, double n) { return T * (15 * f * n + (f < 1 && sequenceSplit ? 4 * n : 0)); };
   const double copies = rankCopies(share.input, x) + rankCopies(share.output, y);
-  const double shards = (32 + 32 * (G - 1)) * held;
+  const double shards = (20 + 32 * (G - 1)) * held;
   const double step = 8 * c.layer->stepIntermediates(c, shapes);
   // input.grad is (T, s, b, K): kept, and in the reference
   const double stacked = c.disableGradReduce ? 24 * T * x : 0;
   const double kept = 4 * (T * (share.input * x + share.output * y) + held);
   const double reference = verify == VerifyMode::kNone
                                ? 0
-                               : kept + 48 * (x + y) + c.layer->referenceBytesPerParameter() * w + 16 * std::min(double(1 << 20), std::max({x, y, w})) +
+                               : kept + 52 * (x + y) + c.layer->referenceBytesPerParameter() * w +
+                                     16 * std::min(double(1 << 20), std::max({x, y, w})) +
                                      8 * c.layer->referenceIntermediates(c, shapes);
   return program + inputs + stacked + std::max(copies + shards + step, reference);
 }
