@@ -1,5 +1,6 @@
 // The memory estimate measured: `tpsim run` at 1, 4, 16 and 64 ranks, on a row layer whose input
-// and output every rank holds whole, so that the ranks' copies dominate the peak. The estimate
+// and output every rank holds whole, so that the ranks' copies dominate the peak, and at 8 and 64
+// ranks on a sequence-parallel MLP, whose ranks each gather the whole sequence. The estimate
 // `tpsim run` checks (parseRunArgs, tensorShapes, estimateRunBytes: what runMain calls) must be at
 // least the child's peak resident memory, and at most 1.3 times it.
 #include <fcntl.h>
@@ -10,6 +11,7 @@
 
 #include <cstdio>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "tools/cli/cli.h"
@@ -57,32 +59,47 @@ Peak peakOf(const std::vector<std::string>& args) {
   return p;
 }
 
-class MemoryEstimate : public ::testing::TestWithParam<int> {};
+// Two shapes whose peaks grow with the ranks in different ways: a row layer whose input and output
+// every rank holds whole, and a sequence-parallel MLP whose ranks each gather the whole sequence.
+struct Shape {
+  const char* name;
+  std::vector<std::string> flags;
+};
+const Shape kRow{"row", {"--layer", "row", "--batch", "16", "--seq", "64", "--in-features", "1024", "--out-features",
+                         "256"}};
+const Shape kMlp{"mlp", {"--layer", "mlp", "--sequence-parallel", "--batch", "2", "--seq", "256", "--in-features",
+                         "512", "--ffn-hidden", "4096"}};
+
+class MemoryEstimate : public ::testing::TestWithParam<std::tuple<Shape, int>> {};
 
 TEST_P(MemoryEstimate, CoversTheMeasuredPeakWithin30Percent) {
-  const int tp = GetParam();
-  const std::vector<std::string> args{"--layer", "row", "--tp", std::to_string(tp), "--batch", "16", "--seq", "64",
-                                      "--in-features", "1024", "--out-features", "256", "--threads", "2"};
+  const auto& [shape, tp] = GetParam();
+  std::vector<std::string> args = shape.flags;
+  for (const std::string& flag : {std::string("--tp"), std::to_string(tp), std::string("--threads"), std::string("2")})
+    args.push_back(flag);
   const RunArgs parsed = parseRunArgs(args);
   const double estimate = estimateRunBytes(parsed.config, tensorShapes(parsed.config), parsed.verify);
   std::vector<std::string> run{"run"};
   run.insert(run.end(), args.begin(), args.end());
   const Peak peak = peakOf(run);
-  ASSERT_GT(peak.maxRssKiB, 0) << "T=" << tp << ": no peak resident memory read for the run";
+  ASSERT_GT(peak.maxRssKiB, 0) << shape.name << " T=" << tp << ": no peak resident memory read for the run";
   ASSERT_TRUE(WIFEXITED(peak.status) && WEXITSTATUS(peak.status) == 0)
-      << "T=" << tp << ": tpsim run ended with wait status " << peak.status;
+      << shape.name << " T=" << tp << ": tpsim run ended with wait status " << peak.status;
   const double measured = double(peak.maxRssKiB) * 1024, ratio = estimate / measured;
   char ratioText[16];
   std::snprintf(ratioText, sizeof ratioText, "%.3f", ratio);
-  const std::string figures = "T=" + std::to_string(tp) + ": estimate " + bytesText(estimate) + ", peak RSS " +
+  const std::string figures = std::string(shape.name) + " T=" + std::to_string(tp) + ": estimate " + bytesText(estimate) + ", peak RSS " +
                               bytesText(measured) + ", ratio " + ratioText;
   EXPECT_GE(ratio, 1.0) << figures << ": the estimate must not be under the peak";
   EXPECT_LE(ratio, 1.3) << figures << ": the estimate must be within 1.3 times the peak";
   std::printf("%s\n", figures.c_str());
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, MemoryEstimate, ::testing::Values(1, 4, 16, 64),
-                         [](const ::testing::TestParamInfo<int>& info) { return "T" + std::to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(Row, MemoryEstimate, ::testing::Combine(::testing::Values(kRow), ::testing::Values(1, 4, 16, 64)),
+                         [](const auto& info) { return "T" + std::to_string(std::get<1>(info.param)); });
+INSTANTIATE_TEST_SUITE_P(SequenceParallelMlp, MemoryEstimate,
+                         ::testing::Combine(::testing::Values(kMlp), ::testing::Values(8, 64)),
+                         [](const auto& info) { return "T" + std::to_string(std::get<1>(info.param)); });
 
 }  // namespace
 }  // namespace tpsim::tools

@@ -33,6 +33,8 @@ CASES = [
     "--layer mlp --batch 4 --seq 128 --in-features 256 --ffn-hidden 2048 --tp 16",
     "--layer mlp --batch 4 --seq 512 --in-features 1024 --ffn-hidden 4096 --sequence-parallel --tp 4",
     "--layer mlp --batch 1 --seq 1024 --in-features 2048 --ffn-hidden 7168 --sequence-parallel --tp 8",
+    "--layer mlp --batch 2 --seq 256 --in-features 512 --ffn-hidden 4096 --sequence-parallel --tp 8",
+    "--layer mlp --batch 2 --seq 256 --in-features 512 --ffn-hidden 4096 --sequence-parallel --tp 64",
     "--layer grouped-column --tokens 4096 --experts 4 --in-features 512 --out-features 1024 --tp 4",
     "--layer grouped-row --tokens 4096 --experts 4 --in-features 1024 --out-features 512 --tp 4",
 ]

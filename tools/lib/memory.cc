@@ -35,12 +35,13 @@ std::optional<double> readNumber(const std::string& file) {
 //   program    16 MiB + 256 KiB a rank: the binary, its libraries, the threads' and fibers' stacks
 //   inputs     8(X + Y + W): the unsharded tensors, held through the run and the verification
 // then the larger of the run's working set and the verification's, which reuses what the ranks freed:
-//   copies     15T(fX·X + fY·Y), with f the rank's share of the tensor (LayerKind::rankShare; the G
+//   copies     15T(fX·X + fY·Y) (+ 10T·n), with f the rank's share of the tensor (LayerKind::rankShare; the G
 //              peers split the batch): each rank's input and grad_output as backend tensors (4 bytes
 //              an element), input.grad and output as backend tensors (4) and as the run keeps them
 //              (4), and the holes that freed conversions leave between them in the one heap (3,
 //              measured); in a sequence-parallel run a split share passes whole through the rank's
-//              all-gather or reduce-scatter (4 bytes an element of the whole)
+//              all-gather or reduce-scatter, forward and backward, its saved copy and the holes
+//              between them (10 bytes an element of the whole, measured)
 //   shards     (20 + 32(G - 1))Wp: each parameter's shard and gradient as backend tensors, the
 //              gradient as the run keeps it, the shard's doubles while it is cut, main_grad,
 //              GTP_remat's gathers
@@ -75,7 +76,7 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   const double inputs = 8 * (x + y + w);
   const LayerKind::RankShare share = c.layer->rankShare(c);
   const bool sequenceSplit = c.sequenceParallel || c.reduceScatterEmbeddings;
-  auto rankCopies = [&](double f, double n) { return T * (15 * f * n + (f < 1 && sequenceSplit ? 4 * n : 0)); };
+  auto rankCopies = [&](double f, double n) { return T * (15 * f * n + (f < 1 && sequenceSplit ? 10 * n : 0)); };
   const double copies = rankCopies(share.input, x) + rankCopies(share.output, y);
   const double shards = (20 + 32 * (G - 1)) * held;
   const double step = 8 * c.layer->stepIntermediates(c, shapes);
