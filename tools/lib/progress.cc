@@ -63,6 +63,10 @@ bool progressWanted(bool quiet) { return !quiet && isatty(STDERR_FILENO) == 1; }
 Progress::Progress(std::string command, bool enabled, std::chrono::milliseconds after, std::FILE* out)
     : command_(std::move(command)), enabled_(enabled), after_(after), out_(out), begin_(Clock::now()) {
   if (!enabled_) return;
+  if (after_.count() <= 0) {  // shown from the start, not from the ticker's first turn
+    std::lock_guard<std::mutex> draw(drawMu_);
+    this->draw();
+  }
   try {
     ticker_ = std::thread([this] { tick(); });
   } catch (const std::system_error&) {
@@ -158,7 +162,7 @@ void Progress::finish() {
   wake_.notify_all();
   if (ticker_.joinable()) ticker_.join();
   std::lock_guard<std::mutex> draw(drawMu_);
-  if (!shown_) return;
+  if (!shown_) return;  // ended before the delay
   std::fprintf(out_, "%s%s\n", onScreen_ ? kClearLine : "", summary.c_str());
   std::fflush(out_);
   onScreen_ = false;
