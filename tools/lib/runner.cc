@@ -232,7 +232,7 @@ RunResult runSharded(const RunConfig& config, const TensorMap& in, const Checkpo
       const TensorPlacement& p = result.placement;
       const std::int64_t cols = p.shape.back();
       std::vector<double> value, farthest;
-      if (assembleRect(p, [&result](int t, int g) -> const StoredTensor& { return result.local(t, g); },
+      if (assembleRect(p, [&result = result](int t, int g) -> const StoredTensor& { return result.local(t, g); },
                        MatrixRect{0, 0, r.results[name].numel() / cols, cols}, value, farthest))
         r.otherCopies[name] = HostTensor{p.shape, r.results[name].dtype, std::move(farthest)};
     }
@@ -410,7 +410,7 @@ std::vector<Verdict> verify(const RunConfig& c, const TensorMap& inputs, const T
   for (const auto& [name, t] : results) {
     const auto other = otherCopies.find(name);
     const HostTensor& copies = other == otherCopies.end() ? t : other->second;
-    read[name] = {t.shape, t.dtype, [&t, &copies](const MatrixRect& rect, std::vector<double>& value,
+    read[name] = {t.shape, t.dtype, [&t = t, &copies](const MatrixRect& rect, std::vector<double>& value,
                                                   std::vector<double>& farthest) {
                     const std::int64_t cols = t.shape.back();
                     value.clear();
