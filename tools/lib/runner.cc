@@ -90,6 +90,25 @@ std::vector<ShardedObject> checkpointObjectsOf(const RunConfig& config) {
   return out;
 }
 
+namespace {
+
+// r of the result as assembled() puts it together, with each element's farthest copy
+// (assembleRect), both divided by the result's divisor. Returns whether any copy differs.
+bool readRect(const ShardedResult& result, const MatrixRect& r, std::vector<double>& value,
+              std::vector<double>& farthest) {
+  const bool differs = assembleRect(
+      result.placement, [&result](int t, int g) -> const StoredTensor& { return result.local(t, g); }, r, value,
+      farthest);
+  if (result.divisor != 1)
+    for (std::size_t i = 0; i < value.size(); ++i) {
+      value[i] /= result.divisor;
+      farthest[i] /= result.divisor;
+    }
+  return differs;
+}
+
+}  // namespace
+
 HostTensor assembled(const ShardedResult& result) {
   HostTensor out = assemble(result.placement, [&result](int t, int g) -> const StoredTensor& { return result.local(t, g); });
   if (result.divisor != 1)
@@ -228,13 +247,12 @@ RunResult runSharded(const RunConfig& config, const TensorMap& in, const Checkpo
   per.results.clear();
   if (assemble)
     for (const auto& [name, result] : r.sharded) {
-      r.results[name] = assembled(result);
-      const TensorPlacement& p = result.placement;
-      const std::int64_t cols = p.shape.back();
-      std::vector<double> value, farthest;
-      if (assembleRect(p, [&result = result](int t, int g) -> const StoredTensor& { return result.local(t, g); },
-                       MatrixRect{0, 0, r.results[name].numel() / cols, cols}, value, farthest))
-        r.otherCopies[name] = HostTensor{p.shape, r.results[name].dtype, std::move(farthest)};
+      HostTensor whole{result.placement.shape, result.ranks.front().dtype, {}};
+      std::vector<double> farthest;
+      const bool differs = readRect(result, MatrixRect{0, 0, whole.numel() / whole.shape.back(), whole.shape.back()},
+                                    whole.values, farthest);
+      if (differs) r.otherCopies[name] = HostTensor{whole.shape, whole.dtype, std::move(farthest)};
+      r.results[name] = std::move(whole);
     }
   std::vector<std::string> names;
   for (const auto& [name, t] : r.sharded) names.push_back(name);
@@ -391,14 +409,7 @@ std::vector<Verdict> verify(const RunConfig& c, const TensorMap& inputs, const R
   for (const auto& [name, sharded] : result.sharded)
     results[name] = {sharded.placement.shape, sharded.ranks.front().dtype,
                      [&sharded = sharded](const MatrixRect& rect, std::vector<double>& value, std::vector<double>& farthest) {
-                       assembleRect(sharded.placement,
-                                    [&sharded](int t, int g) -> const StoredTensor& { return sharded.local(t, g); },
-                                    rect, value, farthest);
-                       if (sharded.divisor != 1)
-                         for (std::size_t i = 0; i < value.size(); ++i) {
-                           value[i] /= sharded.divisor;
-                           farthest[i] /= sharded.divisor;
-                         }
+                       readRect(sharded, rect, value, farthest);
                      }};
   return verifyResults(c, inputs, mode, result.placements, std::move(results));
 }
