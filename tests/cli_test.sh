@@ -212,6 +212,9 @@ if ! "$tpsim" run --layer row --backend gpu >/dev/null 2>&1; then
   check gpu-unusable-demo 2 "--backend gpu: cannot run here: " -- "$tpsim" demo --backend gpu
   check gpu-unusable-bench 2 "--backend gpu: cannot run here: " -- "$tpsim" bench --backend gpu
 fi
+# One process (no launcher): nothing to cross.
+check bench-mpi-one-process 2 "--what mpi: expected an MPI job of 2 or more processes (mpirun -np 2 tpsim bench --what mpi, in a build with MPI), got 1 process" -- \
+  "$tpsim" bench --what mpi
 check bench-bad-backend 2 "--backend: expected sim or gpu, got 'tpu'" -- "$tpsim" bench --backend tpu
 check bench-size-overflow 2 "--min-bytes: expected a size like 128, 64K, 16M or 1G (at most 2^63 - 1 bytes)" -- \
   "$tpsim" bench --min-bytes 4611686018427387904k

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <future>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -98,6 +99,7 @@ struct Session::Impl {
   std::map<std::string, FailNotice> failures;                             // run key -> first notice
   std::map<std::string, std::set<int>> finished;                          // run key -> processes
   ActiveRun active;
+  std::deque<std::packaged_task<void()>> tasks;  // Session::serialized's, run by the progress thread
   std::atomic<bool> stop{false};
   Clock::time_point stopDeadline;  // how long a stopping progress thread lets its sends complete
   std::thread progress;
@@ -210,6 +212,13 @@ struct Session::Impl {
         }
       }
       busy = dispatch() || busy;
+      std::deque<std::packaged_task<void()>> due;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        due.swap(tasks);
+      }
+      for (auto& task : due) task();
+      busy = busy || !due.empty();
       // Back off to a 1 ms poll when nothing moves and nothing is awaited: the processes may share
       // few cores. A large message moves only as both ends poll, so transfers in flight keep it short.
       bool inFlight = !sending.empty() || !receiving.empty();
@@ -412,6 +421,17 @@ std::vector<std::string> Session::gather(std::string mine, std::chrono::millisec
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+}
+
+void Session::serialized(const std::function<void()>& fn) {
+  TPSIM_INTERNAL_ASSERT(impl_->progress.joinable(), "Session::serialized after finish()");
+  std::packaged_task<void()> task(fn);
+  std::future<void> done = task.get_future();
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->tasks.push_back(std::move(task));
+  }
+  done.get();
 }
 
 void Session::finish(int exitCode, std::chrono::milliseconds timeout) {

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -47,6 +48,12 @@ class Session {
   // Process 0 gets every process's `mine`, by process; the others send theirs and get nothing.
   // Every process calls it at the same point. Throws Error when a part has not come within `timeout`.
   std::vector<std::string> gather(std::string mine, std::chrono::milliseconds timeout);
+
+  // Runs `fn` on the one thread that makes this process's MPI calls (MPI_THREAD_SERIALIZED), between
+  // its polls, and returns once fn has, rethrowing what it threw: how a caller makes MPI calls of its
+  // own, on a communicator other than the session's. While fn blocks in MPI, the session's messages
+  // wait; call it between a world's runs.
+  void serialized(const std::function<void()>& fn);
 
   // Ends the job from this process with `exitCode`: waits at most `timeout` for every process to
   // get here (none then ends while another still prints its report), finalizes MPI and returns.

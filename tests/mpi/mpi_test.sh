@@ -9,6 +9,9 @@
 #   mpi_test.sh MPIEXEC TPSIM runfail P             tpsim run over P processes: a rank's injected throw
 #                                                   ends every process with exit 3 and the same cause;
 #                                                   4 ranks over 3 processes: exit 2 from every process
+#   mpi_test.sh MPIEXEC TPSIM bench P               tpsim bench --what mpi over P processes: process 0's table,
+#                                                   every section and size, positive finite figures, no wrong
+#                                                   element; in one process, exit 2 naming the flag
 set -euo pipefail
 mpiexec=$1 driver=$2 mode=$3 p=$4
 tmp=$(mktemp -d)
@@ -126,6 +129,52 @@ case "$mode" in
     [ "$rc" -eq 2 ] || fail "exit $rc, expected 2"
     n=$(grep -c "^tpsim run: --tp x --gtp-remat: a world of 4 ranks cannot spread over 3 processes" "$tmp/err" || true)
     [ "$n" -eq 3 ] || fail "$n processes reported the placement error, expected 3"
+    ;;
+  bench)
+    tpsim=$driver
+    set +e
+    timeout -k 5 100 "$mpiexec" -n "$p" "$tpsim" bench --what mpi -b 16 -e 1K -n 3 >"$tmp/out" 2>"$tmp/err"
+    rc=$?
+    set -e
+    show
+    [ "$rc" -eq 0 ] || fail "mpiexec -n $p tpsim bench --what mpi: exit $rc"
+    grep -q "^# Cross-process collectives on $p MPI processes" "$tmp/out" || fail "no table header for $p processes"
+    # Every collective's section, then its 4 sizes (16, 64, 256, 1K): 10 columns each, the times and
+    # bandwidths positive and finite, the ratio their quotient, no wrong element.
+    awk -v want="allReduce allGather reduceScatter broadcast" '
+      /^# [a-zA-Z]+ vs MPI_/ { sections = sections (sections ? " " : "") $2; rows[$2] = 0; cur = $2; next }
+      /^#/ || NF == 0 { next }
+      {
+        if (NF != 10) { print "row with " NF " columns: " $0; bad = 1; next }
+        rows[cur]++
+        if ($1 != 16 * 4 ^ (rows[cur] - 1)) { print cur ": size " $1 " at row " rows[cur]; bad = 1 }
+        for (i = 5; i <= 8; i++) if (!($i + 0 > 0) || $i ~ /nan|inf/) { print cur ": column " i " not positive: " $0; bad = 1 }
+        ratio = $9; sub(/x$/, "", ratio); ratio += 0
+        # The times are printed to 0.1 us, the ratio to 0.01.
+        if (ratio < ($5 - 0.05) / ($7 + 0.05) - 0.005 || ratio > ($5 + 0.05) / ($7 - 0.05) + 0.005) {
+          print cur ": ratio " $9 " is not " $5 " / " $7; bad = 1
+        }
+        if ($10 != 0) { print cur ": " $10 " wrong elements"; bad = 1 }
+      }
+      END {
+        if (sections != want) { print "sections \"" sections "\", expected \"" want "\""; bad = 1 }
+        for (s in rows) if (rows[s] != 4) { print s ": " rows[s] " rows, expected 4"; bad = 1 }
+        exit bad
+      }' "$tmp/out" || fail "tpsim bench --what mpi: the table is malformed"
+    set +e
+    "$tpsim" bench --what mpi >"$tmp/out" 2>"$tmp/err"
+    rc=$?
+    set -e
+    [ "$rc" -eq 2 ] || fail "tpsim bench --what mpi in one process: exit $rc, expected 2"
+    grep -q "^tpsim bench: --what mpi: expected an MPI job of 2 or more processes.*got 1 process" "$tmp/err" ||
+      fail "tpsim bench --what mpi in one process: $(cat "$tmp/err")"
+    set +e
+    timeout -k 5 100 "$mpiexec" -n "$p" "$tpsim" bench --what mpi -b 4 >"$tmp/out" 2>"$tmp/err"
+    rc=$?
+    set -e
+    [ "$rc" -eq 2 ] || fail "tpsim bench --what mpi -b 4: exit $rc, expected 2"
+    grep -q "^tpsim bench: --min-bytes/--max-bytes: with --what mpi expected 4·processes ($((4 * p))) <= min <= max, got 4 and 64M" "$tmp/err" ||
+      fail "tpsim bench --what mpi -b 4: $(cat "$tmp/err")"
     ;;
   *) fail "unknown mode $mode" ;;
 esac

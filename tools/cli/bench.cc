@@ -10,6 +10,8 @@
 //  mlp        the MLP block (column fc1, GeLU, row fc2, sequence parallel) forward + backward on
 //             T = 1, 2, 4, 8 simulated ranks against the same unsharded computation in plain Eigen,
 //             both on the same threads (--threads, 0 = every core).
+//  mpi        under an MPI launcher: mpi::Session's collectives across processes against the MPI
+//             library's (tools/cli/bench_mpi.cc).
 #include <Eigen/Core>
 #include <algorithm>
 #include <boost/program_options.hpp>
@@ -41,8 +43,10 @@
 #include "sim/upper_gemm_bf16.h"
 #include "sim/world.h"
 #include "tools/lib/backend.h"
+#include "tools/lib/job.h"
 #include "tools/lib/memory.h"
 #include "tools/cli/bench_gpu.h"
+#include "tools/cli/bench_mpi.h"
 #include "tools/cli/cli.h"
 #include "tpsim_config.h"
 
@@ -594,7 +598,8 @@ BenchArgs parseBenchArgs(const std::vector<std::string>& args) {
       ("backend,B", po::value(&backend)->default_value(backend),
        "sim | gpu (gpu: the layers and the DeviceFabric on one CUDA GPU)")
       ("what,W", po::value(&c.what)->default_value(c.what),
-       "sim: latency | bandwidth | gemm | mlp | all; gpu: layers | fabric | all")
+       "sim: latency | bandwidth | gemm | mlp | all, or mpi (under mpirun: the session's collectives across "
+       "processes against MPI's); gpu: layers | fabric | all")
       ("threads,t", po::value(&c.threads)->default_value(c.threads), "threads (0 = every core; latency: min(cores, ranks))")
       ("warmup,w", po::value(&g.warmup)->default_value(g.warmup),
        "gpu: untimed steps (layers) and collectives (fabric) before timing");
@@ -604,11 +609,12 @@ BenchArgs parseBenchArgs(const std::vector<std::string>& args) {
       ("iters,i", po::value(&c.iters)->default_value(c.iters), "latency: collectives per measurement")
       ("bw-ranks,p", po::value(&c.bwRanks)->default_value(c.bwRanks), "bandwidth: number of ranks")
       ("fabric-ranks,R", po::value(&fabricRanks)->default_value(fabricRanks), "gpu fabric: rank counts")
-      ("min-bytes,b", po::value(&minBytes)->default_value(minBytes), "bandwidth, fabric: smallest size (K/M/G)")
+      ("min-bytes,b", po::value(&minBytes)->default_value(minBytes),
+       "bandwidth, fabric: smallest size (K/M/G); mpi: the smallest power of 4 >= 4·processes")
       ("max-bytes,e", po::value(&maxBytes)->default_value(maxBytes),
        gpuDefault("bandwidth, fabric: largest size (K/M/G)", sizeText(g.maxBytes)).c_str())
       ("bw-iters,n", po::value(&c.bwIters)->default_value(c.bwIters),
-       gpuDefault("bandwidth, fabric: iterations per size", std::to_string(g.iters)).c_str())
+       gpuDefault("bandwidth, fabric: iterations per size; mpi: 10, their median", std::to_string(g.iters)).c_str())
       ("gemm-reps,g", po::value(&c.gemmReps)->default_value(c.gemmReps), "gemm: timed samples (best is kept)")
       ("tokens,m", po::value(&c.tokens)->default_value(c.tokens),
        gpuDefault("mlp, layers: tokens s·b", std::to_string(g.tokens)).c_str())
@@ -666,6 +672,30 @@ BenchArgs parseBenchArgs(const std::vector<std::string>& args) {
       throw UsageError{"--backend gpu: cannot run here: " + whyNot};
     return out;
   }
+  if (c.what == "mpi") {
+    // One rank per process; without a launcher (or MPI in the build) there is nothing to cross.
+    const int p = jobProcesses();
+    if (p < 2)
+      throw UsageError{"--what mpi: expected an MPI job of 2 or more processes (mpirun -np 2 tpsim bench --what mpi, "
+                       "in a build with MPI), got " + std::to_string(p) + " process"};
+    if (vm["min-bytes"].defaulted()) {
+      c.minBytes = 4;
+      while (c.minBytes < 4LL * p) c.minBytes *= 4;
+    } else {
+      c.minBytes = parseSize("min-bytes", minBytes);
+    }
+    c.maxBytes = parseSize("max-bytes", maxBytes);
+    if (vm["bw-iters"].defaulted()) c.bwIters = 10;
+    if (c.minBytes < 4LL * p || c.maxBytes < c.minBytes)
+      throw UsageError{"--min-bytes/--max-bytes: with --what mpi expected 4·processes (" + std::to_string(4 * p) +
+                       ") <= min <= max, got " + sizeText(c.minBytes) + " and " + sizeText(c.maxBytes)};
+    // MPI's counts are int.
+    if (c.maxBytes > (2LL << 30))
+      throw UsageError{"--max-bytes: with --what mpi expected at most 2G, got " + sizeText(c.maxBytes)};
+    if (c.bwIters < 1) throw UsageError{"--bw-iters: expected >= 1, got " + std::to_string(c.bwIters)};
+    c.ranksText = "-";
+    return out;
+  }
   c.ranks = parseIntList("ranks", ranks);
   // The baseline starts one OS thread per rank.
   if (const int most = *std::max_element(c.ranks.begin(), c.ranks.end()); most > 1024)
@@ -675,7 +705,7 @@ BenchArgs parseBenchArgs(const std::vector<std::string>& args) {
   c.minBytes = parseSize("min-bytes", minBytes);
   c.maxBytes = parseSize("max-bytes", maxBytes);
   if (c.what != "all" && c.what != "latency" && c.what != "bandwidth" && c.what != "gemm" && c.what != "mlp")
-    throw UsageError{"--what: expected latency, bandwidth, gemm, mlp or all, got '" + c.what + "'"};
+    throw UsageError{"--what: expected latency, bandwidth, gemm, mlp, all or mpi, got '" + c.what + "'"};
   if (c.tokens < 1 || c.hidden < 1 || c.ffn < 1 || c.mlpReps < 1)
     throw UsageError{"--tokens, --hidden, --ffn and --mlp-reps must be >= 1"};
   if (c.iters < 10) throw UsageError{"--iters: expected >= 10, got " + std::to_string(c.iters)};
@@ -704,6 +734,13 @@ int benchMain(const std::vector<std::string>& args) {
   if (parsed.gpuBackend) return benchGpu(parsed.gpu);  // parseBenchArgs refused it where it cannot run
 #endif
   const BenchConfig& c = parsed.sim;
+  if (c.what == "mpi") {
+    std::printf("# tpsim bench: what=mpi processes=%d bytes=%s..%s iters=%d isa=%s\n", jobProcesses(),
+                sizeText(c.minBytes).c_str(), sizeText(c.maxBytes).c_str(), c.bwIters, TPSIM_ISA);
+#if TPSIM_HAVE_MPI
+    return benchMpi(c.minBytes, c.maxBytes, c.bwIters) == 0 ? 0 : 1;
+#endif
+  }
   if (c.what == "all" || c.what == "bandwidth") checkBandwidthMemory(c);
   std::printf("# tpsim bench: what=%s threads=%d (hardware %u) ranks=%s iters=%d bw-ranks=%d bytes=%s..%s isa=%s\n",
               c.what.c_str(), c.threads, std::thread::hardware_concurrency(), c.ranksText.c_str(), c.iters, c.bwRanks,

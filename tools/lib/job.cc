@@ -22,7 +22,6 @@ std::unique_ptr<mpi::Session>& session() {
   return s;
 }
 
-
 }  // namespace
 
 void joinJob() {
@@ -30,6 +29,7 @@ void joinJob() {
 }
 int jobProcess() { return session() ? session()->process() : 0; }
 int jobProcesses() { return session() ? session()->processes() : 1; }
+mpi::Session* jobSession() { return session().get(); }
 
 int leaveJob(int code) {
   // The other processes wait for process 0, which may still verify and write a large run's results
@@ -116,6 +116,7 @@ void gatherRanks(std::vector<std::map<std::string, StoredTensor>>& results, std:
 void joinJob() {}
 int jobProcess() { return 0; }
 int jobProcesses() { return 1; }
+mpi::Session* jobSession() { return nullptr; }
 int leaveJob(int code) { return code; }
 std::unique_ptr<World> makeJobWorld(const std::string& backend, const WorldOptions& options) {
   return makeWorld(backend, options);

@@ -12,12 +12,18 @@
 #include "backends/world.h"
 #include "tools/lib/host_tensor.h"
 
+namespace tpsim::mpi {
+class Session;
+}
+
 namespace tpsim::tools {
 
 // Joins the job when a launcher started this process; once, from main, before any command.
 void joinJob();
 int jobProcess();
 int jobProcesses();
+// The job's session (backends/mpi/session.h); nullptr without a launcher or without MPI in the build.
+mpi::Session* jobSession();
 // Ends this process's part of the job with the command's exit code, returned (mpi::Session::finish).
 int leaveJob(int code);
 
