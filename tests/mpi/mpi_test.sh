@@ -9,6 +9,8 @@
 #   mpi_test.sh MPIEXEC TPSIM runfail P             tpsim run over P processes: a rank's injected throw
 #                                                   ends every process with exit 3 and the same cause;
 #                                                   4 ranks over 3 processes: exit 2 from every process
+#   mpi_test.sh MPIEXEC DRIVER props P SEED CASES   split_props' random cases over P processes = in one process,
+#                                                   line for line (each names its seed, case and configuration)
 #   mpi_test.sh MPIEXEC TPSIM bench P               tpsim bench --what mpi over P processes: process 0's table,
 #                                                   every section and size, positive finite figures, no wrong
 #                                                   element; in one process, exit 2 naming the flag
@@ -129,6 +131,18 @@ case "$mode" in
     [ "$rc" -eq 2 ] || fail "exit $rc, expected 2"
     n=$(grep -c "^tpsim run: --tp x --gtp-remat: a world of 4 ranks cannot spread over 3 processes" "$tmp/err" || true)
     [ "$n" -eq 3 ] || fail "$n processes reported the placement error, expected 3"
+    ;;
+  props)
+    seed=$5 cases=$6
+    "$driver" "$seed" "$p" "$cases" >"$tmp/one" || fail "split_props $seed $p $cases in one process: exit $?"
+    spread "$seed" "$p" "$cases"
+    [ "$rc" -eq 0 ] || fail "exit $rc, expected 0"
+    [ "$(grep -c " layer: " "$tmp/one")" -eq "$cases" ] || fail "one process printed no line for some layer cases"
+    [ "$(grep -c " distopt: " "$tmp/one")" -ge "$cases" ] || fail "one process printed no line for some distopt cases"
+    diff <(sort "$tmp/one") <(sort "$tmp/out") >"$tmp/diff" || {
+      cat "$tmp/diff"
+      fail "$p processes differ from one process in the cases above (< one process, > $p processes); replay with: split_props $seed $p $cases"
+    }
     ;;
   bench)
     tpsim=$driver
