@@ -18,6 +18,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -407,6 +408,32 @@ TEST(CheckpointErrors, MalformedIndexIsRefused) {
   text.resize(text.size() / 2);
   writeFile(dir + "/index.json", text);
   EXPECT_THAT(loadError(dir), HasSubstr("expected a well-formed tpsim checkpoint index"));
+}
+
+// A world spread over processes saves through process 0's writer, the others' chunks added packed:
+// the same files, byte for byte, as one writer's.
+TEST(CheckpointSave, PackedWritersOfRankGroupsWriteTheFilesOfOneWriter) {
+  const Topology topo{4, 3, 16};
+  const std::string whole = tempDir("whole"), spread = tempDir("spread");
+  save(topo, whole);
+  std::vector<std::unique_ptr<CheckpointWriter>> writers;  // one per block of 4 ranks
+  for (int p = 0; p < 3; ++p) writers.push_back(std::make_unique<CheckpointWriter>());
+  onWorld(topo, [&](RankContext& ctx, ProcessGroups& pg, LayerContext& lc) {
+    Layers l = build(ctx, pg, lc, topo, true);
+    CheckpointWriter& mine = *writers[std::size_t(ctx.comm.rank() / 4)];
+    if (ctx.comm.rank() == 0)
+      for (const auto& [key, p] : l.params) mine.describe(parameterPlacement(*p, key, topo.tp, topo.gtp));
+    mine.add(ctx.comm.rank(), l.stateDict, ctx.compute);
+  });
+  writers[0]->addPacked(writers[2]->packed());
+  writers[0]->addPacked(writers[1]->packed());
+  writers[0]->commit(spread);
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(whole)) names.push_back(e.path().filename().string());
+  ASSERT_EQ(names.size(), 13u);  // a file per rank and the index
+  for (const std::string& name : names)
+    EXPECT_TRUE(readFile(spread + "/" + name) == readFile(whole + "/" + name)) << name << " differs";
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(spread), std::filesystem::directory_iterator{}), 13);
 }
 
 TEST(CheckpointErrors, ChunkWrittenTwiceOrMissingAndTheOldCheckpointSurvives) {

@@ -11,6 +11,9 @@
 #                                                   4 ranks over 3 processes: exit 2 from every process
 #   mpi_test.sh MPIEXEC DRIVER props P SEED CASES   split_props' random cases over P processes = in one process,
 #                                                   line for line (each names its seed, case and configuration)
+#   mpi_test.sh MPIEXEC TPSIM files P               tpsim run --trace (model clock) --save-checkpoint over P processes,
+#                                                   and tpsim demo --trace: the same files, byte for byte, as in one
+#                                                   process; the checkpoint loads back at another topology
 #   mpi_test.sh MPIEXEC TPSIM bench P               tpsim bench --what mpi over P processes: process 0's table,
 #                                                   every section and size, positive finite figures, no wrong
 #                                                   element; in one process, exit 2 naming the flag
@@ -143,6 +146,39 @@ case "$mode" in
       cat "$tmp/diff"
       fail "$p processes differ from one process in the cases above (< one process, > $p processes); replay with: split_props $seed $p $cases"
     }
+    ;;
+  files)
+    tpsim=$driver
+    # Grids whose ranks spread over 2 and 3 processes: 12 ranks, and 6 for the expert layer.
+    for args in "--layer mlp --tp 4 -G 3 -b 3 --tokens 24" "--layer grouped-column --tp 2 -G 3 -b 3 --tokens 24" \
+                "--layer embedding --tp 6 --reduce-scatter-embeddings --seq 12 --vocab 36" "--layer row --tp 6 -S --input-is-parallel --seq 12 -k 24"; do
+      for where in one spread; do
+        launch=()
+        [ "$where" = one ] || launch=(timeout -k 5 100 "$mpiexec" -n "$p")
+        set +e
+        "${launch[@]}" "$tpsim" run $args --trace "$tmp/$where.json" --clock model --save-checkpoint "$tmp/$where.ckpt" \
+          >"$tmp/$where.txt" 2>"$tmp/err"
+        rc=$?
+        set -e
+        [ "$rc" -eq 0 ] || { cat "$tmp/$where.txt" "$tmp/err"; fail "$where: tpsim run $args: exit $rc"; }
+      done
+      diff <(sed "s|$tmp/one|DIR|g" "$tmp/one.txt") <(sed "s|$tmp/spread|DIR|g" "$tmp/spread.txt") ||
+        fail "tpsim run $args: the report of $p processes differs from one process's"
+      cmp "$tmp/one.json" "$tmp/spread.json" || fail "tpsim run $args --trace: the trace of $p processes differs"
+      [ "$(ls "$tmp/one.ckpt")" = "$(ls "$tmp/spread.ckpt")" ] || fail "tpsim run $args: other checkpoint files"
+      for f in "$tmp"/one.ckpt/*; do
+        cmp "$f" "$tmp/spread.ckpt/$(basename "$f")" || fail "tpsim run $args --save-checkpoint: $(basename "$f") differs"
+      done
+      # The spread save is a checkpoint: one process loads it, at T = 2.
+      kind=${args%% --tp*}
+      "$tpsim" run $kind --tp 2 --load-checkpoint "$tmp/spread.ckpt" >"$tmp/load.txt" 2>&1 ||
+        fail "tpsim run $kind --tp 2 --load-checkpoint: exit $?: $(cat "$tmp/load.txt")"
+      rm -rf "$tmp"/one.* "$tmp"/spread.*
+    done
+    "$tpsim" demo --trace "$tmp/one.json" --clock model >/dev/null
+    timeout -k 5 100 "$mpiexec" -n 2 "$tpsim" demo --trace "$tmp/spread.json" --clock model >/dev/null ||
+      fail "mpiexec -n 2 tpsim demo --trace: exit $?"
+    cmp "$tmp/one.json" "$tmp/spread.json" || fail "tpsim demo --trace: the trace of 2 processes differs"
     ;;
   bench)
     tpsim=$driver

@@ -341,13 +341,6 @@ RunArgs parseRunArgs(const std::vector<std::string>& args) {
   if (vm.count("trace") && trace.file.empty()) throw UsageError{"--trace: expected a file path, got an empty path"};
   checkTraceOptions(trace, !vm["clock"].defaulted(), !vm["device-model"].defaulted());
   c.record = !trace.file.empty();
-  // Spread over an MPI job, only process 0 holds every rank's results; the ranks' records and
-  // checkpoint chunks stay where they ran.
-  for (const auto& [flag, used] : {std::pair<const char*, bool>{"--trace", c.record},
-                                   std::pair<const char*, bool>{"--save-checkpoint", !out.saveCheckpoint.empty()}})
-    if (used && jobProcesses() > 1)
-      throw UsageError{std::string(flag) + ": expected a run in one process, got an MPI job of " +
-                       std::to_string(jobProcesses()) + " processes (docs/distributed.md)"};
   if (!out.loadCheckpoint.empty() || !out.saveCheckpoint.empty()) checkCheckpointable(c);
   out.progressAfter = progressDelay();
   return out;

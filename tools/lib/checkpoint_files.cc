@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "backends/errors.h"
+#include "backends/wire.h"
 #include "tools/lib/input_file.h"
 #include "tools/lib/memory.h"
 #include "tools/lib/output_files.h"
@@ -655,6 +656,107 @@ void CheckpointWriter::add(int rank, const ShardedStateDict& stateDict, Compute&
     rec.globalShape = o.globalShape;
     rec.offsets.push_back(o.globalOffset);
     rec.writers.push_back(r);
+  }
+}
+
+namespace {
+
+void putInts(std::string& out, const Ints& v) {
+  wire::put(out, std::uint64_t(v.size()));
+  for (std::int64_t x : v) wire::put(out, x);
+}
+Ints getInts(wire::Reader& in) {
+  Ints v(in.get<std::uint64_t>());
+  for (std::int64_t& x : v) x = in.get<std::int64_t>();
+  return v;
+}
+
+}  // namespace
+
+std::string CheckpointWriter::packed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string out;
+  wire::put(out, std::uint64_t(chunks_.size()));
+  for (const Held& h : chunks_) {
+    const CheckpointChunk& c = h.chunk;
+    wire::putString(out, h.key);
+    wire::put(out, h.dtype);
+    putInts(out, h.savedGlobalShape);
+    wire::putString(out, std::string(h.bytes.begin(), h.bytes.end()));
+    wire::put(out, std::int32_t(c.writer));
+    putInts(out, c.globalOffset);
+    putInts(out, c.localShape);
+    putInts(out, c.storedShape);
+    wire::put(out, std::int32_t(c.paddedAxis));
+    wire::put(out, std::uint8_t(c.gtpPadding.has_value()));
+    if (c.gtpPadding) {
+      wire::put(out, std::int32_t(c.gtpPadding->tpAxis));
+      wire::put(out, std::int32_t(c.gtpPadding->tpSize));
+      wire::put(out, c.gtpPadding->padLength);
+    }
+    putInts(out, Ints(c.replicaId.begin(), c.replicaId.end()));
+    wire::put(out, c.checksum);
+  }
+  wire::put(out, std::uint64_t(objects_.size()));
+  for (const auto& [key, o] : objects_) {
+    wire::putString(out, key);
+    putInts(out, o.globalShape);
+    wire::put(out, std::uint64_t(o.offsets.size()));
+    for (std::size_t i = 0; i < o.offsets.size(); ++i) {
+      putInts(out, o.offsets[i]);
+      wire::put(out, std::int32_t(o.writers[i]));
+    }
+  }
+  return out;
+}
+
+void CheckpointWriter::addPacked(const std::string& bytes) {
+  wire::Reader in(bytes, "a process's checkpoint chunks");
+  std::vector<Held> held(in.get<std::uint64_t>());
+  for (Held& h : held) {
+    CheckpointChunk& c = h.chunk;
+    h.key = in.getString();
+    h.dtype = in.get<DType>();
+    h.savedGlobalShape = getInts(in);
+    const std::string data = in.getString();
+    h.bytes.assign(data.begin(), data.end());
+    c.writer = in.get<std::int32_t>();
+    c.globalOffset = getInts(in);
+    c.localShape = getInts(in);
+    c.storedShape = getInts(in);
+    c.paddedAxis = in.get<std::int32_t>();
+    if (in.get<std::uint8_t>()) {
+      GtpPadding& g = c.gtpPadding.emplace();
+      g.tpAxis = in.get<std::int32_t>();
+      g.tpSize = in.get<std::int32_t>();
+      g.padLength = in.get<std::int64_t>();
+    }
+    const Ints replica = getInts(in);
+    c.replicaId.assign(replica.begin(), replica.end());
+    c.checksum = in.get<std::uint64_t>();
+  }
+  std::map<std::string, CheckpointObject> objects;
+  for (auto n = in.get<std::uint64_t>(); n > 0; --n) {
+    const std::string key = in.getString();
+    CheckpointObject& o = objects[key];
+    o.key = key;
+    o.globalShape = getInts(in);
+    for (auto cells = in.get<std::uint64_t>(); cells > 0; --cells) {
+      o.offsets.push_back(getInts(in));
+      o.writers.push_back(in.get<std::int32_t>());
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (Held& h : held) chunks_.push_back(std::move(h));
+  for (const auto& [key, o] : objects) {
+    CheckpointObject& rec = objects_[key];
+    TPSIM_CHECK(rec.key.empty() || rec.globalShape == o.globalShape, "checkpoint save: key '", key,
+                "': expected one grid ", shapeText(rec.globalShape), " for every rank, got ", shapeText(o.globalShape),
+                " from ranks of another process");
+    rec.key = key;
+    rec.globalShape = o.globalShape;
+    rec.offsets.insert(rec.offsets.end(), o.offsets.begin(), o.offsets.end());
+    rec.writers.insert(rec.writers.end(), o.writers.begin(), o.writers.end());
   }
 }
 

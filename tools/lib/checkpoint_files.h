@@ -120,6 +120,11 @@ class CheckpointWriter {
   // renamed into place and the index last (docs/checkpoints.md, "Saving"): an index there always
   // names the files written with it.
   void commit(const std::string& dir) const;
+  // What this writer holds of the ranks' add() calls, as bytes (backends/wire.h), and its inverse,
+  // which adds another writer's to this one: a world spread over an MPI job saves through process
+  // 0's writer, and commit() writes the same files as one process's.
+  std::string packed() const;
+  void addPacked(const std::string& bytes);
 
  private:
   struct Held {

@@ -6,6 +6,8 @@
 #include "backends/errors.h"
 #include "backends/wire.h"
 #include "tools/lib/backend.h"
+#include "tools/lib/checkpoint_files.h"
+#include "tools/lib/trace.h"
 #include "tools/lib/usage_error.h"
 #include "tpsim_config.h"
 #if TPSIM_HAVE_MPI
@@ -20,6 +22,58 @@ namespace {
 std::unique_ptr<mpi::Session>& session() {
   static std::unique_ptr<mpi::Session> s;
   return s;
+}
+
+void putRecord(std::string& out, const RankRecord& r) {
+  wire::put(out, std::uint64_t(r.compute.size()));
+  for (const ComputeRecord& c : r.compute) {
+    wire::putString(out, c.name);
+    wire::putString(out, c.dtype);
+    for (std::int64_t x : {c.m, c.n, c.k}) wire::put(out, x);
+    for (double x : {c.flops, c.bytes, c.start, c.end}) wire::put(out, x);
+  }
+  wire::put(out, std::uint64_t(r.comms.size()));
+  for (const CommRecord& c : r.comms) {
+    wire::putString(out, c.op);
+    wire::putString(out, c.group);
+    wire::put(out, c.seq);
+    wire::putString(out, c.dtype);
+    for (std::int64_t x : {c.inBytes, c.outBytes}) wire::put(out, x);
+    wire::put(out, std::int32_t(c.size));
+    for (double x : {c.issued, c.waitStart, c.completed}) wire::put(out, x);
+  }
+  wire::put(out, std::uint64_t(r.steps.size()));
+  for (const auto& [step, index] : r.steps) {
+    wire::put(out, step);
+    wire::put(out, std::uint64_t(index));
+  }
+}
+
+RankRecord getRecord(wire::Reader& in) {
+  RankRecord r;
+  r.compute.resize(in.get<std::uint64_t>());
+  for (ComputeRecord& c : r.compute) {
+    c.name = in.getString();
+    c.dtype = in.getString();
+    for (std::int64_t* x : {&c.m, &c.n, &c.k}) *x = in.get<std::int64_t>();
+    for (double* x : {&c.flops, &c.bytes, &c.start, &c.end}) *x = in.get<double>();
+  }
+  r.comms.resize(in.get<std::uint64_t>());
+  for (CommRecord& c : r.comms) {
+    c.op = in.getString();
+    c.group = in.getString();
+    c.seq = in.get<std::uint64_t>();
+    c.dtype = in.getString();
+    for (std::int64_t* x : {&c.inBytes, &c.outBytes}) *x = in.get<std::int64_t>();
+    c.size = in.get<std::int32_t>();
+    for (double* x : {&c.issued, &c.waitStart, &c.completed}) *x = in.get<double>();
+  }
+  r.steps.resize(in.get<std::uint64_t>());
+  for (auto& [step, index] : r.steps) {
+    step = in.get<RankRecord::Step>();
+    index = in.get<std::uint64_t>();
+  }
+  return r;
 }
 
 }  // namespace
@@ -60,7 +114,7 @@ std::unique_ptr<World> makeJobWorld(const std::string& backend, const WorldOptio
 }
 
 void gatherRanks(std::vector<std::map<std::string, StoredTensor>>& results, std::vector<std::vector<TraceEvent>>& trace,
-                 std::chrono::milliseconds timeout) {
+                 std::vector<RankRecord>& records, CheckpointWriter* checkpoint, std::chrono::milliseconds timeout) {
   if (jobProcesses() == 1) return;
   const int size = int(results.size());
   std::string mine;
@@ -82,7 +136,9 @@ void gatherRanks(std::vector<std::map<std::string, StoredTensor>>& results, std:
       wire::putString(mine, e.dtype);
       wire::put(mine, e.bytes);
     }
+    if (!records.empty()) putRecord(mine, records[std::size_t(r)]);
   }
+  if (checkpoint) wire::putString(mine, checkpoint->packed());
   const std::vector<std::string> parts = session()->gather(std::move(mine), timeout);
   for (int p = 1; p < int(parts.size()); ++p) {
     wire::Reader in(parts[std::size_t(p)], "a process's gathered results");
@@ -107,7 +163,9 @@ void gatherRanks(std::vector<std::map<std::string, StoredTensor>>& results, std:
         e.dtype = in.getString();
         e.bytes = in.get<std::int64_t>();
       }
+      if (!records.empty()) records[std::size_t(r)] = getRecord(in);
     }
+    if (checkpoint) checkpoint->addPacked(in.getString());
   }
 }
 
@@ -122,7 +180,7 @@ std::unique_ptr<World> makeJobWorld(const std::string& backend, const WorldOptio
   return makeWorld(backend, options);
 }
 void gatherRanks(std::vector<std::map<std::string, StoredTensor>>&, std::vector<std::vector<TraceEvent>>&,
-                 std::chrono::milliseconds) {}
+                 std::vector<RankRecord>&, CheckpointWriter*, std::chrono::milliseconds) {}
 
 #endif
 

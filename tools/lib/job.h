@@ -12,9 +12,15 @@
 #include "backends/world.h"
 #include "tools/lib/host_tensor.h"
 
-namespace tpsim::mpi {
+namespace tpsim {
+class CheckpointWriter;  // tools/lib/checkpoint_files.h
+namespace mpi {
 class Session;
 }
+namespace tools {
+struct RankRecord;  // tools/lib/trace.h
+}
+}  // namespace tpsim
 
 namespace tpsim::tools {
 
@@ -30,9 +36,11 @@ int leaveJob(int code);
 // makeWorld, spread over the job's processes when there are several (simulator only). Throws
 // UsageError (exit 2) when the ranks do not spread evenly.
 std::unique_ptr<World> makeJobWorld(const std::string& backend, const WorldOptions& options);
-// After a run on a makeJobWorld world: on process 0, every rank's results and trace, which only the
-// process that ran a rank filled; elsewhere unchanged. Waits at most `timeout` for the processes.
+// After a run on a makeJobWorld world: on process 0, every rank's results, trace and records (none
+// when `records` is empty), which only the process that ran a rank filled, and with `checkpoint` the
+// chunks every process's ranks added to theirs; elsewhere unchanged. Waits at most `timeout` for
+// the processes.
 void gatherRanks(std::vector<std::map<std::string, StoredTensor>>& results, std::vector<std::vector<TraceEvent>>& trace,
-                 std::chrono::milliseconds timeout);
+                 std::vector<RankRecord>& records, CheckpointWriter* checkpoint, std::chrono::milliseconds timeout);
 
 }  // namespace tpsim::tools

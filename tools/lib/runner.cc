@@ -202,7 +202,7 @@ RunResult runSharded(const RunConfig& config, const TensorMap& in, const Checkpo
   runWorld(*world, rankMain);
   // Spread over an MPI job, process 0 assembles every rank's results; the other processes are done.
   std::vector<std::vector<TraceEvent>> trace = world->trace();
-  gatherRanks(per.results, trace, c.timeout);
+  gatherRanks(per.results, trace, records, hooks.save, c.timeout);
   if (jobProcess() != 0) return {};
   if (progress) progress->phase("assemble");
 
