@@ -166,9 +166,13 @@ struct Session::Impl {
       last = stop.load();
       bool busy = false;
       std::deque<std::tuple<int, int, std::shared_ptr<std::string>>> queued;
+      // A task runs after every send queued before it is posted: one may block in MPI until a peer
+      // gets here, and the peer may wait for such a send (a run's finish).
+      std::deque<std::packaged_task<void()>> due;
       {
         std::lock_guard<std::mutex> lock(mu);
         queued.swap(outbox);
+        due.swap(tasks);
       }
       for (auto& [dest, tag, payload] : queued) {
         MPI_Request request;
@@ -212,11 +216,6 @@ struct Session::Impl {
         }
       }
       busy = dispatch() || busy;
-      std::deque<std::packaged_task<void()>> due;
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        due.swap(tasks);
-      }
       for (auto& task : due) task();
       busy = busy || !due.empty();
       // Back off to a 1 ms poll when nothing moves and nothing is awaited: the processes may share
