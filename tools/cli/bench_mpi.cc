@@ -7,8 +7,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
+#include <memory>
 #include <vector>
 
 #include "backends/errors.h"
