@@ -3,10 +3,12 @@
 //
 //   gpu_job_driver local          "process P of N: local L of M" (the shared-memory communicator)
 //   gpu_job_driver id             "id HEX": the NCCL id every process got from process 0 (a made-up one)
-//   gpu_job_driver split SIZE     a world of SIZE ranks (one per process under mpiexec) splitting and
+//   gpu_job_driver split SIZE [FAULT]
+//                                 a world of SIZE ranks (one per process under mpiexec) splitting and
 //                                 barriering over a transport that records, as NCCL's would see them:
 //                                 "split ..." per member with its ncclCommSplit color and key, and
-//                                 "process P order: ..." the order the process's collectives reached it
+//                                 "process P order: ..." the order the process's collectives reached it;
+//                                 FAULT is --inject's RANK:K:KIND
 //
 // A failure prints "process P: exit N: " and the error to stderr.
 #include <chrono>
@@ -20,6 +22,7 @@
 
 #include "backends/collectives.h"
 #include "backends/errors.h"
+#include "backends/fault.h"
 #include "backends/mpi/session.h"
 #include "backends/world.h"
 #include "gpu/nccl_transport.h"
@@ -88,7 +91,7 @@ void program(RankContext& ctx, int processes) {
   (void)pairs;
 }
 
-int run(const std::string& mode, int size, mpi::Session* session) {
+int run(const std::string& mode, int size, const std::string& fault, mpi::Session* session) {
   const int process = session ? session->process() : 0, processes = session ? session->processes() : 1;
   if (mode == "local") {
     std::printf("process %d of %d: local %d of %d\n", process, processes, session ? session->localProcess() : 0,
@@ -109,12 +112,13 @@ int run(const std::string& mode, int size, mpi::Session* session) {
     WorldOptions o;
     o.size = size;
     o.timeout = kTimeout;
+    if (!fault.empty()) o.faults.push_back(parseFault(fault));
     auto recorder = std::make_shared<Recorder>(process, processes, size);
     sim::World world(o, session ? session->spread(recorder, size) : recorder);
     world.run([processes](RankContext& ctx) { program(ctx, processes); });
     recorder->print();
   } else {
-    throw InvalidArgument("usage: gpu_job_driver local | id | split SIZE");
+    throw InvalidArgument("usage: gpu_job_driver local | id | split SIZE [FAULT]");
   }
   return 0;
 }
@@ -127,7 +131,7 @@ int main(int argc, char** argv) {
   try {
     if (mpi::Session::launched()) session = std::make_unique<mpi::Session>();
     const std::string mode = argc > 1 ? argv[1] : "";
-    code = run(mode, argc > 2 ? std::stoi(argv[2]) : 0, session.get());
+    code = run(mode, argc > 2 ? std::stoi(argv[2]) : 0, argc > 3 ? argv[3] : "", session.get());
   } catch (const std::exception& e) {
     code = dynamic_cast<const InvalidArgument*>(&e) ? 2 : 3;
     std::fprintf(stderr, "process %d: exit %d: %s\n", session ? session->process() : 0, code, e.what());

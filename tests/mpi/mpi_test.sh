@@ -13,6 +13,8 @@
 #   mpi_test.sh MPIEXEC GPUDRIVER gpuid P           process 0's (made-up) NCCL id reaches every process intact
 #   mpi_test.sh MPIEXEC GPUDRIVER gpusplit P        the splits' NCCL colors and keys over P processes = in one,
 #                                                   and every process's collectives reach NCCL in issue order
+#   mpi_test.sh MPIEXEC GPUDRIVER gpufault P FAULT  the same with an injected fault (a mismatch only the exchange
+#                                                   sees): exit 3 from every process, the same diagnostic
 #   mpi_test.sh MPIEXEC TPSIM gpufail P             tpsim run --backend gpu with ranks != processes, or (here) no
 #                                                   GPU: exit 2 from every process, saying why
 #   mpi_test.sh MPIEXEC TPSIM gpurun 1              one process on one GPU against the simulator; exit 77 (skip)
@@ -164,6 +166,15 @@ case "$mode" in
     order=" split(world) split(world) split(parity) barrier(world) barrier(parity)"
     [ "$(grep -cxF "order:$order" <(sed 's/^process [0-9]* //' "$tmp/out"))" -eq "$p" ] ||
       fail "not every process saw its collectives in issue order:$order"
+    ;;
+  gpufault)
+    spread split "$p" "$5"
+    [ "$rc" -eq 3 ] || fail "exit $rc, expected 3"
+    grep "^process [0-9]*: exit 3: " "$tmp/err" | sed 's/^process [0-9]*: exit 3: //' | sort -u >"$tmp/causes"
+    [ "$(grep -c "^process [0-9]*: exit 3: " "$tmp/err")" -eq "$p" ] || fail "not every process reported the failure"
+    [ "$(wc -l <"$tmp/causes")" -eq 1 ] || fail "the processes reported different failures"
+    grep -q "collective mismatch" "$tmp/causes" || fail "not the mismatch"
+    ! grep -q "^process .* order:" "$tmp/out" || fail "a process finished its run"
     ;;
   gpufail)
     tpsim=$driver
