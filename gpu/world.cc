@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 
+#include "gpu/check.h"
 #include "gpu/device.h"
 #include "gpu/fabric.h"
 #include "gpu/gpu_compute.h"
@@ -55,11 +56,47 @@ GpuWorldOptions worldOptionsFromEnvironment() {
 
 std::string unusableReason() { return cachedProbe().reason; }
 
+std::string processPlacementError(int size, int processes) {
+  if (size == processes) return "";
+  return tpsim::detail::concat("a GPU world in an MPI job runs one rank per process: expected a world of ", processes,
+                               " rank(s), one for each of the ", processes, " processes, got ", size);
+}
+
+int deviceForLocalProcess(int localProcess, int devices) {
+  TPSIM_CHECK(localProcess < devices, "gpu::World: the job's process ", localProcess,
+              " on this machine (counted from 0) takes CUDA device ", localProcess, ", but the machine has ", devices,
+              " device(s); run at most ", devices, " process(es) per machine");
+  return localProcess;
+}
+
 World::World(WorldOptions options, GpuWorldOptions gpuOptions)
-    : rendezvous_("gpu", withGpuDefaults(options)), transport_(gpuOptions.transport), timeoutMs_(deviceTimeoutMs()) {
+    : rendezvous_("gpu", withGpuDefaults(options)),
+      transport_(gpuOptions.transport),
+      timeoutMs_(deviceTimeoutMs()),
+      job_(gpuOptions.job) {
+  const int n = rendezvous_.options().size;
+  if (job_) {
+    const std::string error = processPlacementError(n, job_->processes);
+    TPSIM_CHECK(error.empty(), "gpu::World: ", error);
+    TPSIM_CHECK(transport_ != TransportKind::kDeviceFabric,
+                "gpu::World: in an MPI job each process drives its rank on its own GPU through NCCL; "
+                "expected TPSIM_GPU_TRANSPORT auto or nccl, got fabric");
+  }
   const Probe& p = cachedProbe();
   if (!p.hasDevice()) throw BackendError("gpu::World: " + p.reason);
-  const int n = rendezvous_.options().size, devices = int(p.devices.size());
+  const int devices = int(p.devices.size());
+  if (job_) {
+    const int device = deviceForLocalProcess(job_->localProcess, devices);
+    transport_ = TransportKind::kNccl;
+    computes_.resize(std::size_t(n));
+    ranks_.assign(std::size_t(n), nullptr);
+    auto c = std::make_shared<GpuCompute>(device);
+    ranks_[std::size_t(job_->process)] = c.get();
+    computes_[std::size_t(job_->process)] = std::move(c);
+    deviceName_ = tpsim::detail::concat(p.devices[std::size_t(device)].name, " per process, ", n, " processes");
+    makeTransport();
+    return;
+  }
   if (transport_ == TransportKind::kAuto)
     transport_ = devices >= n ? TransportKind::kNccl : TransportKind::kDeviceFabric;
   if (transport_ == TransportKind::kNccl) {
@@ -83,12 +120,23 @@ World::World(WorldOptions options, GpuWorldOptions gpuOptions)
     }
     deviceName_ = p.devices[gpuOptions.device].name;
   }
-  fabric_ = makeTransport();
+  makeTransport();
 }
 
-std::shared_ptr<DeviceTransport> World::makeTransport() {
-  if (transport_ == TransportKind::kNccl) return std::make_shared<NcclTransport>(ranks_, rendezvous_.options().timeout);
-  return std::make_shared<DeviceFabric>(ranks_.front()->deviceIndex(), ranks_);
+void World::makeTransport() {
+  if (job_) {
+    const ncclUniqueId id = shareUniqueId(job_->process, job_->broadcast, [] {
+      ncclUniqueId made;
+      TPSIM_NCCL_CHECK(ncclGetUniqueId(&made));
+      return made;
+    });
+    fabric_ = std::make_shared<NcclTransport>(ranks_, rendezvous_.options().timeout, &id);
+    spread_ = job_->spread(fabric_);
+    return;
+  }
+  if (transport_ == TransportKind::kNccl) fabric_ = std::make_shared<NcclTransport>(ranks_, rendezvous_.options().timeout);
+  else fabric_ = std::make_shared<DeviceFabric>(ranks_.front()->deviceIndex(), ranks_);
+  spread_ = fabric_;
 }
 
 World::~World() = default;
@@ -97,16 +145,20 @@ std::string World::description() const {
   return tpsim::detail::concat("gpu (", transport_ == TransportKind::kNccl ? "NCCL" : "DeviceFabric", ", ", deviceName_, ")");
 }
 
-GpuCompute& World::compute(int rank) { return static_cast<GpuCompute&>(*computes_.at(std::size_t(rank))); }
+GpuCompute& World::compute(int rank) {
+  TPSIM_CHECK(computes_.at(std::size_t(rank)), "gpu::World::compute: rank ", rank, " runs in process ", rank,
+              " of the job, not in this one");
+  return static_cast<GpuCompute&>(*computes_[std::size_t(rank)]);
+}
 
 void World::run(const std::function<void(RankContext&)>& fn) {
   if (transportAborted_) {
     // Ranks abandoned by the failed run may still hold the old transport; it goes with the last.
-    fabric_ = makeTransport();
+    makeTransport();
     transportAborted_ = false;
   }
   try {
-    rendezvous_.run(fn, computes_, fabric_);
+    rendezvous_.run(fn, computes_, spread_);
   } catch (...) {
     drain();
     transportAborted_ = transport_ == TransportKind::kNccl;  // the DeviceFabric has nothing to abort
@@ -116,6 +168,7 @@ void World::run(const std::function<void(RankContext&)>& fn) {
   // results it downloaded were already waited for, but the next run must not race with it. A
   // fault in a collective's kernel first shows in the stream of whichever rank waits next.
   for (int r = 0; r < size(); ++r) {
+    if (!ranks_[std::size_t(r)]) continue;  // a peer process's
     try {
       compute(r).synchronize("gpu::World::run");
     } catch (const BackendError& e) {
@@ -132,8 +185,9 @@ void World::run(const std::function<void(RankContext&)>& fn) {
 void World::drain() noexcept {
   const auto deadline = deadlineIn(timeoutMs_);
   fabric_->drain(deadline);
-  for (int r = 0; r < size(); ++r) {
-    const GpuCompute& c = compute(r);
+  for (const GpuCompute* rank : ranks_) {
+    if (!rank) continue;
+    const GpuCompute& c = *rank;
     if (cudaSetDevice(c.deviceIndex()) == cudaSuccess) pollStream(c.stream(), deadline);
   }
   cudaGetLastError();

@@ -170,7 +170,7 @@ TEST(NcclWorld, AFailedRunLeavesTheWorldUsable) {
   SKIP_WITHOUT_GPU();
   WorldOptions o;
   o.size = 1;
-  gpu::World world(o, {gpu::TransportKind::kNccl, 0});
+  gpu::World world(o, {gpu::TransportKind::kNccl, 0, {}});
   EXPECT_THAT(
       [&] {
         world.run([](RankContext& ctx) {
@@ -275,7 +275,7 @@ TEST(GpuWorldFailures, ARankThrowingPastAnExecutedCollectiveLeavesTheWorldUsable
   SKIP_WITHOUT_GPU();
   WorldOptions o;
   o.size = 4;
-  gpu::World world(o, {gpu::TransportKind::kDeviceFabric, 0});
+  gpu::World world(o, {gpu::TransportKind::kDeviceFabric, 0, {}});
   try {
     world.run([](RankContext& ctx) {
       Tensor x = ctx.compute.empty({1 << 22}, DType::kFloat32);
@@ -306,7 +306,7 @@ TEST(GpuWorldFailures, AStuckStreamFailsRunAndTeardownWithinTheDeadline) {
   {
     WorldOptions o;
     o.size = 2;
-    gpu::World world(o, {gpu::TransportKind::kDeviceFabric, 0});
+    gpu::World world(o, {gpu::TransportKind::kDeviceFabric, 0, {}});
     try {
       world.run([&](RankContext& ctx) {
         Tensor x = ctx.compute.zeros({4}, DType::kFloat32);
@@ -332,7 +332,7 @@ TEST(GpuWorld, WorkOrderedOnTheDeviceIsCompleteWhenRunReturns) {
   SKIP_WITHOUT_GPU();
   WorldOptions o;
   o.size = 4;
-  gpu::World world(o, {gpu::TransportKind::kDeviceFabric, 0});
+  gpu::World world(o, {gpu::TransportKind::kDeviceFabric, 0, {}});
   std::vector<std::shared_ptr<Tensor>> kept(4);
   world.run([&](RankContext& ctx) {
     auto x = std::make_shared<Tensor>(ctx.compute.empty({1 << 20}, DType::kFloat32));

@@ -75,7 +75,21 @@ if [ -f "$root/.gpu-deps/root.tar.xz" ] && { [ ! -d "$deps" ] || [ "$root/.gpu-d
   rm -rf "$deps" && mkdir -p "$deps" && tar -C "$deps" -xJf "$root/.gpu-deps/root.tar.xz" && touch "$deps"
 fi
 prefix_path=""
-[ -d "$deps/usr" ] && prefix_path="$deps/usr" && export LD_LIBRARY_PATH="$deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+[ -d "$deps/usr" ] && prefix_path="$deps/usr" &&
+  export LD_LIBRARY_PATH="$deps/usr/lib/x86_64-linux-gnu:$deps/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+# Open MPI: the machine's own mpirun, else the one .gpu-deps brings, relocated to where it lies
+# (OPAL_PREFIX; PMIx and hwloc load their plugins from paths of their own). Its wrapper tells CMake
+# where the headers and libraries are.
+mpirun=$(command -v mpirun || true)
+mpi_flags=()
+if [ -z "$mpirun" ] && [ -x "$deps/usr/bin/mpirun.openmpi" ]; then
+  mpirun="$deps/usr/bin/mpirun.openmpi"
+  export OPAL_PREFIX="$deps/usr"
+  export PMIX_MCA_mca_base_component_path="$deps/usr/lib/x86_64-linux-gnu/pmix2/lib/pmix"
+  export HWLOC_PLUGINS_PATH="$deps/usr/lib/x86_64-linux-gnu/hwloc"
+  export LD_LIBRARY_PATH="$deps/usr/lib/x86_64-linux-gnu/openmpi/lib:$LD_LIBRARY_PATH"
+  mpi_flags=(-DMPI_CXX_COMPILER="$deps/usr/bin/mpicxx.openmpi")
+fi
 # Python's CUDA packages: where the toolkit lacks NCCL or cuBLASLt, the ones PyTorch brings.
 python=${PYTHON:-python3}
 pypkg() { "$python" -c "import $1 as m; print(m.__path__[0])" 2>/dev/null || true; }
@@ -112,6 +126,7 @@ fi
   nvcc --version 2>&1 | tail -2
   echo "cmake: $(cmake --version | head -1); ninja: $(ninja --version); cxx: $(c++ --version | head -1)"
   echo "deps: ${prefix_path:-none (.gpu-deps missing: run tools/gpu_deps.sh where apt works)}; NCCL_ROOT: ${nccl_root:-default}; cuBLASLt: ${cublas_flags[0]:-toolkit}"
+  echo "mpirun: ${mpirun:-none (install Open MPI, or run tools/gpu_deps.sh where apt works)}"
   echo "python: $(command -v "$python" || echo "$python: not found"); budget: ${budget}s"
 } >"$logs/machine.log" 2>&1
 cat "$logs/machine.log"
@@ -127,7 +142,7 @@ elif [ -x "$bin/tools/tpsim" ] && [ -x "$bin/props/tpsim_props" ]; then
   skip build "binaries brought along in build-gpu/"
 else
   step configure 120 cmake -S "$root" -B "$bin" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTPSIM_GPU=ON \
-    ${prefix_path:+-DCMAKE_PREFIX_PATH="$prefix_path"} ${nccl_root:+-DNCCL_ROOT="$nccl_root"} "${cublas_flags[@]}" \
+    ${prefix_path:+-DCMAKE_PREFIX_PATH="$prefix_path"} ${nccl_root:+-DNCCL_ROOT="$nccl_root"} "${cublas_flags[@]}" "${mpi_flags[@]}" \
     && configured=1 || configured=0
 fi
 if [ "$configured" -eq 1 ]; then
@@ -154,6 +169,18 @@ if [ -x "$tpsim" ]; then
     --vocab 1024 --out-features 64 --seq 32 --batch 4
   # NCCL itself (a one-rank layer run issues no collective): the NCCL world's tests on their own row.
   step nccl-world 60 "$bin/tests/tpsim_gpu_world_tests" --gtest_filter='NcclWorld.*:GpuWorld.*'
+  # One process of an MPI job on one GPU: the local rank's device, process 0's NCCL id over MPI,
+  # the world communicator and ncclCommSplit's groups, its results gathered as the simulator's
+  # are; checked against the same run on the simulator (tests/mpi/mpi_test.sh gpurun). Open MPI
+  # without its Debian settings (/etc/openmpi) would pick UCX, which hangs in containers.
+  if [ -z "$mpirun" ]; then
+    skip mpirun-gpu-np1 "no mpirun (install Open MPI, or run tools/gpu_deps.sh where apt works)"
+  elif [ -f "$bin/tpsim_config.h" ] && ! grep -q "define TPSIM_HAVE_MPI 1" "$bin/tpsim_config.h"; then
+    skip mpirun-gpu-np1 "tpsim built without MPI (see $logs/configure.log)"
+  else
+    step mpirun-gpu-np1 90 env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_pml=ob1 \
+      OMPI_MCA_btl=self,vader,tcp bash "$root/tests/mpi/mpi_test.sh" "$mpirun" "$tpsim" gpurun 1
+  fi
   step demo-gpu 60 "$tpsim" demo --backend gpu
   step bench-gpu 150 "$tpsim" bench --backend gpu
   [ -f "$logs/bench-gpu.log" ] && grep -E '^[^#]' "$logs/bench-gpu.log" | head -120

@@ -91,6 +91,9 @@ struct Session::Impl {
   int processes = 1;
   int nextWorld = 0;  // worlds made so far: a world's key, the same in every process
   int nextGather = 0;
+  int nextBroadcast = 0;
+  int localProcess = 0;  // among the processes on this machine (MPI_COMM_TYPE_SHARED)
+  int localProcesses = 1;
 
   std::mutex mu;
   std::deque<std::tuple<int, int, std::shared_ptr<std::string>>> outbox;  // (dest, tag, payload)
@@ -290,18 +293,23 @@ struct Session::Impl {
 
 namespace {
 
-// The simulator's data movement for the members this process runs, with the peers reached
-// through the session.
-class Transport final : public world::Transport {
+// A transport for the members this process runs (the simulator's host copies, NCCL), with the peers
+// reached through the session.
+class Spread final : public world::Transport {
  public:
-  Transport(std::shared_ptr<Session::Impl> session, int size)
-      : session_(std::move(session)), size_(size), world_(session_->nextWorld++) {
+  Spread(std::shared_ptr<Session::Impl> session, int size, std::shared_ptr<world::Transport> local)
+      : session_(std::move(session)), size_(size), world_(session_->nextWorld++), local_(std::move(local)) {
     for (int p = 0; p < session_->processes; ++p)
       if (p != session_->process) peers_.push_back(p);
   }
 
-  Device device() const override { return Device::kHost; }
-  world::TransportToken execute(const world::Collective& c) override { return host_.execute(c); }
+  Device device() const override { return local_->device(); }
+  world::TransportToken issued(int globalRank) override { return local_->issued(globalRank); }
+  world::TransportToken execute(const world::Collective& c) override { return local_->execute(c); }
+  void split(const world::Collective& c) override { local_->split(c); }
+  void completed(int globalRank, const world::TransportToken& done) override { local_->completed(globalRank, done); }
+  void abort() override { local_->abort(); }
+  bool carriesPeerData() const override { return local_->carriesPeerData(); }
   int processOf(int globalRank) const override { return mpi::processOf(globalRank, size_, session_->processes); }
   int process() const override { return session_->process; }
 
@@ -358,7 +366,7 @@ class Transport final : public world::Transport {
   int world_;
   int runs_ = 0;
   std::vector<int> peers_;
-  sim::HostTransport host_;
+  std::shared_ptr<world::Transport> local_;
 };
 
 }  // namespace
@@ -373,6 +381,11 @@ Session::Session() : impl_(std::make_shared<Impl>()) {
   MPI_Comm_set_errhandler(impl_->comm, MPI_ERRORS_RETURN);
   MPI_Comm_rank(impl_->comm, &impl_->process);
   MPI_Comm_size(impl_->comm, &impl_->processes);
+  MPI_Comm node = MPI_COMM_NULL;
+  MPI_Comm_split_type(impl_->comm, MPI_COMM_TYPE_SHARED, impl_->process, MPI_INFO_NULL, &node);
+  MPI_Comm_rank(node, &impl_->localProcess);
+  MPI_Comm_size(node, &impl_->localProcesses);
+  MPI_Comm_free(&node);
   impl_->progress = std::thread([impl = impl_.get()] { impl->progressLoop(); });
 }
 
@@ -382,11 +395,47 @@ Session::~Session() {
 
 int Session::process() const { return impl_->process; }
 int Session::processes() const { return impl_->processes; }
+int Session::localProcess() const { return impl_->localProcess; }
+int Session::localProcesses() const { return impl_->localProcesses; }
 
 std::unique_ptr<World> Session::makeWorld(const WorldOptions& options) {
   const std::string error = placementError(options.size, impl_->processes);
   if (!error.empty()) throw Error(error);
-  return std::make_unique<sim::World>(options, std::make_shared<Transport>(impl_, options.size));
+  return std::make_unique<sim::World>(options, spread(std::make_shared<sim::HostTransport>(), options.size));
+}
+
+std::shared_ptr<world::Transport> Session::spread(std::shared_ptr<world::Transport> local, int size) {
+  return std::make_shared<Spread>(impl_, size, std::move(local));
+}
+
+std::string Session::broadcast(std::string fromProcess0, std::chrono::milliseconds timeout) {
+  Impl& s = *impl_;
+  const std::string key = detail::concat("b", s.nextBroadcast++);
+  if (s.process == 0) {
+    std::vector<int> others;
+    for (int p = 1; p < s.processes; ++p) others.push_back(p);
+    std::string payload;
+    putString(payload, key);
+    payload += fromProcess0;
+    s.send(others, kPart, std::move(payload));
+    return fromProcess0;
+  }
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      auto it = s.parts.find(key);
+      if (it != s.parts.end() && it->second.count(0)) {
+        std::string got = std::move(it->second[0]);
+        s.parts.erase(it);
+        return got;
+      }
+    }
+    if (Clock::now() > deadline)
+      throw Error(detail::concat("mpi: process ", s.process, " waited more than ", timeout.count(),
+                                 " ms for process 0's broadcast"));
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 std::vector<std::string> Session::gather(std::string mine, std::chrono::milliseconds timeout) {

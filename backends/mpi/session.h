@@ -6,7 +6,8 @@
 // issued and their inputs, and every process computes its members' outputs with the simulator's
 // own code from all the inputs, so the results are bitwise those of one process. A failure in one
 // process (a mismatch, a failed rank, a timeout) reaches every other one, and every process's
-// run() throws the same WorldError. docs/distributed.md.
+// run() throws the same WorldError. The GPU backend plugs NCCL in through spread(): one rank per
+// process, the parts then carry fingerprints only and NCCL moves the data. docs/distributed.md.
 #pragma once
 
 #include <chrono>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "backends/world.h"
+#include "backends/world/rendezvous.h"
 
 namespace tpsim::mpi {
 
@@ -40,14 +42,25 @@ class Session {
 
   int process() const;
   int processes() const;
+  // This process's place among the job's processes on its machine (MPI_COMM_TYPE_SHARED): which of
+  // the machine's GPUs it takes.
+  int localProcess() const;
+  int localProcesses() const;
 
   // A world of options.size ranks over every process of the job; each process calls it in the same
   // order with the same options. Throws Error (placementError) when the ranks do not spread evenly.
   std::unique_ptr<World> makeWorld(const WorldOptions& options);
+  // What a world of `size` ranks over every process of the job gives its rendezvous: `local` moves
+  // the data of this process's members (makeWorld's: the simulator's host copies), the session
+  // matches and fails across processes. Each process calls it in the same order.
+  std::shared_ptr<world::Transport> spread(std::shared_ptr<world::Transport> local, int size);
 
   // Process 0 gets every process's `mine`, by process; the others send theirs and get nothing.
   // Every process calls it at the same point. Throws Error when a part has not come within `timeout`.
   std::vector<std::string> gather(std::string mine, std::chrono::milliseconds timeout);
+  // Every process gets process 0's `fromProcess0` (the others' is ignored). Every process calls it
+  // at the same point. Throws Error when it has not come within `timeout`.
+  std::string broadcast(std::string fromProcess0, std::chrono::milliseconds timeout);
 
   // Runs `fn` on the one thread that makes this process's MPI calls (MPI_THREAD_SERIALIZED), between
   // its polls, and returns once fn has, rethrowing what it threw: how a caller makes MPI calls of its

@@ -151,6 +151,7 @@ struct Op {
   bool done = false;
   bool faulty = false;              // a member's issue was altered by an injected fault: move no data
   bool exchanging = false;          // the local members have issued; the peer processes' parts are awaited
+  bool agreed = false;              // every process's part arrived and matched (a transport carrying peer data)
   int abandonedBy = -1;             // a rank whose Work died during exception unwinding
   Clock::time_point firstArrival;
   Clock::duration timeout{};
@@ -250,6 +251,9 @@ struct RunState {
   // A world spread over processes: the collectives whose peers' parts are awaited, by exchange key;
   // when this process's ranks have all returned; and whether every peer's have.
   std::map<std::string, std::shared_ptr<Op>> exchanges;
+  // A transport carrying peer data: the collectives that await a peer, or one ahead of them, in the
+  // order this process's ranks completed their issue.
+  std::deque<std::shared_ptr<Op>> inOrder;
   bool finishSent = false;
   Clock::time_point finishTime;
   bool peersDone = false;
@@ -273,6 +277,7 @@ struct RunState {
     transport->abort();
     if (!fromPeer) transport->failed(kind, failureMessage, rank, rank >= 0 ? ranks[rank]->error : "");
     exchanges.clear();
+    inOrder.clear();
     for (auto& r : ranks)
       if (r->status == RankStatus::kParked || r->status == RankStatus::kStalled) wake(r.get());
     for (auto& entry : pendingOps) entry.second->group->pending.clear();  // breaks group <-> op cycles
@@ -400,11 +405,50 @@ Collective collectiveOf(const Op& op) {
   c.root = op.fp.root;
   c.globalRanks = op.group->globalRanks;
   c.group = op.group->name();
+  c.id = op.group->id;
   c.seq = op.seq;
   c.in = op.in;
   c.out = op.out;
   c.issued = op.tokens;
+  for (std::size_t r = 0; r < op.splitResult.size(); ++r) {
+    const auto& [group, rank] = op.splitResult[r];
+    c.split.push_back(group ? SplitPlace{op.splitColor[r], op.splitKey[r], group->id, rank, int(group->globalRanks.size())}
+                            : SplitPlace{op.splitColor[r], op.splitKey[r], "", -1, 0});
+  }
   return c;
+}
+
+// Caller holds mu. Every member of op issued it (and, spread over processes, every process agreed):
+// make its split's groups, or have the transport move its data, then wake its waiters. False when
+// the transport threw and the world failed.
+bool executeOp(RunState& run, Op& op) {
+  try {
+    if (op.fp.kind == OpKind::kSplit) {
+      completeSplit(op, *run.transport);
+      run.transport->split(collectiveOf(op));
+    } else if (!op.faulty) {  // every member agreed with a faulty issue: no fabric defines the data
+      op.doneToken = run.transport->execute(collectiveOf(op));
+    }
+  } catch (const std::exception& e) {
+    run.fail(CollectiveFailure::kBackend,
+             detail::concat(run.name, ": ", op.describe(), " failed in the transport: ", e.what()));
+    return false;
+  }
+  op.done = true;
+  op.exchanging = false;
+  for (RankState* w : op.waiters) run.wake(w);
+  op.waiters.clear();
+  return true;
+}
+
+// Caller holds mu. A transport carrying peer data: executes the agreed collectives at the front of
+// the process's order; one still awaiting a peer holds back every later one.
+void executeInOrder(RunState& run) {
+  while (!run.failed && !run.inOrder.empty() && run.inOrder.front()->agreed) {
+    const std::shared_ptr<Op> op = run.inOrder.front();
+    run.inOrder.pop_front();
+    if (op->abandonedBy < 0 && !executeOp(run, *op)) return;
+  }
 }
 
 // A process's part of an exchange: the fingerprint its members issued, whether a fault altered it,
@@ -433,13 +477,14 @@ void startExchange(RunState& run, Op& op) {
     wire::put(part, std::int32_t(op.splitColor[r]));
     wire::put(part, std::int32_t(op.splitKey[r]));
   }
-  if (movesData(op))
+  if (movesData(op) && !run.transport->carriesPeerData())
     for (std::size_t r = 0; r < op.arrived.size(); ++r)
       if (op.arrived[r])
         part.append(static_cast<const char*>(op.in[r].data()), std::size_t(op.in[r].numel()) * dtypeSize(op.fp.dtype));
   op.exchanging = true;
   const std::string key = exchangeKey(op);
   run.exchanges[key] = run.pendingOps.at({op.group.get(), op.seq});
+  if (run.transport->carriesPeerData()) run.inOrder.push_back(run.exchanges[key]);
   run.transport->exchange(key, op.group->peers, std::move(part));
 }
 
@@ -486,9 +531,15 @@ void completeExchange(RunState& run, Op& op, const std::vector<std::string>& par
   }
   run.pendingOps.erase({op.group.get(), op.seq});
   op.group->pending.erase(op.seq);
+  if (run.transport->carriesPeerData()) {
+    op.agreed = true;
+    executeInOrder(run);
+    return;
+  }
   if (op.abandonedBy >= 0) return;
   if (op.fp.kind == OpKind::kSplit) {
     completeSplit(op, *run.transport);
+    run.transport->split(collectiveOf(op));
   } else if (movesData(op)) {
     Collective c = collectiveOf(op);
     const std::size_t esize = dtypeSize(op.fp.dtype);
@@ -899,21 +950,12 @@ class SimCollectives final : public Collectives {
     if (op->arrivedCount == n) {
       group->pending.erase(seq);
       run.pendingOps.erase({group, seq});
-      if (op->abandonedBy < 0) {
-        if (fp.kind == OpKind::kSplit) {
-          completeSplit(*op, *run.transport);
-        } else if (!op->faulty) {  // every member agreed with a faulty issue: no fabric defines the data
-          try {
-            op->doneToken = run.transport->execute(collectiveOf(*op));
-          } catch (const std::exception& e) {
-            run.fail(CollectiveFailure::kBackend,
-                     detail::concat(run.name, ": ", op->describe(), " failed in the transport: ", e.what()));
-            throw run.failureFor(self_->rank);
-          }
-        }
-        op->done = true;
-        for (RankState* w : op->waiters) run.wake(w);
-        op->waiters.clear();
+      if (run.transport->carriesPeerData() && !run.inOrder.empty()) {
+        // Behind a collective that still awaits a peer: the transport gets both in issue order.
+        op->agreed = op->exchanging = true;
+        run.inOrder.push_back(op);
+      } else if (op->abandonedBy < 0 && !executeOp(run, *op)) {
+        throw run.failureFor(self_->rank);
       }
     } else if (op->arrivedCount == group->localMembers) {
       startExchange(run, *op);

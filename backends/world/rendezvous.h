@@ -27,6 +27,16 @@ const char* opName(OpKind kind);
 // Whatever a transport attaches to one rank's part of a collective (a CUDA event, say).
 using TransportToken = std::shared_ptr<void>;
 
+// Where a member of a split goes (kSplit only): the group of its color, ordered by (key, parent
+// rank), or none for a negative color.
+struct SplitPlace {
+  int color = -1;
+  int key = 0;
+  std::string id;  // the new group's id; "" for none
+  int rank = -1;   // the member's rank in it
+  int size = 0;
+};
+
 // One collective that every member has issued, as its transport sees it. Vectors are indexed by
 // group rank. Buffers follow collectives.h's contracts; the fingerprint checks guarantee that every
 // member passed the same dtype, counts, reduce op and root.
@@ -39,10 +49,12 @@ struct Collective {
   int root = 0;
   std::vector<int> globalRanks;
   std::string group;          // "tp[0,1]"
+  std::string id;             // the same in every process: "w" for the world, a split's "w.3.1"
   std::uint64_t seq = 0;
   std::vector<ConstView> in;
   std::vector<View> out;
   std::vector<TransportToken> issued;  // what Transport::issued returned for each member
+  std::vector<SplitPlace> split;       // kSplit: where each member goes
 };
 
 // What a transport whose world spans processes reports back to the rendezvous, from its own thread.
@@ -80,6 +92,9 @@ class Transport {
     (void)globalRank;
     (void)done;
   }
+  // Every member has issued split c (c.split says where each goes): make the transport's side of
+  // the new groups (NCCL: their communicators). Runs like execute(); a throw fails the world.
+  virtual void split(const Collective& c) { (void)c; }
   // The world failed: abandon transfers in flight (NCCL: abort the communicators) so that nothing
   // waits on them. Called once, under the rendezvous lock.
   virtual void abort() {}
@@ -93,6 +108,13 @@ class Transport {
     return 0;
   }
   virtual int process() const { return 0; }
+  // Whether the transport moves data between processes itself (NCCL, one rank per process). Then
+  // exchanges carry fingerprints only, and once every process agreed, execute() (barriers included)
+  // and split() get the collective with only this process's members' buffers (the others' views
+  // are empty), in the order this process's ranks issued them (one rank per process: each
+  // collective once its last local member issued it), so that every process enqueues them in one
+  // order, as NCCL requires.
+  virtual bool carriesPeerData() const { return false; }
   // One run() begins (a sink) or ends (null).
   virtual void attach(std::shared_ptr<PeerSink> sink) { (void)sink; }
   // Sends `part` to `processes` and delivers theirs under the same key. Never blocks.

@@ -17,6 +17,16 @@
 #   mpi_test.sh MPIEXEC TPSIM bench P               tpsim bench --what mpi over P processes: process 0's table,
 #                                                   every section and size, positive finite figures, no wrong
 #                                                   element; in one process, exit 2 naming the flag
+#   mpi_test.sh MPIEXEC GPUDRIVER gpulocal P        each process's local rank on the machine: 0 .. P-1, once each
+#   mpi_test.sh MPIEXEC GPUDRIVER gpuid P           process 0's (made-up) NCCL id reaches every process intact
+#   mpi_test.sh MPIEXEC GPUDRIVER gpusplit P        the splits' NCCL colors and keys over P processes = in one,
+#                                                   and every process's collectives reach NCCL in issue order
+#   mpi_test.sh MPIEXEC GPUDRIVER gpufault P FAULT  the same with an injected fault (a mismatch only the exchange
+#                                                   sees): exit 3 from every process, the same diagnostic
+#   mpi_test.sh MPIEXEC TPSIM gpufail P             tpsim run --backend gpu with ranks != processes, or (here) no
+#                                                   GPU: exit 2 from every process, saying why
+#   mpi_test.sh MPIEXEC TPSIM gpurun 1              one process on one GPU against the simulator; exit 77 (skip)
+#                                                   without a usable GPU
 set -euo pipefail
 mpiexec=$1 driver=$2 mode=$3 p=$4
 tmp=$(mktemp -d)
@@ -225,6 +235,79 @@ case "$mode" in
     [ "$rc" -eq 2 ] || fail "tpsim bench --what mpi -b 4: exit $rc, expected 2"
     grep -q "^tpsim bench: --min-bytes/--max-bytes: with --what mpi expected 4·processes ($((4 * p))) <= min <= max, got 4 and 64M" "$tmp/err" ||
       fail "tpsim bench --what mpi -b 4: $(cat "$tmp/err")"
+  gpulocal)
+    spread local
+    [ "$rc" -eq 0 ] || fail "exit $rc, expected 0"
+    [ "$(grep -c "^process [0-9]* of $p: local [0-9]* of $p$" "$tmp/out")" -eq "$p" ] || fail "expected $p local ranks of $p"
+    diff <(sed -n 's/^process [0-9]* of [0-9]*: local \([0-9]*\) of .*/\1/p' "$tmp/out" | sort -n) <(seq 0 $((p - 1))) ||
+      fail "the local ranks are not 0 .. $((p - 1)), once each"
+    ;;
+  gpuid)
+    "$driver" id >"$tmp/one"
+    grep -q "^id 0d141b" "$tmp/one" || fail "one process: not the made-up id: $(cat "$tmp/one")"
+    spread id
+    [ "$rc" -eq 0 ] || fail "exit $rc, expected 0"
+    [ "$(grep -cxF "$(cat "$tmp/one")" "$tmp/out")" -eq "$p" ] || fail "not every process got process 0's id"
+    ;;
+  gpusplit)
+    "$driver" split "$p" >"$tmp/one"
+    spread split "$p"
+    [ "$rc" -eq 0 ] || fail "exit $rc, expected 0"
+    # Three splits of which one leaves the last rank out: a line per member each, NOCOLOR (-1) once.
+    [ "$(grep -c '^split ' "$tmp/one")" -eq $((3 * p)) ] || fail "one process recorded $(grep -c '^split ' "$tmp/one") split members"
+    [ "$(grep -c "^split w rank $((p - 1)): color -1 key $((p - 1)) -> none" "$tmp/one")" -eq 1 ] || fail "no NOCOLOR member"
+    # Keys p - r reverse the even ranks: rank 0 comes last of its ceil(p/2).
+    even=$(((p + 1) / 2))
+    grep -q "^split w rank 0: color 0 key $p -> w.0.0 rank $((even - 1)) of $even$" "$tmp/one" || fail "rank 0's parity place"
+    diff <(grep '^split ' "$tmp/one" | sort) <(grep '^split ' "$tmp/out" | sort) ||
+      fail "the splits of $p processes differ from one process's"
+    order=" split(world) split(world) split(parity) barrier(world) barrier(parity)"
+    [ "$(grep -cxF "order:$order" <(sed 's/^process [0-9]* //' "$tmp/out"))" -eq "$p" ] ||
+      fail "not every process saw its collectives in issue order:$order"
+    ;;
+  gpufault)
+    spread split "$p" "$5"
+    [ "$rc" -eq 3 ] || fail "exit $rc, expected 3"
+    grep "^process [0-9]*: exit 3: " "$tmp/err" | sed 's/^process [0-9]*: exit 3: //' | sort -u >"$tmp/causes"
+    [ "$(grep -c "^process [0-9]*: exit 3: " "$tmp/err")" -eq "$p" ] || fail "not every process reported the failure"
+    [ "$(wc -l <"$tmp/causes")" -eq 1 ] || fail "the processes reported different failures"
+    grep -q "collective mismatch" "$tmp/causes" || fail "not the mismatch"
+    ! grep -q "^process .* order:" "$tmp/out" || fail "a process finished its run"
+    ;;
+  gpufail)
+    tpsim=$driver
+    args=(run --layer column --tp $((2 * p)) --seq 8 --batch 2 --in-features 16 --out-features 32)
+    spread "${args[@]}" --backend gpu
+    [ "$rc" -eq 2 ] || fail "exit $rc, expected 2"
+    n=$(grep -c "^tpsim run: --backend gpu: a GPU world in an MPI job runs one rank per process: expected a world of $p rank(s), one for each of the $p processes, got $((2 * p))" "$tmp/err" || true)
+    [ "$n" -eq "$p" ] || fail "$n processes reported the placement error, expected $p"
+    if "$tpsim" devices | grep -q '^gpu: usable'; then
+      echo "a usable GPU: the refusal without one is not shown here"
+    else
+      args[4]=$p
+      spread "${args[@]}" --backend gpu
+      [ "$rc" -eq 2 ] || fail "exit $rc, expected 2"
+      n=$(grep -c "^tpsim run: --backend gpu: cannot run here: no CUDA device" "$tmp/err" || true)
+      [ "$n" -eq "$p" ] || fail "$n processes reported that there is no GPU, expected $p"
+    fi
+    ;;
+  gpurun)
+    tpsim=$driver
+    why=$("$tpsim" devices | sed -n 's/^gpu: not usable: //p')
+    if [ -n "$why" ]; then
+      echo "SKIP: no usable GPU: $why"
+      exit 77
+    fi
+    args=(run --layer column --tp 1 --bias --seq 16 --batch 2 --in-features 64 --out-features 128)
+    "$tpsim" "${args[@]}" >"$tmp/one.txt" 2>&1 || fail "tpsim ${args[*]}: exit $?: $(cat "$tmp/one.txt")"
+    timeout -k 5 100 "$mpiexec" -n 1 "$tpsim" "${args[@]}" --backend gpu >"$tmp/gpu.txt" 2>&1 ||
+      { cat "$tmp/gpu.txt"; fail "mpiexec -n 1 tpsim ${args[*]} --backend gpu: exit $?"; }
+    cat "$tmp/gpu.txt"
+    grep -q "one GPU each" "$tmp/gpu.txt" || fail "the run did not take the one-process-per-GPU path"
+    # Each result checked against the reference: the same rows with OK on both backends.
+    diff <(grep -E ' (OK|FAIL|NON-FINITE)( |$)' "$tmp/one.txt" | awk '{print $1, $NF}') \
+         <(grep -E ' (OK|FAIL|NON-FINITE)( |$)' "$tmp/gpu.txt" | awk '{print $1, $NF}') || fail "verdicts differ"
+    ! grep -qE ' (FAIL|NON-FINITE)( |$)' "$tmp/gpu.txt" || fail "a result failed its check on the GPU"
     ;;
   *) fail "unknown mode $mode" ;;
 esac

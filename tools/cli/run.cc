@@ -334,10 +334,12 @@ RunArgs parseRunArgs(const std::vector<std::string>& args) {
       throw UsageError{"--max-memory: expected a positive size like 512M or 8G, got '" + maxMemory + "'"};
   }
   if (!isBackendName(c.backend)) throw UsageError{"--backend: expected sim or gpu, got '" + c.backend + "'"};
-  if (const std::string whyNot = backendUnusableReason(c.backend); !whyNot.empty())
-    throw UsageError{"--backend " + c.backend + ": cannot run here: " + whyNot};
   applyLayerConventions(c);
   c.validate();
+  // A world the job cannot hold is refused in every process, before what this machine lacks.
+  checkJobPlacement(c.backend, c.tp * c.gtpRemat);
+  if (const std::string whyNot = backendUnusableReason(c.backend); !whyNot.empty())
+    throw UsageError{"--backend " + c.backend + ": cannot run here: " + whyNot};
   if (vm.count("trace") && trace.file.empty()) throw UsageError{"--trace: expected a file path, got an empty path"};
   checkTraceOptions(trace, !vm["clock"].defaulted(), !vm["device-model"].defaulted());
   c.record = !trace.file.empty();

@@ -13,6 +13,9 @@
 #if TPSIM_HAVE_MPI
 #include "backends/mpi/session.h"
 #endif
+#if TPSIM_HAVE_MPI && TPSIM_HAVE_GPU
+#include "gpu/world.h"
+#endif
 
 namespace tpsim::tools {
 
@@ -75,6 +78,34 @@ RankRecord getRecord(wire::Reader& in) {
   }
   return r;
 }
+#if TPSIM_HAVE_GPU
+// One rank per process, each on the GPU its place on the machine picks, NCCL between them.
+std::unique_ptr<World> makeGpuJobWorld(const WorldOptions& options) {
+  const std::string whyNot = backendUnusableReason("gpu");
+  if (!whyNot.empty()) throw UsageError{"--backend gpu: cannot run here: " + whyNot};
+  gpu::GpuWorldOptions gpuOptions = gpu::worldOptionsFromEnvironment();
+  auto job = std::make_shared<gpu::ProcessJob>();
+  job->process = jobProcess();
+  job->processes = jobProcesses();
+  job->localProcess = session()->localProcess();
+  const std::chrono::milliseconds timeout = options.timeout;
+  job->broadcast = [timeout](const std::string& bytes) { return session()->broadcast(bytes, timeout); };
+  job->spread = [size = options.size](std::shared_ptr<world::Transport> local) {
+    return session()->spread(std::move(local), size);
+  };
+  gpuOptions.job = std::move(job);
+  if (jobProcess() == 0)
+    std::fprintf(stderr, "tpsim: %d ranks over %d MPI processes, one GPU each (process p runs rank p)\n", options.size,
+                 jobProcesses());
+  try {
+    return std::make_unique<gpu::World>(options, gpuOptions);
+  } catch (const InvalidArgument& e) {
+    throw UsageError{"--backend gpu: " + std::string(e.what())};
+  } catch (const BackendError& e) {
+    throw UsageError{"--backend gpu: cannot run here: " + std::string(e.what())};
+  }
+}
+#endif
 
 }  // namespace
 
@@ -93,13 +124,30 @@ int leaveJob(int code) {
   return code;
 }
 
+
+void checkJobPlacement(const std::string& backend, int size) {
+  if (!session()) return;
+#if TPSIM_HAVE_GPU
+  if (backend == "gpu") {
+    const std::string error = gpu::processPlacementError(size, jobProcesses());
+    if (!error.empty()) throw UsageError{"--backend gpu: " + error + " (--tp x --gtp-remat)"};
+    return;
+  }
+#endif
+  if (backend != "sim" || jobProcesses() == 1) return;  // makeJobWorld says what the backend lacks
+  const std::string error = mpi::placementError(size, jobProcesses());
+  if (!error.empty()) throw UsageError{"--tp x --gtp-remat: " + error};
+}
+
 std::unique_ptr<World> makeJobWorld(const std::string& backend, const WorldOptions& options) {
+  checkJobPlacement(backend, options.size);
+#if TPSIM_HAVE_GPU
+  // Under a launcher, even a job of one process: its GPU is the one its place picks.
+  if (session() && backend == "gpu") return makeGpuJobWorld(options);
+#endif
   if (jobProcesses() == 1) return makeWorld(backend, options);
   if (backend != "sim")
-    throw UsageError{"--backend " + backend + ": expected sim under an MPI launcher (" +
-                     std::to_string(jobProcesses()) + " processes); a spread world is the simulator's"};
-  const std::string error = mpi::placementError(options.size, jobProcesses());
-  if (!error.empty()) throw UsageError{"--tp x --gtp-remat: " + error};
+    throw UsageError{"--backend " + backend + ": cannot run here: " + backendUnusableReason(backend)};
   if (jobProcess() == 0) {
     std::string map;
     for (int p = 0; p < jobProcesses(); ++p) {
@@ -172,6 +220,7 @@ void gatherRanks(std::vector<std::map<std::string, StoredTensor>>& results, std:
 #else
 
 void joinJob() {}
+void checkJobPlacement(const std::string&, int) {}
 int jobProcess() { return 0; }
 int jobProcesses() { return 1; }
 mpi::Session* jobSession() { return nullptr; }

@@ -33,8 +33,13 @@ mpi::Session* jobSession();
 // Ends this process's part of the job with the command's exit code, returned (mpi::Session::finish).
 int leaveJob(int code);
 
-// makeWorld, spread over the job's processes when there are several (simulator only). Throws
-// UsageError (exit 2) when the ranks do not spread evenly.
+// Throws UsageError (exit 2) when a world of `size` ranks on `backend` does not fit this job: the
+// simulator's ranks must spread evenly over the processes, the GPU backend's be one per process
+// (under a launcher, even of one process).
+void checkJobPlacement(const std::string& backend, int size);
+// makeWorld, spread over the job's processes: the simulator's when there are several, the GPU
+// backend's (one rank per process, one GPU each) under any launcher. Throws UsageError (exit 2)
+// as checkJobPlacement does, and when the backend cannot run here.
 std::unique_ptr<World> makeJobWorld(const std::string& backend, const WorldOptions& options);
 // After a run on a makeJobWorld world: on process 0, every rank's results, trace and records (none
 // when `records` is empty), which only the process that ran a rank filled, and with `checkpoint` the
