@@ -142,8 +142,8 @@ class LayerKind {
   virtual double stepIntermediates(const RunConfig&, const ShapeMap&) const { return 0; }
   virtual double referenceIntermediates(const RunConfig&, const ShapeMap&) const { return 0; }
   // Bytes the reference holds per parameter element: the values and bounds of its gradients whole,
-  // the magnitudes behind them and the parameter's own (40); or, where it sends the weight
-  // gradients a block at a time, the parameter's magnitude alone (4).
+  // the magnitudes behind them and the parameter's own (40); or nothing where it takes the weights
+  // and sends their gradients a block at a time (the blocks are its intermediates).
   virtual double referenceBytesPerParameter() const { return 40; }
   // What one rank holds of the run's input and of its gradient, and of grad_output and the output,
   // as a fraction of the whole: 1 where TP replicates it (the default, the most a rank can hold),

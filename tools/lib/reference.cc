@@ -181,10 +181,13 @@ float roundUp(double x) {
   return f;
 }
 
-// value(i) >= 0 for the flat index i of a (rows, cols) matrix, as an Upper, in u's storage.
+// The exponent an Upper scales by for values whose largest finite one is `max`: at least 2^-1000, so
+// that its inverse, the scale, is finite.
+int upperExponent(double max) { return max > 0 ? std::max(std::ilogb(max) + 1, -1000) : 0; }
+
+// The largest finite value(i) for the flat indices i < n (0 when there is none).
 template <class Value>
-void upperInto(std::int64_t rows, std::int64_t cols, Value value, Upper& u) {
-  const std::int64_t n = rows * cols;
+double largestFinite(std::int64_t n, Value value) {
   std::vector<double> largest(std::size_t((n + kChunk - 1) / kChunk), 0.0);
   forChunks(n, [&](std::int64_t begin, std::int64_t end) {
     double m = 0;
@@ -194,11 +197,17 @@ void upperInto(std::int64_t rows, std::int64_t cols, Value value, Upper& u) {
     }
     largest[std::size_t(begin / kChunk)] = m;
   });
-  const double max = largest.empty() ? 0.0 : *std::max_element(largest.begin(), largest.end());
-  // At least 2^-1000: its inverse, the scale, must be finite.
+  return largest.empty() ? 0.0 : *std::max_element(largest.begin(), largest.end());
+}
+
+// value(i) >= 0 for the flat index i of a (rows, cols) matrix, as an Upper scaled by 2^-exponent, in
+// u's storage: a block of a larger Upper when `exponent` is that one's.
+template <class Value>
+void upperInto(std::int64_t rows, std::int64_t cols, Value value, int exponent, Upper& u) {
+  const std::int64_t n = rows * cols;
   u.rows = rows;
   u.cols = cols;
-  u.exponent = max > 0 ? std::max(std::ilogb(max) + 1, -1000) : 0;
+  u.exponent = exponent;
   if (u.v.capacity() < std::size_t(n)) u.v = freshVector<float>(n);
   u.v.resize(std::size_t(n));
   const double scale = std::ldexp(1.0, -u.exponent);  // exact: a power of two, and no product overflows
@@ -209,6 +218,11 @@ void upperInto(std::int64_t rows, std::int64_t cols, Value value, Upper& u) {
       u.v[std::size_t(i)] = f == 0 && x > 0 ? std::numeric_limits<float>::denorm_min() : f;
     }
   });
+}
+
+template <class Value>
+void upperInto(std::int64_t rows, std::int64_t cols, Value value, Upper& u) {
+  upperInto(rows, cols, value, upperExponent(largestFinite(rows * cols, value)), u);
 }
 
 template <class Value>
@@ -592,10 +606,26 @@ void mlpReference(const ReferenceOptions& o, const TensorMap& in, ReferenceSink&
   const double uAcc = o.accumulationUnit;
   const DType c = o.computeDtype;
   const int stages = 3, T = o.tp;  // the GEMM's rounding and the MLP's two more; the T partial sums
-  // The dgrads read the weights themselves unless they are quantized.
-  const Upper aX = upperAbs(X), adY = upperAbs(dY), aW1 = upperAbs(W1), aW2 = upperAbs(W2);
-  const Upper aW1d = &w1d == &w1f ? Upper{} : upperAbs(W1d), aW2d = &w2d == &w2f ? Upper{} : upperAbs(W2d);
-  const Upper &w1Dgrad = &w1d == &w1f ? aW1 : aW1d, &w2Dgrad = &w2d == &w2f ? aW2 : aW2d;
+  const Upper aX = upperAbs(X), adY = upperAbs(dY);
+  // |W1| and |W2| exist a block at a time as well, each block scaled by its whole matrix's exponent,
+  // so that they hold what the whole matrices' Uppers would. The dgrads read the weights themselves
+  // unless they are quantized.
+  const bool w1Quantized = &w1d != &w1f, w2Quantized = &w2d != &w2f;
+  auto absExponent = [](MatrixView m) {
+    return upperExponent(largestFinite(m.size(), [d = m.data()](std::int64_t i) { return std::fabs(d[i]); }));
+  };
+  const int eW1 = absExponent(W1), eW2 = absExponent(W2);
+  const int eW1d = w1Quantized ? absExponent(W1d) : eW1, eW2d = w2Quantized ? absExponent(W2d) : eW2;
+  // Rows [f0, f0 + fb) of a (F, h) weight, and columns [f0, f0 + fb) of an (h, F) one.
+  auto absRowsInto = [](MatrixView m, std::int64_t f0, std::int64_t fb, int exponent, Upper& u) {
+    upperInto(fb, m.cols(), [d = m.data() + f0 * m.cols()](std::int64_t i) { return std::fabs(d[i]); }, exponent, u);
+  };
+  auto absColumnsInto = [](MatrixView m, std::int64_t f0, std::int64_t fb, int exponent, Upper& u) {
+    upperInto(m.rows(), fb, [d = m.data() + f0, ld = m.cols(), fb](std::int64_t i) {
+      return std::fabs(d[i / fb * ld + i % fb]);
+    }, exponent, u);
+  };
+  Upper aW1b, aW2b, aW1db, aW2db;
 
   // fc2 reads GeLU(H) rounded: an error of up to aErr·aH (|GeLU'| < 1.13) in each element. dH
   // carries fc2's dgrad error, up to dhErr·adA (adA = |dY|·|W2d|), into fc1's backward. Each
@@ -654,12 +684,15 @@ void mlpReference(const ReferenceOptions& o, const TensorMap& in, ReferenceSink&
     const Eigen::Map<const Matrix> Ab(A.data(), tokens, fb), dHb(dH.data(), tokens, fb);
     const auto W1b = W1.middleRows(f0, fb), W1db = W1d.middleRows(f0, fb);
     const auto W2b = W2.middleCols(f0, fb), W2db = W2d.middleCols(f0, fb);
-    const auto aW1b = aW1.map().middleRows(f0, fb), w1Dgradb = w1Dgrad.map().middleRows(f0, fb);
-    const auto aW2b = aW2.map().middleCols(f0, fb), w2Dgradb = w2Dgrad.map().middleCols(f0, fb);
+    absRowsInto(W1, f0, fb, eW1, aW1b);
+    absColumnsInto(W2, f0, fb, eW2, aW2b);
+    if (w1Quantized) absRowsInto(W1d, f0, fb, eW1d, aW1db);
+    if (w2Quantized) absColumnsInto(W2d, f0, fb, eW2d, aW2db);
+    const Upper &w1Dgrad = w1Quantized ? aW1db : aW1b, &w2Dgrad = w2Quantized ? aW2db : aW2b;
 
     // H = X·W1ᵀ + b1 (in A's place), its magnitude aH = |X|·|W1|ᵀ, then GeLU(H) and GeLU'(H).
     productInto<double>(X, W1b.transpose(), A.data(), fb);
-    upperProductInto(aX.map(), aX.exponent, aW1b.transpose(), aW1.exponent, aH.data(), fb, false);
+    upperProductInto(aX.map(), aX.exponent, aW1b.map().transpose(), aW1b.exponent, aH.data(), fb, false);
     forChunks(n, [&](std::int64_t begin, std::int64_t end) {
       for (std::int64_t i = begin, j = begin % fb; i < end; ++i, j = j + 1 == fb ? 0 : j + 1) {
         const double z = A[std::size_t(i)] + b1.values[std::size_t(f0 + j)], cdf = normalCdf(z);
@@ -671,9 +704,9 @@ void mlpReference(const ReferenceOptions& o, const TensorMap& in, ReferenceSink&
     // fc2: y = A·W2ᵀ + b2; dA = dY·W2d (in dH's place); dW2 = dYᵀ·A.
     productInto<double>(Ab, W2b.transpose(), y.v.data(), h, later);
     const Upper& yLeft = operand(relY, A, aErr, aH);
-    upperProductInto(yLeft.map(), yLeft.exponent, aW2b.transpose(), aW2.exponent, boundY.v.data(), h, later);
+    upperProductInto(yLeft.map(), yLeft.exponent, aW2b.map().transpose(), aW2b.exponent, boundY.v.data(), h, later);
     productInto<double>(dY, W2db, dH.data(), fb);
-    upperProductInto(adY.map(), adY.exponent, w2Dgradb, w2Dgrad.exponent, adA.data(), fb, false);
+    upperProductInto(adY.map(), adY.exponent, w2Dgrad.map(), w2Dgrad.exponent, adA.data(), fb, false);
     productInto<double>(dY.transpose(), Ab, dW2.data(), fb);
     const Upper& w2Right = operand(relW2, A, aErr, aH);
     upperProductInto(adY.map().transpose(), adY.exponent, w2Right.map(), w2Right.exponent, boundW2.data(), fb, false);
@@ -687,7 +720,7 @@ void mlpReference(const ReferenceOptions& o, const TensorMap& in, ReferenceSink&
     // fc1: dX = dH·W1d; dW1 = dHᵀ·X; db1 = Σ dH.
     productInto<double>(dHb, W1db, dX.v.data(), h, later);
     const Upper& xLeft = operand(relX, dH, dhErr, adA);
-    upperProductInto(xLeft.map(), xLeft.exponent, w1Dgradb, w1Dgrad.exponent, boundX.v.data(), h, later);
+    upperProductInto(xLeft.map(), xLeft.exponent, w1Dgrad.map(), w1Dgrad.exponent, boundX.v.data(), h, later);
     productInto<double>(dHb.transpose(), X, dW1.data(), h);
     const Upper& w1Left = operand(relW1, dH, dhErr, adA);
     upperProductInto(w1Left.map().transpose(), w1Left.exponent, aX.map(), aX.exponent, boundW1.data(), h, false);
