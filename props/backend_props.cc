@@ -116,11 +116,11 @@ TEST(CrossBackend, RealLayerCaseAgreesWithinTheBoundOnSimAndGpu) {
     const TensorMap inputs = realInputs(c);
     const TensorMap a = sim.runLayer(c, inputs).results, b = other.runLayer(c, inputs).results;
     for (const auto& [backend, results] : {std::pair<const Backend*, const TensorMap*>{&sim, &a}, {&other, &b}})
-      for (const tools::Verdict& v : tools::verify(runConfigOn(c, *backend), inputs, *results))
+      for (const tools::Verdict& v : tools::verify(runConfigOn(c, *backend), tools::storedOf(inputs), *results))
         if (v.outside != 0)
           failLayerCase(runConfigOn(c, *backend), Numerics::kReal, backend->name, inputs,
                         v.name + ": " + std::to_string(v.outside) + " elements outside their bound");
-    const auto ref = tools::referenceFor(runConfigOn(c, other), inputs);
+    const auto ref = tools::referenceFor(runConfigOn(c, other), tools::storedOf(inputs));
     const std::string d = compareResults(a, "sim", b, other.name, [&](const std::string& name, std::size_t i) {
       return 2 * ref.at(name).bound[i];
     });

@@ -16,7 +16,7 @@ Backend makeBackend(const std::string& name) {
   b.runLayer = [name](const tools::RunConfig& c, const tools::TensorMap& in) {
     tools::RunConfig onBackend = c;
     onBackend.backend = name;
-    return tools::runSharded(onBackend, in);
+    return tools::runSharded(onBackend, tools::storedOf(in));
   };
   b.runRanks = [name](int ranks, const std::function<void(RankContext&)>& fn) {
     WorldOptions o;

@@ -92,7 +92,7 @@ std::string freshDir() {
 
 std::string save(const RunConfig& c, const TensorMap& inputs) {
   CheckpointWriter writer;
-  tools::runSharded(c, inputs, {nullptr, &writer});
+  tools::runSharded(c, tools::storedOf(inputs), {nullptr, &writer});
   const std::string dir = freshDir();
   writer.commit(dir);
   return dir;
@@ -201,7 +201,7 @@ TPSIM_PROP(CheckpointFileLaws, SaveAtOneTopologyLoadAtAnotherIsBitwiseWithZeroPa
   const RunConfig c1 = configFor(kind, from, bias, q, other, seed);
   RunConfig c2 = configFor(kind, to, bias, q, other, seed);
   RC_LOG() << "save: " << tools::commandLine(c1) << "\nload: " << tools::commandLine(c2) << "\n";
-  const TensorMap inputs = tools::generateInputs(c1);
+  const TensorMap inputs = tools::hostOf(tools::generateInputs(c1));
   const std::string dir = save(c1, inputs);
   const CheckpointReader reader(dir);
   for (const std::string& key : paramKeys(c1)) {
@@ -223,10 +223,11 @@ TPSIM_PROP(CheckpointFileLaws, SaveAtOneTopologyLoadAtAnotherIsBitwiseWithZeroPa
   checkRankShards(c2, to, reader, converted, problems);
   problems.assertNone();
   // The step at either topology agrees with the dense step on the same parameters.
-  for (const tools::Verdict& v : tools::verify(c1, inputs, tools::runSharded(c1, inputs).results))
+  for (const tools::Verdict& v :
+       tools::verify(c1, tools::storedOf(inputs), tools::runSharded(c1, tools::storedOf(inputs)).results))
     RC_ASSERT(v.outside == 0);
-  const tools::RunResult second = tools::runSharded(c2, converted, {&reader, nullptr});
-  for (const tools::Verdict& v : tools::verify(c2, converted, second.results)) {
+  const tools::RunResult second = tools::runSharded(c2, tools::storedOf(converted), {&reader, nullptr});
+  for (const tools::Verdict& v : tools::verify(c2, tools::storedOf(converted), second.results)) {
     RC_LOG() << v.name << " max|err| " << v.maxError << " bound " << v.maxBound << "\n";
     RC_ASSERT(v.outside == 0);
   }
@@ -241,7 +242,7 @@ TPSIM_PROP(CheckpointFileLaws, CorruptByteOrMissingFileIsAnErrorNeverWrongNumber
   const LayerKind* kind = *pick<const LayerKind*>({layerKind("column"), layerKind("row"), layerKind("embedding"), layerKind("mlp")});
   const Side side = *genSide();
   const RunConfig c = configFor(kind, side, *flag(), *pick<std::int64_t>({1, 2}), *pick<std::int64_t>({1, 2}), *genSeed());
-  const TensorMap inputs = tools::generateInputs(c);
+  const TensorMap inputs = tools::hostOf(tools::generateInputs(c));
   const std::string dir = save(c, inputs);
   std::vector<fs::path> files;
   for (const auto& e : fs::directory_iterator(dir)) files.push_back(e.path());

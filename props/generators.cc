@@ -239,7 +239,7 @@ rc::Gen<TensorMap> genExactInputs(const RunConfig& c, int a) {
   });
 }
 
-TensorMap realInputs(const RunConfig& c) { return tools::generateInputs(c); }
+TensorMap realInputs(const RunConfig& c) { return tools::hostOf(tools::generateInputs(c)); }
 
 std::string shapesOf(const RunConfig& c) {
   std::ostringstream os;
@@ -484,6 +484,7 @@ rc::Gen<InvalidRunInputs> genInvalidRunInputs() {
         HostTensor& dy = in["grad_output"];
         const tools::HostTensor want = dy;
         dy.shape.back() += *pick<std::int64_t>({1, 2});
+        dy.values.resize(std::size_t(dy.numel()), 0.0);  // a whole tensor, as a file of that shape holds
         return {c, in, "tpsim run: grad_output.npy must have shape " + shapeText(want.shape) + ", got " + shapeText(dy.shape)};
       }
       case 8: {  // a missing tensor

@@ -75,7 +75,7 @@ bool isParameterGradient(const std::string& name) {
 
 // The first result that differs from the dense reference rounded to the result's dtype, or "".
 std::string differenceFromReference(const RunConfig& c, const TensorMap& inputs, const TensorMap& results) {
-  for (const auto& [name, ref] : tools::referenceFor(c, inputs)) {
+  for (const auto& [name, ref] : tools::referenceFor(c, tools::storedOf(inputs))) {
     auto it = results.find(name);
     if (it == results.end()) return name + ": the sharded run produced no such result";
     const HostTensor want = tools::makeHost(ref.value.shape, it->second.dtype, ref.value.values);
@@ -90,7 +90,7 @@ std::string differenceFromReference(const RunConfig& c, const TensorMap& inputs,
 std::string outsideTheBound(const RunConfig& c, const TensorMap& inputs, const TensorMap& results) {
   std::ostringstream os;
   os.precision(4);
-  for (const auto& [name, ref] : tools::referenceFor(c, inputs)) {
+  for (const auto& [name, ref] : tools::referenceFor(c, tools::storedOf(inputs))) {
     auto it = results.find(name);
     if (it == results.end()) return name + ": the sharded run produced no such result";
     const HostTensor& got = it->second;

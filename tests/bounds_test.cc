@@ -295,7 +295,7 @@ TensorMap embeddingInputs(const RunConfig& c) {
 // Element by element, the tool's bound (verify's path) against the formula's.
 void expectPinned(const RunConfig& config, const TensorMap& in, const Wants& wants) {
   const RunConfig c = sized(config, in);
-  const std::map<std::string, Checked> got = referenceFor(c, in);
+  const std::map<std::string, Checked> got = referenceFor(c, storedOf(in));
   ASSERT_EQ(got.size(), wants.size()) << c.str();
   for (const auto& [name, want] : wants) {
     ASSERT_TRUE(got.count(name)) << c.str() << ": no bound for " << name;
@@ -388,7 +388,7 @@ TEST(BoundsPinned, GtpRematSumAndMean) {
     const TensorMap in = mlp ? mlpInputs(sum) : embedding ? embeddingInputs(sum) : linearInputs(sum);
     for (const RunConfig& c : {sum, mean})
       expectPinned(c, in, mlp ? mlpWant(c, in) : embedding ? embeddingWant(c, in) : linearWant(c, in));
-    const auto sums = referenceFor(sized(sum, in), in), means = referenceFor(sized(mean, in), in);
+    const auto sums = referenceFor(sized(sum, in), storedOf(in)), means = referenceFor(sized(mean, in), storedOf(in));
     for (const auto& [name, s] : sums) {
       const bool parameter = name != "output" && name != "input.grad";
       for (std::size_t i = 0; i < s.bound.size(); ++i)
@@ -452,9 +452,9 @@ struct Observed {
 };
 std::map<std::string, Observed> observe(const RunConfig& config, const TensorMap& in) {
   const RunConfig c = sized(config, in);
-  const RunResult r = runSharded(c, in);
+  const RunResult r = runSharded(c, storedOf(in));
   std::map<std::string, Observed> out;
-  for (const auto& [name, ref] : referenceFor(c, in, r.placements)) {
+  for (const auto& [name, ref] : referenceFor(c, storedOf(in), r.placements)) {
     Observed& o = out[name];
     const std::vector<double>& got = r.results.at(name).values;
     for (std::size_t i = 0; i < got.size(); ++i) {

@@ -59,8 +59,9 @@ Peak peakOf(const std::vector<std::string>& args) {
   return p;
 }
 
-// Two shapes whose peaks grow with the ranks in different ways: a row layer whose input and output
-// every rank holds whole, and a sequence-parallel MLP whose ranks each gather the whole sequence.
+// Shapes whose peaks grow with the ranks in different ways: a row layer whose input and output
+// every rank holds whole, a sequence-parallel MLP whose ranks each gather the whole sequence, and a
+// column layer whose weight is nearly all of it (the reference copies it in double).
 struct Shape {
   const char* name;
   std::vector<std::string> flags;
@@ -69,6 +70,8 @@ const Shape kRow{"row", {"--layer", "row", "--batch", "16", "--seq", "64", "--in
                          "256"}};
 const Shape kMlp{"mlp", {"--layer", "mlp", "--sequence-parallel", "--batch", "2", "--seq", "256", "--in-features",
                          "512", "--ffn-hidden", "4096"}};
+const Shape kWideColumn{"column", {"--layer", "column", "--batch", "2", "--seq", "16", "--in-features", "2048",
+                                   "--out-features", "4096"}};
 
 class MemoryEstimate : public ::testing::TestWithParam<std::tuple<Shape, int>> {};
 
@@ -96,6 +99,8 @@ TEST_P(MemoryEstimate, CoversTheMeasuredPeakWithin30Percent) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Row, MemoryEstimate, ::testing::Combine(::testing::Values(kRow), ::testing::Values(1, 4, 16, 64)),
+                         [](const auto& info) { return "T" + std::to_string(std::get<1>(info.param)); });
+INSTANTIATE_TEST_SUITE_P(WideColumn, MemoryEstimate, ::testing::Combine(::testing::Values(kWideColumn), ::testing::Values(2)),
                          [](const auto& info) { return "T" + std::to_string(std::get<1>(info.param)); });
 INSTANTIATE_TEST_SUITE_P(SequenceParallelMlp, MemoryEstimate,
                          ::testing::Combine(::testing::Values(kMlp), ::testing::Values(8, 64)),

@@ -140,7 +140,7 @@ TEST(Reference, MlpInBlocksOfFMatchesLoopsOverTheWhole) {
   whole.layer = layerKind("mlp");
   ReferenceOptions blocks = whole;
   blocks.mlpBlockElements = tokens * 256;
-  const std::map<std::string, Checked> one = denseReference(whole, in), three = denseReference(blocks, in);
+  const std::map<std::string, Checked> one = denseReference(whole, storedOf(in)), three = denseReference(blocks, storedOf(in));
   ASSERT_EQ(one.size(), want.size());
   for (const auto& [name, values] : want) {
     const Checked &a = one.at(name), &b = three.at(name);

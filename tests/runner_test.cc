@@ -17,13 +17,14 @@ namespace {
 
 using ::testing::HasSubstr;
 
-void expectAgreement(const RunConfig& c, const TensorMap& inputs) {
+void expectAgreement(const RunConfig& c, const InputMap& inputs) {
   const RunResult r = runSharded(c, inputs);
   const auto verdicts = verify(c, inputs, r.results);
   ASSERT_FALSE(verdicts.empty());
   for (const Verdict& v : verdicts)
     EXPECT_EQ(v.outside, 0) << c.str() << ": " << v.name << " max error " << v.maxError << " bound " << v.maxBound;
 }
+void expectAgreement(const RunConfig& c, const TensorMap& inputs) { expectAgreement(c, storedOf(inputs)); }
 void expectAgreement(const RunConfig& c) { expectAgreement(c, generateInputs(c)); }
 
 TEST(Runner, EveryLayerKindAndOptionAgreesWithTheDenseComputation) {
@@ -84,8 +85,8 @@ TEST(Runner, StrideShardsInterleavedChunks) {
   c.tp = 2;
   c.stride = 2;
   c.outFeatures = 8;
-  const TensorMap inputs = generateInputs(c);
-  const RunResult r = runSharded(c, inputs);
+  const TensorMap inputs = hostOf(generateInputs(c));
+  const RunResult r = runSharded(c, storedOf(inputs));
   // SPEC 3.11 worked example A: rank 0 holds master rows 0,1,4,5; rank 1 rows 2,3,6,7.
   const auto weight = std::find_if(r.placements.begin(), r.placements.end(),
                                    [](const TensorPlacement& p) { return p.name == "weight"; });
@@ -106,8 +107,8 @@ TEST(Runner, SequenceParallelRowBiasGradientIsFinalizedOverTp) {
   c.tp = 4;
   c.bias = true;
   c.sequenceParallel = c.inputIsParallel = true;
-  const TensorMap inputs = generateInputs(c);
-  const RunResult r = runSharded(c, inputs);
+  const TensorMap inputs = hostOf(generateInputs(c));
+  const RunResult r = runSharded(c, storedOf(inputs));
   const HostTensor& dy = inputs.at("grad_output");
   const std::int64_t n = dy.shape.back();
   for (std::int64_t j = 0; j < n; ++j) {
@@ -132,14 +133,14 @@ TEST(Runner, DisableGradReduceReturnsEachRanksPartialInputGradient) {
         c.dtype = dt;
         c.disableGradReduce = true;
         set(c);
-        const TensorMap inputs = generateInputs(c);
+        const TensorMap inputs = hostOf(generateInputs(c));
         expectAgreement(c, inputs);
-        const RunResult r = runSharded(c, inputs);
+        const RunResult r = runSharded(c, storedOf(inputs));
         const HostTensor& partials = r.results.at("input.grad");
         ASSERT_EQ(partials.shape, (std::vector<std::int64_t>{tp, c.seq, c.batch, c.inFeatures})) << c.str();
         RunConfig reduced = c;
         reduced.disableGradReduce = false;
-        const HostTensor full = runSharded(reduced, inputs).results.at("input.grad");
+        const HostTensor full = runSharded(reduced, storedOf(inputs)).results.at("input.grad");
         const std::size_t each = full.values.size();
         double worst = 0, scale = 0;
         for (std::size_t i = 0; i < each; ++i) {
@@ -188,7 +189,7 @@ TEST(Runner, GtpRematAgreesWithTheDenseComputation) {
 // how the blocks are cut (TP-local, stride chunks, along rows or columns). Elsewhere MXFP8 rounds
 // each element to 3 mantissa bits whatever its block.
 TensorMap spikedWeights(const RunConfig& c) {
-  TensorMap in = generateInputs(c);
+  TensorMap in = hostOf(generateInputs(c));
   for (auto& [name, t] : in)
     if (name.find("weight") != std::string::npos) t.values[0] *= 262144.0;
   return in;
@@ -224,11 +225,11 @@ TEST(Runner, Mxfp8WeightsAgreeWithTheQuantizedReference) {
   c.inFeatures = 48;
   c.outFeatures = 40;
   c.weightFormat = WeightFormat::kMxfp8;
-  const TensorMap inputs = generateInputs(c);
-  const RunResult r = runSharded(c, inputs);
+  const TensorMap inputs = hostOf(generateInputs(c));
+  const RunResult r = runSharded(c, storedOf(inputs));
   RunConfig native = c;
   native.weightFormat = WeightFormat::kNative;
-  for (const Verdict& v : verify(native, inputs, r.results))
+  for (const Verdict& v : verify(native, storedOf(inputs), r.results))
     EXPECT_EQ(v.outside > 0, v.name != "weight.grad" && v.name != "bias.grad") << v.name << ": " << v.outside;
 }
 
@@ -265,16 +266,17 @@ TEST(Runner, BadConfigurationsAndInputsAreNamed) {
   EXPECT_THAT(message([&] { runSharded(c, generateInputs(c)); }),
               HasSubstr("N (weight.npy dim 0) = 16 must be divisible by --tp x --stride = 3"));
   c = RunConfig();
-  TensorMap in = generateInputs(c);
+  TensorMap in = hostOf(generateInputs(c));
   in["grad_output"].shape = {8, 2, 15};
-  EXPECT_THAT(message([&] { runSharded(c, in); }),
+  in["grad_output"].values.resize(8 * 2 * 15);
+  EXPECT_THAT(message([&] { runSharded(c, storedOf(in)); }),
               HasSubstr("grad_output.npy must have shape (8, 2, 16), got (8, 2, 15)"));
   c.gtpRemat = 3;
   EXPECT_THAT(message([&] { runSharded(c, generateInputs(c)); }),
               HasSubstr("the batch b (input.npy dim 1) = 2 must be divisible by --gtp-remat = 3"));
   c.gtpRemat = 1;
   in.erase("grad_output");
-  EXPECT_THAT(message([&] { runSharded(c, in); }), HasSubstr("grad_output.npy is missing"));
+  EXPECT_THAT(message([&] { runSharded(c, storedOf(in)); }), HasSubstr("grad_output.npy is missing"));
   c = RunConfig();
   c.weightFormat = WeightFormat::kMxfp8;
   c.gtpRemat = 2;
@@ -286,9 +288,9 @@ TEST(Runner, BadConfigurationsAndInputsAreNamed) {
   EXPECT_THAT(message([&] { c.validate(); }), HasSubstr("--weight-format mxfp8: applies to --layer column, row or "
                                                         "mlp (the embedding is a lookup, not a GEMM)"));
   c.weightFormat = WeightFormat::kNative;
-  in = generateInputs(c);
+  in = hostOf(generateInputs(c));
   in["input"].values[3] = 999;
-  EXPECT_THAT(message([&] { runSharded(c, in); }), HasSubstr("input.npy holds id 999 at flat position 3"));
+  EXPECT_THAT(message([&] { runSharded(c, storedOf(in)); }), HasSubstr("input.npy holds id 999 at flat position 3"));
 }
 
 TEST(Runner, CommandLineNamesEveryNonDefaultFlag) {
@@ -370,10 +372,10 @@ TEST(Runner, GroupedExpertsAgreeWithTheDenseComputation) {
   c.layer = layerKind("grouped-row");
   c.experts = 5;
   c.tokens = 3;  // at most three experts get tokens
-  TensorMap in = generateInputs(c);
+  TensorMap in = hostOf(generateInputs(c));
   in["expert_ids"].values = {4, 0, 4};
   expectAgreement(c, in);
-  const RunResult r = runSharded(c, in);
+  const RunResult r = runSharded(c, storedOf(in));
   for (int e : {1, 2, 3})
     for (double v : r.results.at("weight" + std::to_string(e) + ".grad").values) EXPECT_EQ(v, 0.0) << "expert " << e;
 }
@@ -389,13 +391,13 @@ TEST(Runner, GroupedExpertsAreExactOnIntegers) {
     c.tokens = 8;
     c.experts = 3;
     c.gtpReduceMean = false;
-    TensorMap in = generateInputs(c);
+    TensorMap in = hostOf(generateInputs(c));
     for (auto& [name, t] : in)
       if (t.dtype != DType::kInt64)
         for (double& v : t.values) v = std::round(v * 4);
     in["expert_ids"].values = {2, 0, 1, 2, 0, 0, 2, 1};
-    const RunResult r = runSharded(c, in);
-    for (const Verdict& v : verify(c, in, r.results, VerifyMode::kExact, r.placements))
+    const RunResult r = runSharded(c, storedOf(in));
+    for (const Verdict& v : verify(c, storedOf(in), r.results, VerifyMode::kExact, r.placements))
       EXPECT_EQ(v.outside, 0) << kind << ": " << v.name << " max error " << v.maxError;
   }
 }
@@ -406,11 +408,11 @@ TEST(Runner, SlackIsTheLeastBoundOverErrorOfAnElement) {
   RunConfig c;
   c.tp = 2;
   c.dtype = DType::kBFloat16;
-  const TensorMap in = generateInputs(c);
-  const RunResult r = runSharded(c, in);
-  const auto reference = referenceFor(c, in, r.placements);
+  const TensorMap in = hostOf(generateInputs(c));
+  const RunResult r = runSharded(c, storedOf(in));
+  const auto reference = referenceFor(c, storedOf(in), r.placements);
   TensorMap exact;
-  for (const Verdict& v : verify(c, in, r.results, VerifyMode::kBound, r.placements)) {
+  for (const Verdict& v : verify(c, storedOf(in), r.results, VerifyMode::kBound, r.placements)) {
     const Checked& ref = reference.at(v.name);
     double least = INFINITY;
     for (std::size_t i = 0; i < ref.bound.size(); ++i)
@@ -422,11 +424,11 @@ TEST(Runner, SlackIsTheLeastBoundOverErrorOfAnElement) {
     EXPECT_EQ(slackText(v), text) << v.name;
     exact[v.name] = ref.value;
   }
-  for (const Verdict& v : verify(c, in, exact, VerifyMode::kBound, r.placements)) EXPECT_EQ(slackText(v), "inf");
-  for (const Verdict& v : verify(c, in, r.results, VerifyMode::kExact, r.placements)) EXPECT_EQ(slackText(v), "-");
+  for (const Verdict& v : verify(c, storedOf(in), exact, VerifyMode::kBound, r.placements)) EXPECT_EQ(slackText(v), "inf");
+  for (const Verdict& v : verify(c, storedOf(in), r.results, VerifyMode::kExact, r.placements)) EXPECT_EQ(slackText(v), "-");
   TensorMap corrupt = r.results;
   corrupt.at("output").values[3] += 1;
-  for (const Verdict& v : verify(c, in, corrupt, VerifyMode::kBound, r.placements))
+  for (const Verdict& v : verify(c, storedOf(in), corrupt, VerifyMode::kBound, r.placements))
     EXPECT_TRUE(v.name != "output" || v.slack < 1) << v.name << " slack " << v.slack;
 }
 
@@ -458,12 +460,12 @@ TEST(Runner, VerifyInPlaceGivesTheVerdictsOfTheAssembledResults) {
   corrupt.faults = {parseFault("1:1:corrupt:3:30")};
   configs.push_back(corrupt);
   for (const RunConfig& c : configs) {
-    const TensorMap in = generateInputs(c);
-    const RunResult r = runSharded(c, in);
+    const TensorMap in = hostOf(generateInputs(c));
+    const RunResult r = runSharded(c, storedOf(in));
     EXPECT_EQ(r.otherCopies.empty(), c.faults.empty()) << c.str();
     for (VerifyMode mode : {VerifyMode::kBound, VerifyMode::kExact}) {
-      const std::vector<Verdict> inPlace = verify(c, in, r, mode),
-                                 assembledVerdicts = verify(c, in, r.results, mode, r.placements, r.otherCopies);
+      const std::vector<Verdict> inPlace = verify(c, storedOf(in), r, mode),
+                                 assembledVerdicts = verify(c, storedOf(in), r.results, mode, r.placements, r.otherCopies);
       ASSERT_EQ(inPlace.size(), assembledVerdicts.size()) << c.str();
       for (std::size_t i = 0; i < inPlace.size(); ++i) {
         const Verdict &a = inPlace[i], &b = assembledVerdicts[i];
@@ -493,8 +495,8 @@ TEST(Runner, TheFirstElementOutsideIsTheLeastFlatIndexAcrossBlocks) {
   c.tp = 2;
   c.seq = 4096;        // 8192 tokens: the reference takes F in blocks of 256
   c.ffnHidden = 1024;
-  const TensorMap in = generateInputs(c);
-  const RunResult r = runSharded(c, in);
+  const TensorMap in = hostOf(generateInputs(c));
+  const RunResult r = runSharded(c, storedOf(in));
   TensorMap wrong = r.results;
   std::vector<double>& dW2 = wrong.at("fc2.weight.grad").values;  // (h, F)
   const std::int64_t f = wrong.at("fc2.weight.grad").shape[1];
@@ -502,7 +504,7 @@ TEST(Runner, TheFirstElementOutsideIsTheLeastFlatIndexAcrossBlocks) {
   dW2[std::size_t(2 * f + 10)] += 1e6;   // row 2 of the first block, verified first
   dW2[std::size_t(0 * f + 600)] += 1e6;  // row 0 of the third block: the least index
   bool checked = false;
-  for (const Verdict& v : verify(c, in, wrong, VerifyMode::kBound, r.placements))
+  for (const Verdict& v : verify(c, storedOf(in), wrong, VerifyMode::kBound, r.placements))
     if (v.name == "fc2.weight.grad") {
       checked = true;
       EXPECT_EQ(v.outside, 3);
@@ -514,10 +516,10 @@ TEST(Runner, TheFirstElementOutsideIsTheLeastFlatIndexAcrossBlocks) {
 TEST(Runner, GroupedExpertIdsOutsideTheExpertsAreNamed) {
   RunConfig c;
   c.layer = layerKind("grouped-column");
-  TensorMap in = generateInputs(c);
+  TensorMap in = hostOf(generateInputs(c));
   in["expert_ids"].values[5] = double(c.experts);
   try {
-    runSharded(c, in);
+    runSharded(c, storedOf(in));
     ADD_FAILURE() << "an expert id out of range was accepted";
   } catch (const InvalidArgument& e) {
     EXPECT_THAT(e.what(), HasSubstr("tpsim run: expert_ids.npy holds id 4 at flat position 5, outside [0, E=4)"));

@@ -99,7 +99,7 @@ int demoMain(const std::vector<std::string>& args) {
   std::printf("# x (s=%lld, b=%lld, h=%lld)%s%s\n\n", (long long)c.seq, (long long)c.batch, (long long)c.inFeatures,
               c.sequenceParallel ? ": each rank holds s/T rows of the sequence" : "",
               c.gtpRemat > 1 ? " and GTP_remat peer g the batch block g" : "");
-  const TensorMap inputs = generateInputs(c);
+  const InputMap inputs = generateInputs(c);
   const RunResult r = runSharded(c, inputs);
   if (jobProcess() != 0) return 0;  // process 0 reports (docs/distributed.md)
   const LayerGrid grid(c.tp, c.gtpRemat);

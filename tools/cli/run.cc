@@ -73,11 +73,11 @@ ShapeMap loadShapes(const RunConfig& c, const std::string& dir, bool withParams)
   return m;
 }
 
-TensorMap load(const RunConfig& c, const std::string& dir, bool withParams) {
-  TensorMap m;
+InputMap load(const RunConfig& c, const std::string& dir, bool withParams) {
+  InputMap m;
   for (const InputFile& f : inputFiles(c, dir, withParams)) {
     const NpyArray a = readNpy(f.path);
-    m[f.name] = hostTensorOf(a.dtype, a.shape, a.data.data(), f.ids ? DType::kInt64 : c.dtype, f.path);
+    m[f.name] = storedOf(hostTensorOf(a.dtype, a.shape, a.data.data(), f.ids ? DType::kInt64 : c.dtype, f.path));
   }
   return m;
 }
@@ -151,8 +151,8 @@ ShapeMap checkpointShapes(RunConfig& c, const CheckpointIndex& index, const std:
 
 // The parameters of --load-checkpoint, of the `shapes` checkpointShapes gave, unsharded (pad rows
 // dropped) and rounded to --dtype: the dense reference's copy (the ranks read their own chunks).
-TensorMap checkpointParams(const RunConfig& c, const CheckpointReader& reader, const ShapeMap& shapes) {
-  TensorMap m;
+InputMap checkpointParams(const RunConfig& c, const CheckpointReader& reader, const ShapeMap& shapes) {
+  InputMap m;
   std::map<std::string, std::vector<char>> consolidated;  // by key: the experts' parameters share one
   for (const TensorSpec& t : parameters(c)) {
     const LayerKind::CheckpointSlot slot = c.layer->checkpointSlot(t.name);
@@ -165,7 +165,7 @@ TensorMap checkpointParams(const RunConfig& c, const CheckpointReader& reader, c
     const std::size_t first = slot.index >= 0 ? std::size_t(slot.index) * count : 0, size = dtypeSize(k.dtype);
     std::vector<double> values(count);
     for (std::size_t i = 0; i < count; ++i) values[i] = loadAsDouble(k.dtype, bytes.data() + (first + i) * size);
-    m[t.name] = makeHost(shape, c.dtype, std::move(values));
+    m[t.name] = storedOf(makeHost(shape, c.dtype, std::move(values)));
   }
   return m;
 }
@@ -177,11 +177,11 @@ std::string savePath(const std::string& dir, const std::string& name) {
 
 // All the outputs or none, as unsharded .npy files in DIR (tools/lib/output_files.h): the results,
 // each put together from the ranks' tensors only while its file is written, and `inputs`.
-void save(const std::string& dir, const RunResult& result, const TensorMap& inputs) {
+void save(const std::string& dir, const RunResult& result, const InputMap& inputs) {
   OutputFiles output("--save");
   std::map<std::string, std::function<HostTensor()>> tensors;
   for (const auto& [name, sharded] : result.sharded) tensors[name] = [&sharded = sharded] { return assembled(sharded); };
-  for (const auto& [name, t] : inputs) tensors[name] = [&t = t] { return t; };
+  for (const auto& [name, t] : inputs) tensors[name] = [&t = t] { return hostOf(t); };
   for (const auto& [name, make] : tensors) {
     const std::string path = savePath(dir, name);
     const HostTensor tensor = make();
@@ -379,7 +379,7 @@ int runMain(const std::vector<std::string>& args) {
   checkMemory(c, shapes, verifyMode, parsed.maxMemory, loadDir);
   checkFileUses(c, parsed, index ? &*index : nullptr);
   std::optional<CheckpointReader> reader;
-  TensorMap params;
+  InputMap params;
   if (index) {
     reader.emplace(std::move(*index));
     params = checkpointParams(c, *reader, paramShapes);
@@ -389,7 +389,7 @@ int runMain(const std::vector<std::string>& args) {
   if (!saveCheckpoint.empty()) prepareSaveDir("save-checkpoint", saveCheckpoint);
   progress.above([&] { std::printf("# tpsim run: %s\n", c.str().c_str()); });
   progress.phase(loadDir.empty() ? "generate" : "load");
-  TensorMap inputs = loadDir.empty() ? generateInputs(c) : load(c, loadDir, !reader);
+  InputMap inputs = loadDir.empty() ? generateInputs(c) : load(c, loadDir, !reader);
   for (auto& [name, t] : params) inputs[name] = std::move(t);
   checkInputs(c, inputs, sources);
   // Once the sizes are checked, the layer's `_extra_state` entries, before the world runs: a
@@ -432,7 +432,7 @@ int runMain(const std::vector<std::string>& args) {
   }
   if (!saveDir.empty() || !saveCheckpoint.empty() || c.record) progress.phase("save");
   if (!saveDir.empty()) {
-    save(saveDir, result, loadDir.empty() ? inputs : TensorMap{});
+    save(saveDir, result, loadDir.empty() ? inputs : InputMap{});
     progress.above([&] { std::printf("\nsaved to %s\n", terminalText(saveDir).c_str()); });
   }
   if (!saveCheckpoint.empty()) {

@@ -129,19 +129,37 @@ void forEachRun(const Block& b, const std::vector<std::int64_t>& globalStrides,
   }
 }
 
+// copy(from, to, n) for each run of rank (t, g)'s real blocks: n elements from the global tensor's
+// flat offset `from` to the local tensor's `to`.
+template <class Copy>
+void forEachShardRun(const TensorPlacement& p, const std::vector<std::int64_t>& fullShape,
+                     const std::vector<std::int64_t>& localShape, int t, int g, Copy copy) {
+  TPSIM_INTERNAL_ASSERT(fullShape == p.shape, p.name, ": placement of ", shapeText(p.shape), " for a tensor ",
+                        shapeText(fullShape));
+  const auto gs = rowMajorStrides(fullShape), ls = rowMajorStrides(localShape);
+  for (const Block& b : blocksOf(p, t, g))
+    if (!b.pad) forEachRun(b, gs, ls, copy);
+}
+
 }  // namespace
 
 HostTensor shardOf(const TensorPlacement& p, const HostTensor& full, int t, int g) {
-  TPSIM_INTERNAL_ASSERT(full.shape == p.shape, p.name, ": placement of ", shapeText(p.shape), " for a tensor ",
-                        shapeText(full.shape));
   HostTensor out{localShape(p, t, g), full.dtype, {}};
   out.values.assign(std::size_t(out.numel()), 0.0);
-  const auto gs = rowMajorStrides(full.shape), ls = rowMajorStrides(out.shape);
-  for (const Block& b : blocksOf(p, t, g))
-    if (!b.pad)
-      forEachRun(b, gs, ls, [&](std::int64_t from, std::int64_t to, std::int64_t n) {
-        std::copy_n(full.values.begin() + from, n, out.values.begin() + to);
-      });
+  forEachShardRun(p, full.shape, out.shape, t, g, [&](std::int64_t from, std::int64_t to, std::int64_t n) {
+    std::copy_n(full.values.begin() + from, n, out.values.begin() + to);
+  });
+  return out;
+}
+
+StoredTensor shardOf(const TensorPlacement& p, const StoredTensor& full, int t, int g) {
+  StoredTensor out{localShape(p, t, g), full.dtype, {}};
+  const std::size_t size = dtypeSize(full.dtype);
+  out.bytes.assign(std::size_t(out.numel()) * size, 0);  // pad rows: +0
+  forEachShardRun(p, full.shape, out.shape, t, g, [&](std::int64_t from, std::int64_t to, std::int64_t n) {
+    std::memcpy(out.bytes.data() + std::size_t(to) * size, full.bytes.data() + std::size_t(from) * size,
+                std::size_t(n) * size);
+  });
   return out;
 }
 
@@ -229,19 +247,51 @@ bool assembleRect(const TensorPlacement& p, const std::function<const StoredTens
   return gatherRect(p, local, r, value.data(), farthest.data());
 }
 
-Tensor toBackend(Compute& compute, const HostTensor& t) {
-  Shape shape(t.shape.data(), int(t.shape.size()));
-  Tensor out = compute.empty(shape, t.dtype);
-  std::vector<char> bytes(t.values.size() * dtypeSize(t.dtype));
-  for (std::size_t i = 0; i < t.values.size(); ++i)
-    storeFromDouble(t.dtype, t.values[i], bytes.data() + i * dtypeSize(t.dtype));
-  compute.upload(bytes.data(), out);
+Tensor toBackend(Compute& compute, const HostTensor& t) { return toBackend(compute, storedOf(t)); }
+
+Tensor toBackend(Compute& compute, const StoredTensor& t) {
+  Tensor out = compute.empty(Shape(t.shape.data(), int(t.shape.size())), t.dtype);
+  compute.upload(t.bytes.data(), out);
   return out;
+}
+
+StoredTensor storedOf(const HostTensor& t) {
+  TPSIM_INTERNAL_ASSERT(std::int64_t(t.values.size()) == t.numel(), "values do not fill ", shapeText(t.shape));
+  StoredTensor out{t.shape, t.dtype, std::vector<char>(t.values.size() * dtypeSize(t.dtype))};
+  for (std::size_t i = 0; i < t.values.size(); ++i)
+    storeFromDouble(t.dtype, t.values[i], out.bytes.data() + i * dtypeSize(t.dtype));
+  return out;
+}
+
+InputMap storedOf(const TensorMap& tensors) {
+  InputMap out;
+  for (const auto& [name, t] : tensors) out[name] = storedOf(t);
+  return out;
+}
+
+TensorMap hostOf(const InputMap& tensors) {
+  TensorMap out;
+  for (const auto& [name, t] : tensors) out[name] = hostOf(t);
+  return out;
+}
+
+void readDoubles(const StoredTensor& t, std::int64_t begin, std::int64_t n, double* out) {
+  const std::size_t size = dtypeSize(t.dtype);
+  const char* from = t.bytes.data() + std::size_t(begin) * size;
+  if (t.dtype == DType::kFloat32) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      float f;
+      std::memcpy(&f, from + std::size_t(i) * 4, 4);
+      out[i] = f;
+    }
+    return;
+  }
+  for (std::int64_t i = 0; i < n; ++i) out[i] = loadAsDouble(t.dtype, from + std::size_t(i) * size);
 }
 
 HostTensor hostOf(const StoredTensor& t) {
   HostTensor out{t.shape, t.dtype, std::vector<double>(std::size_t(t.numel()))};
-  for (std::size_t i = 0; i < out.values.size(); ++i) out.values[i] = t.at(std::int64_t(i));
+  readDoubles(t, 0, t.numel(), out.values.data());
   return out;
 }
 

@@ -39,6 +39,9 @@ struct StoredTensor {
 // name -> tensor, named as a run's files name them: inputs (input, weight, bias, grad_output; the
 // MLP's fc1.weight, ...) and results (output, input.grad, weight.grad, ...), each unsharded.
 using TensorMap = std::map<std::string, HostTensor>;
+// A run's inputs as it holds them: unsharded, each in its dtype's storage (2 or 4 bytes an element
+// of a float tensor, not a HostTensor's 8), as the ranks receive them.
+using InputMap = std::map<std::string, StoredTensor>;
 // name -> shape of such tensors, where only their sizes matter.
 using ShapeMap = std::map<std::string, std::vector<std::int64_t>>;
 
@@ -51,6 +54,13 @@ double roundedTo(DType dtype, double v);
 // Rounds every value to `dtype` (bf16/fp16/fp8e4m3 round to nearest even, fp8e4m3 saturates, int64
 // must be integral, e8m0 must be a power of two).
 HostTensor makeHost(std::vector<std::int64_t> shape, DType dtype, std::vector<double> values);
+
+// t in its dtype's storage; its values are already rounded to the dtype (makeHost).
+StoredTensor storedOf(const HostTensor& t);
+InputMap storedOf(const TensorMap& tensors);
+TensorMap hostOf(const InputMap& tensors);
+// Elements [begin, begin + n) of t (flat) as doubles, into out.
+void readDoubles(const StoredTensor& t, std::int64_t begin, std::int64_t n, double* out);
 
 // Elements [begin, end) along `dim` (negative counts from the end).
 HostTensor slice(const HostTensor& t, int dim, std::int64_t begin, std::int64_t end);
@@ -66,6 +76,7 @@ HostTensor sum(const std::vector<HostTensor>& parts);
 // Rank (t, g)'s tensor under `placement` (core/placement.h), cut from the global `full`: its blocks
 // in local order, GTP_remat pad rows zero.
 HostTensor shardOf(const TensorPlacement& placement, const HostTensor& full, int t, int g);
+StoredTensor shardOf(const TensorPlacement& placement, const StoredTensor& full, int t, int g);
 // shardOf's inverse: the global tensor from the ranks' tensors local(t, g). A shard axis takes each
 // element from its one holder, a replicate axis from its rank 0, and a partial axis adds its ranks'
 // copies in rank order (the first assigned, so -0 stays -0); pad rows are dropped.
@@ -86,6 +97,7 @@ bool assembleRect(const TensorPlacement& placement, const std::function<const St
                   const MatrixRect& r, std::vector<double>& value, std::vector<double>& farthest);
 
 Tensor toBackend(Compute& compute, const HostTensor& t);
+Tensor toBackend(Compute& compute, const StoredTensor& t);
 HostTensor fromBackend(Compute& compute, ConstView v);
 StoredTensor storedFromBackend(Compute& compute, ConstView v);
 HostTensor hostOf(const StoredTensor& t);

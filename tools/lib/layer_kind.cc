@@ -58,7 +58,7 @@ std::string symbols(const std::vector<std::string>& dims) {
   return s + (dims.size() == 1 ? ",)" : ")");
 }
 
-const HostTensor& need(const TensorMap& m, const std::string& name) {
+const StoredTensor& need(const InputMap& m, const std::string& name) {
   auto it = m.find(name);
   TPSIM_CHECK(it != m.end(), "tpsim run: ", name, ".npy is missing");
   return it->second;
@@ -145,32 +145,34 @@ ShapeMap tensorShapes(const RunConfig& c) {
   return m;
 }
 
-TensorMap generateInputs(const RunConfig& c) {
+InputMap generateInputs(const RunConfig& c) {
   const ShapeMap shapes = tensorShapes(c);
   std::mt19937_64 rng(c.seed);
   const StopFlag* stop = currentStopFlag();
-  // v[i] = draw() for each i, with a progress point every 2^20 draws (tens of milliseconds).
-  auto fill = [stop](std::vector<double>& v, const auto& draw) {
-    for (std::size_t i = 0; i < v.size(); ++i) {
-      if (i % (std::size_t(1) << 20) == 0) throwIfStopped(stop, "tpsim run");
-      v[i] = draw();
+  // Each tensor's draws, rounded to its dtype, stored a chunk of 2^20 (tens of milliseconds, a
+  // progress point) at a time.
+  auto fill = [stop](StoredTensor& t, const auto& draw) {
+    constexpr std::int64_t kChunk = std::int64_t(1) << 20;
+    const std::size_t size = dtypeSize(t.dtype);
+    t.bytes.resize(std::size_t(t.numel()) * size);
+    for (std::int64_t i = 0; i < t.numel(); ++i) {
+      if (i % kChunk == 0) throwIfStopped(stop, "tpsim run");
+      storeFromDouble(t.dtype, roundedTo(t.dtype, draw()), t.bytes.data() + std::size_t(i) * size);
     }
   };
-  TensorMap m;
+  InputMap m;
   // The draws keep the kind's order, so a seed makes the same data.
   for (const TensorSpec& t : c.layer->tensors(c)) {
-    const std::vector<std::int64_t>& shape = shapes.at(t.name);
-    std::int64_t n = 1;
-    for (auto d : shape) n *= d;
-    std::vector<double> v(static_cast<std::size_t>(n));
+    StoredTensor& out = m[t.name];
+    out.shape = shapes.at(t.name);
     if (!t.idRange.empty()) {
+      out.dtype = DType::kInt64;
       std::uniform_int_distribution<std::int64_t> id(0, sizeValue(c, t.idRange) - 1);
-      fill(v, [&] { return double(id(rng)); });
-      m[t.name] = makeHost(shape, DType::kInt64, std::move(v));
+      fill(out, [&] { return double(id(rng)); });
     } else {
+      out.dtype = c.dtype;
       std::normal_distribution<double> dist(0.0, t.sigma);
-      fill(v, [&] { return dist(rng); });
-      m[t.name] = makeHost(shape, c.dtype, std::move(v));
+      fill(out, [&] { return dist(rng); });
     }
   }
   return m;
@@ -210,17 +212,18 @@ void checkSizes(const RunConfig& c, const SizeSources& sources) {
                 sizeValue(c, w.symbol) / (w.tpCutsDim0 ? c.tp : 1), c.gtpRemat, "--gtp-remat (with --pad-for-alignment 0)");
 }
 
-void checkInputs(const RunConfig& c, const TensorMap& in, const SizeSources& sources) {
+void checkInputs(const RunConfig& c, const InputMap& in, const SizeSources& sources) {
   // Empty tensors are refused: the layers and the reference divide by these sizes.
   for (const auto& [name, t] : in)
     TPSIM_CHECK(std::all_of(t.shape.begin(), t.shape.end(), [](std::int64_t d) { return d >= 1; }), "tpsim run: ",
                 tensorText(c, name, sources), ": expected every dim >= 1, got shape ", shapeText(t.shape));
   // Non-finite inputs would only surface as a result outside its bound.
   for (const auto& [name, t] : in) {
-    const auto bad = std::count_if(t.values.begin(), t.values.end(), [](double x) { return !std::isfinite(x); });
-    const auto first = std::find_if(t.values.begin(), t.values.end(), [](double x) { return !std::isfinite(x); });
+    std::int64_t bad = 0, first = -1;
+    for (std::int64_t i = 0; i < t.numel(); ++i)
+      if (!std::isfinite(t.at(i)) && bad++ == 0) first = i;
     TPSIM_CHECK(bad == 0, "tpsim run: ", tensorText(c, name, sources), ": expected finite values, got ", bad,
-                " NaN or Inf, the first at flat index ", first - t.values.begin());
+                " NaN or Inf, the first at flat index ", first);
   }
   const std::vector<TensorSpec> specs = c.layer->tensors(c);
   for (const TensorSpec& t : specs) need(in, t.name);
@@ -228,7 +231,7 @@ void checkInputs(const RunConfig& c, const TensorMap& in, const SizeSources& sou
   const std::vector<SizeSpec>& sizes = c.layer->sizes();
   for (const TensorSpec& t : specs) {
     if (std::none_of(sizes.begin(), sizes.end(), [&](const SizeSpec& s) { return s.tensor == t.name; })) continue;
-    const HostTensor& x = in.at(t.name);
+    const StoredTensor& x = in.at(t.name);
     const bool rankOk = x.shape.size() == t.dims.size();
     if (t.idRange.empty())
       TPSIM_CHECK(rankOk && isFloating(x.dtype), "tpsim run: ", t.name, ".npy must be a float ", symbols(t.dims),
@@ -246,11 +249,11 @@ void checkInputs(const RunConfig& c, const TensorMap& in, const SizeSources& sou
   }
   for (const TensorSpec& t : specs) {
     if (t.idRange.empty()) continue;
-    const std::vector<double>& ids = in.at(t.name).values;
+    const StoredTensor& ids = in.at(t.name);
     const std::int64_t range = sizeValue(sized, t.idRange);
-    for (std::size_t i = 0; i < ids.size(); ++i)
-      TPSIM_CHECK(ids[i] >= 0 && ids[i] < double(range), "tpsim run: ", t.name, ".npy holds id ", std::int64_t(ids[i]),
-                  " at flat position ", i, ", outside [0, ", t.idRange, "=", range, ")");
+    for (std::int64_t i = 0; i < ids.numel(); ++i)
+      TPSIM_CHECK(ids.at(i) >= 0 && ids.at(i) < double(range), "tpsim run: ", t.name, ".npy holds id ",
+                  std::int64_t(ids.at(i)), " at flat position ", i, ", outside [0, ", t.idRange, "=", range, ")");
   }
   checkSizes(sized, sources);
 }

@@ -141,10 +141,11 @@ class LayerKind {
   // beyond its results, in elements (the memory estimate's terms; 0 for a single GEMM).
   virtual double stepIntermediates(const RunConfig&, const ShapeMap&) const { return 0; }
   virtual double referenceIntermediates(const RunConfig&, const ShapeMap&) const { return 0; }
-  // Bytes the reference holds per parameter element: the values and bounds of its gradients whole,
-  // the magnitudes behind them and the parameter's own (40); or, where it sends the weight
-  // gradients a block at a time, the parameter's magnitude alone (4).
-  virtual double referenceBytesPerParameter() const { return 40; }
+  // Bytes the reference holds per parameter element: the parameter in double, the values and bounds
+  // of its gradients whole, the magnitudes behind them and the parameter's own (48); or nothing
+  // where it takes the weights and sends their gradients a block at a time (the blocks are its
+  // intermediates).
+  virtual double referenceBytesPerParameter() const { return 48; }
   // What one rank holds of the run's input and of its gradient, and of grad_output and the output,
   // as a fraction of the whole: 1 where TP replicates it (the default, the most a rank can hold),
   // 1/T where TP splits it (the memory estimate's rank copies).
@@ -161,7 +162,7 @@ class LayerKind {
   virtual std::unique_ptr<LayerModules> build(const LayerContext& context, const ModelParallelConfig& mp,
                                               const RunConfig& config) const = 0;
   // The dense results and their relative bounds, sent to `sink` (tools/lib/reference.h).
-  virtual void reference(const ReferenceOptions& options, const TensorMap& inputs, ReferenceSink& sink) const = 0;
+  virtual void reference(const ReferenceOptions& options, const InputMap& inputs, ReferenceSink& sink) const = 0;
 };
 
 // The table: every kind, in the order --help lists them.
@@ -187,7 +188,7 @@ std::int64_t sizeValue(const RunConfig& config, const std::string& symbol);
 ShapeMap tensorShapes(const RunConfig& config);
 // Seeded data with those shapes, drawn in the kind's order and rounded to the configured dtype.
 // Obeys the calling thread's stop flag (backends/stop.h).
-TensorMap generateInputs(const RunConfig& config);
+InputMap generateInputs(const RunConfig& config);
 // config with its sizes read from `shapes` (loaded files or a checkpoint's tensors): each size from
 // its own tensor's dim, where `shapes` has that tensor.
 RunConfig withSizesOf(RunConfig config, const ShapeMap& shapes);
@@ -205,6 +206,6 @@ void checkSizes(const RunConfig& config, const SizeSources& sources);
 // Checks a run's tensors: every dim >= 1, finite values, each tensor present with the kind's rank,
 // dtype and the shape its sizes give, token ids in range, then checkSizes. Messages name the file,
 // or the checkpoint and key a parameter is read from (sources.checkpoint).
-void checkInputs(const RunConfig& config, const TensorMap& inputs, const SizeSources& sources = {});
+void checkInputs(const RunConfig& config, const InputMap& inputs, const SizeSources& sources = {});
 
 }  // namespace tpsim::tools

@@ -31,9 +31,10 @@ std::optional<double> readNumber(const std::string& file) {
 
 // The sum of what holds memory at the peak, in bytes (docs/memory.md has the measurements). With X,
 // Y and W the input, output-gradient and parameter elements (Wp: with GTP_remat's pad rows), T ranks
-// and G GTP_remat peers, and every tensor the tools hold unsharded counted as doubles:
+// and G GTP_remat peers:
 //   program    16 MiB + 256 KiB a rank: the binary, its libraries, the threads' and fibers' stacks
-//   inputs     8(X + Y + W): the unsharded tensors, held through the run and the verification
+//   inputs     the unsharded inputs in their dtypes (4 bytes an fp32 element, 8 a token id), held
+//              through the run and the verification
 // then the larger of the run's working set and the verification's, which reuses what the ranks freed:
 //   copies     15T(fX·X + fY·Y) (+ 10T·n), with f the rank's share of the tensor (LayerKind::rankShare; the G
 //              peers split the batch): each rank's input and grad_output as backend tensors (4 bytes
@@ -43,13 +44,14 @@ std::optional<double> readNumber(const std::string& file) {
 //              all-gather or reduce-scatter, forward and backward, its saved copy and the holes
 //              between them (10 bytes an element of the whole, measured)
 //   shards     (20 + 32(G - 1))Wp: each parameter's shard and gradient as backend tensors, the
-//              gradient as the run keeps it, the shard's doubles while it is cut, main_grad,
-//              GTP_remat's gathers
+//              gradient as the run keeps it, the shard while it is cut, main_grad, GTP_remat's
+//              gathers
 //   step       8S: the kind's other per-rank intermediates (LayerKind::stepIntermediates, in doubles)
 // or
 //   kept       4(T(fX·X + fY·Y) + Wp): the results as the ranks left them, which verify reads in place
-//   reference  52(X + Y) + pW + 16 min(2^20, max(X, Y, W)) + 8R: the dense results sent whole, their
-//              bounds and the magnitudes behind them; the parameters' part p
+//   reference  52(X + Y) + pW + 16 min(2^20, max(X, Y, W)) + 8R: the input and grad_output in
+//              double, the dense results sent whole, their bounds and the magnitudes behind them
+//              (measured: the copies in double reuse memory the ranks freed); the parameters' part p
 //              (LayerKind::referenceBytesPerParameter); the rows verify reads at a time; what the
 //              kind's reference holds at once besides (LayerKind::referenceIntermediates, in doubles)
 double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode verify) {
@@ -73,7 +75,9 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
     held += padRows * (n / double(rows));
   }
   const double program = 16.0 * (1 << 20) + 256.0 * 1024 * T * G;
-  const double inputs = 8 * (x + y + w);
+  double inputs = 0;
+  for (const TensorSpec& t : c.layer->tensors(c))
+    inputs += double(dtypeSize(t.idRange.empty() ? c.dtype : DType::kInt64)) * numel(shapes, t.name);
   const LayerKind::RankShare share = c.layer->rankShare(c);
   const bool sequenceSplit = c.sequenceParallel || c.reduceScatterEmbeddings;
   auto rankCopies = [&](double f, double n) { return T * (15 * f * n + (f < 1 && sequenceSplit ? 10 * n : 0)); };

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -181,10 +182,13 @@ float roundUp(double x) {
   return f;
 }
 
-// value(i) >= 0 for the flat index i of a (rows, cols) matrix, as an Upper, in u's storage.
+// The exponent an Upper scales by for values whose largest finite one is `max`: at least 2^-1000, so
+// that its inverse, the scale, is finite.
+int upperExponent(double max) { return max > 0 ? std::max(std::ilogb(max) + 1, -1000) : 0; }
+
+// The largest finite value(i) for the flat indices i < n (0 when there is none).
 template <class Value>
-void upperInto(std::int64_t rows, std::int64_t cols, Value value, Upper& u) {
-  const std::int64_t n = rows * cols;
+double largestFinite(std::int64_t n, Value value) {
   std::vector<double> largest(std::size_t((n + kChunk - 1) / kChunk), 0.0);
   forChunks(n, [&](std::int64_t begin, std::int64_t end) {
     double m = 0;
@@ -194,11 +198,17 @@ void upperInto(std::int64_t rows, std::int64_t cols, Value value, Upper& u) {
     }
     largest[std::size_t(begin / kChunk)] = m;
   });
-  const double max = largest.empty() ? 0.0 : *std::max_element(largest.begin(), largest.end());
-  // At least 2^-1000: its inverse, the scale, must be finite.
+  return largest.empty() ? 0.0 : *std::max_element(largest.begin(), largest.end());
+}
+
+// value(i) >= 0 for the flat index i of a (rows, cols) matrix, as an Upper scaled by 2^-exponent, in
+// u's storage: a block of a larger Upper when `exponent` is that one's.
+template <class Value>
+void upperInto(std::int64_t rows, std::int64_t cols, Value value, int exponent, Upper& u) {
+  const std::int64_t n = rows * cols;
   u.rows = rows;
   u.cols = cols;
-  u.exponent = max > 0 ? std::max(std::ilogb(max) + 1, -1000) : 0;
+  u.exponent = exponent;
   if (u.v.capacity() < std::size_t(n)) u.v = freshVector<float>(n);
   u.v.resize(std::size_t(n));
   const double scale = std::ldexp(1.0, -u.exponent);  // exact: a power of two, and no product overflows
@@ -209,6 +219,11 @@ void upperInto(std::int64_t rows, std::int64_t cols, Value value, Upper& u) {
       u.v[std::size_t(i)] = f == 0 && x > 0 ? std::numeric_limits<float>::denorm_min() : f;
     }
   });
+}
+
+template <class Value>
+void upperInto(std::int64_t rows, std::int64_t cols, Value value, Upper& u) {
+  upperInto(rows, cols, value, upperExponent(largestFinite(rows * cols, value)), u);
 }
 
 template <class Value>
@@ -354,13 +369,13 @@ double halfSubnormal(DType dtype) {
 // partial sums), and a later GEMM multiplies an intermediate's error by at most the ℓ1 norm S of
 // its other operand (1.13·S through GeLU'). Hence (T + 3)·δ·(1 + 1.13·S), with S the largest ℓ1
 // norm of an input: nothing for fp32 and bf16, a few ulps of fp16's subnormals.
-double underflowAllowance(const ReferenceOptions& o, const TensorMap& inputs) {
+double underflowAllowance(const ReferenceOptions& o, const InputMap& inputs) {
   const double delta = std::max(halfSubnormal(o.computeDtype), halfSubnormal(o.outputDtype));
   double l1 = 0;
   for (const auto& [name, t] : inputs) {
     if (t.dtype == DType::kInt64) continue;
     double sum = 0;
-    for (double v : t.values) sum += std::fabs(v);
+    for (std::int64_t i = 0; i < t.numel(); ++i) sum += std::fabs(t.at(i));
     l1 = std::max(l1, sum);
   }
   return (o.tp + 3) * delta * (1 + 1.13 * l1);
@@ -371,11 +386,14 @@ std::vector<std::int64_t> withLast(std::vector<std::int64_t> shape, std::int64_t
   return shape;
 }
 
-const HostTensor& need(const TensorMap& m, const std::string& name) {
+const StoredTensor& need(const InputMap& m, const std::string& name) {
   auto it = m.find(name);
   TPSIM_INTERNAL_ASSERT(it != m.end(), "reference input ", name, " missing");
   return it->second;
 }
+
+// An input's values in double, which the reference computes in: a copy it holds while it needs it.
+HostTensor needHost(const InputMap& m, const std::string& name) { return hostOf(need(m, name)); }
 
 // m (rows, cols) row-major replaced by deq(Q(m)), blocks of 32 along `axis`; a NaN makes its
 // block NaN.
@@ -477,7 +495,7 @@ namespace {
 // Adds to each bound what every kind shares, then passes the block on.
 class AllowanceSink final : public ReferenceSink {
  public:
-  AllowanceSink(const ReferenceOptions& o, const TensorMap& in, ReferenceSink& next)
+  AllowanceSink(const ReferenceOptions& o, const InputMap& in, ReferenceSink& next)
       : o_(o), underflow_(underflowAllowance(o, in)), next_(next) {}
 
   void result(const std::string& name, const std::vector<std::int64_t>& shape, DType dtype) override {
@@ -524,42 +542,40 @@ class DenseSink final : public ReferenceSink {
 
 }  // namespace
 
-void streamReference(const ReferenceOptions& o, const TensorMap& in, ReferenceSink& sink) {
+void streamReference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& sink) {
   TPSIM_INTERNAL_ASSERT(o.layer != nullptr, "streamReference: no layer kind");
   AllowanceSink withAllowance(o, in, sink);
   o.layer->reference(o, in, withAllowance);
 }
 
-std::map<std::string, Checked> denseReference(const ReferenceOptions& o, const TensorMap& in) {
+std::map<std::string, Checked> denseReference(const ReferenceOptions& o, const InputMap& in) {
   DenseSink dense;
   streamReference(o, in, dense);
   return std::move(dense.out);
 }
 
-std::map<std::string, Checked> linearReference(const ReferenceOptions& o, const TensorMap& in) {
+std::map<std::string, Checked> linearReference(const ReferenceOptions& o, const InputMap& in) {
   std::map<std::string, Checked> out;
-  auto b = in.find("bias");
-  const HostTensor& w = need(in, "weight");
+  const HostTensor x = needHost(in, "input"), w = needHost(in, "weight"), dy = needHost(in, "grad_output");
+  const std::optional<HostTensor> b = in.count("bias") ? std::optional(needHost(in, "bias")) : std::nullopt;
   HostTensor fpropMxfp8, dgradMxfp8;
   const HostTensor& wDgrad = gemmOperand(o, w, "weight", 0, dgradMxfp8);
-  linearLayer(o, need(in, "input"), gemmOperand(o, w, "weight", 1, fpropMxfp8), wDgrad,
-              b == in.end() ? nullptr : &b->second, need(in, "grad_output"), "weight", out);
+  linearLayer(o, x, gemmOperand(o, w, "weight", 1, fpropMxfp8), wDgrad, b ? &*b : nullptr, dy, "weight", out);
   if (o.disableGradReduce)
-    out["input.grad"] = partialDgrads(o, need(in, "input"), wDgrad, need(in, "grad_output"),
-                                      placementNamed(o.placements, "weight"));
+    out["input.grad"] = partialDgrads(o, x, wDgrad, dy, placementNamed(o.placements, "weight"));
   return out;
 }
 
-std::map<std::string, Checked> embeddingReference(const ReferenceOptions& o, const TensorMap& in) {
+std::map<std::string, Checked> embeddingReference(const ReferenceOptions& o, const InputMap& in) {
   std::map<std::string, Checked> out;
-  const HostTensor& ids = need(in, "input");  // (b, s)
-  const Mat W = asMat(need(in, "weight"));
+  const HostTensor ids = needHost(in, "input");  // (b, s)
+  const Mat W = asMat(needHost(in, "weight"));
   const std::int64_t h = W.cols;
   HostTensor e{{ids.shape[0], ids.shape[1], h}, need(in, "weight").dtype, {}};
   for (double id : ids.values)
     e.values.insert(e.values.end(), W.v.begin() + std::int64_t(id) * h, W.v.begin() + (std::int64_t(id) + 1) * h);
   if (o.reduceScatterEmbeddings) e = swap01(e);  // (s, b, h)
-  HostTensor dy = need(in, "grad_output");
+  HostTensor dy = needHost(in, "grad_output");
   if (o.reduceScatterEmbeddings) dy = swap01(dy);  // back to (b, s, h)
   Mat dW{W.rows, h, std::vector<double>(W.v.size(), 0.0)}, adW = dW;
   for (std::size_t i = 0; i < ids.values.size(); ++i)
@@ -574,28 +590,56 @@ std::map<std::string, Checked> embeddingReference(const ReferenceOptions& o, con
   return out;
 }
 
-void mlpReference(const ReferenceOptions& o, const TensorMap& in, ReferenceSink& sink) {
+void mlpReference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& sink) {
   // fc1 (column) -> GeLU -> fc2 (row), each with its bias; SPEC's MLP block.
   // fc1 is column-parallel, fc2 row-parallel (stride 1): each GEMM reads its own copy.
   // A bound is rel · (the same computation on |values|) plus the error that a rounded
   // intermediate (GeLU(H), dH) carries through the products after it. Both terms are products
   // with the same non-negative right operand: each bound is one product of the summed left ones.
-  const HostTensor &x = need(in, "input"), &dy = need(in, "grad_output");
-  const HostTensor &w1 = need(in, "fc1.weight"), &w2 = need(in, "fc2.weight");
-  const HostTensor &b1 = need(in, "fc1.bias"), &b2 = need(in, "fc2.bias");
-  HostTensor w1fMxfp8, w1dMxfp8, w2fMxfp8, w2dMxfp8;
-  const HostTensor &w1f = gemmOperand(o, w1, "fc1.weight", 1, w1fMxfp8), &w1d = gemmOperand(o, w1, "fc1.weight", 0, w1dMxfp8);
-  const HostTensor &w2f = gemmOperand(o, w2, "fc2.weight", 1, w2fMxfp8), &w2d = gemmOperand(o, w2, "fc2.weight", 0, w2dMxfp8);
-  const MatrixView X = viewOf(x), dY = viewOf(dy), W1 = viewOf(w1f), W1d = viewOf(w1d), W2 = viewOf(w2f),
-                   W2d = viewOf(w2d);
-  const std::int64_t tokens = X.rows(), h = X.cols(), f = W1.rows();
+  const HostTensor x = needHost(in, "input"), dy = needHost(in, "grad_output");
+  const HostTensor b1 = needHost(in, "fc1.bias"), b2 = needHost(in, "fc2.bias");
+  // The weights as the GEMMs read them: the inputs themselves, or their MXFP8 copies (the dgrads
+  // read the columnwise ones), in double a block of F at a time.
+  const StoredTensor &w1 = need(in, "fc1.weight"), &w2 = need(in, "fc2.weight");
+  const bool quantized = o.weightFormat != WeightFormat::kNative;
+  StoredTensor w1fMxfp8, w1dMxfp8, w2fMxfp8, w2dMxfp8;
+  if (quantized) {
+    const HostTensor w1Host = hostOf(w1), w2Host = hostOf(w2);
+    HostTensor copy;
+    w1fMxfp8 = storedOf(gemmOperand(o, w1Host, "fc1.weight", 1, copy));
+    w1dMxfp8 = storedOf(gemmOperand(o, w1Host, "fc1.weight", 0, copy));
+    w2fMxfp8 = storedOf(gemmOperand(o, w2Host, "fc2.weight", 1, copy));
+    w2dMxfp8 = storedOf(gemmOperand(o, w2Host, "fc2.weight", 0, copy));
+  }
+  const StoredTensor &w1f = quantized ? w1fMxfp8 : w1, &w1d = quantized ? w1dMxfp8 : w1;
+  const StoredTensor &w2f = quantized ? w2fMxfp8 : w2, &w2d = quantized ? w2dMxfp8 : w2;
+  const MatrixView X = viewOf(x), dY = viewOf(dy);
+  const std::int64_t tokens = X.rows(), h = X.cols(), f = w1.shape[0];
   const double uAcc = o.accumulationUnit;
   const DType c = o.computeDtype;
   const int stages = 3, T = o.tp;  // the GEMM's rounding and the MLP's two more; the T partial sums
-  // The dgrads read the weights themselves unless they are quantized.
-  const Upper aX = upperAbs(X), adY = upperAbs(dY), aW1 = upperAbs(W1), aW2 = upperAbs(W2);
-  const Upper aW1d = &w1d == &w1f ? Upper{} : upperAbs(W1d), aW2d = &w2d == &w2f ? Upper{} : upperAbs(W2d);
-  const Upper &w1Dgrad = &w1d == &w1f ? aW1 : aW1d, &w2Dgrad = &w2d == &w2f ? aW2 : aW2d;
+  const Upper aX = upperAbs(X), adY = upperAbs(dY);
+  // |W1| and |W2| exist a block at a time as well, each block scaled by its whole matrix's exponent,
+  // so that they hold what the whole matrices' Uppers would.
+  auto absExponent = [](const StoredTensor& w) {
+    return upperExponent(largestFinite(w.numel(), [&w](std::int64_t i) { return std::fabs(w.at(i)); }));
+  };
+  const int eW1 = absExponent(w1f), eW2 = absExponent(w2f);
+  const int eW1d = quantized ? absExponent(w1d) : eW1, eW2d = quantized ? absExponent(w2d) : eW2;
+  // Rows [f0, f0 + fb) of a (F, h) weight, or columns [f0, f0 + fb) of an (h, F) one, in double.
+  auto rowsInto = [h](const StoredTensor& w, std::int64_t f0, std::int64_t fb, std::vector<double>& out) {
+    out.resize(std::size_t(fb * h));
+    readDoubles(w, f0 * h, fb * h, out.data());
+  };
+  auto columnsInto = [h, f](const StoredTensor& w, std::int64_t f0, std::int64_t fb, std::vector<double>& out) {
+    out.resize(std::size_t(h * fb));
+    for (std::int64_t r = 0; r < h; ++r) readDoubles(w, r * f + f0, fb, out.data() + r * fb);
+  };
+  auto absInto = [](const std::vector<double>& block, std::int64_t rows, std::int64_t cols, int exponent, Upper& u) {
+    upperInto(rows, cols, [d = block.data()](std::int64_t i) { return std::fabs(d[i]); }, exponent, u);
+  };
+  std::vector<double> w1Block, w2Block, w1dBlock, w2dBlock;
+  Upper aW1b, aW2b, aW1db, aW2db;
 
   // fc2 reads GeLU(H) rounded: an error of up to aErr·aH (|GeLU'| < 1.13) in each element. dH
   // carries fc2's dgrad error, up to dhErr·adA (adA = |dY|·|W2d|), into fc1's backward. Each
@@ -625,11 +669,11 @@ void mlpReference(const ReferenceOptions& o, const TensorMap& in, ReferenceSink&
   auto zeros = [](std::int64_t rows, std::int64_t cols) {
     return Mat{rows, cols, freshVector<double>(rows * cols)};
   };
-  sink.result("output", withLast(x.shape, W2.rows()), o.outputDtype);
+  sink.result("output", withLast(x.shape, h), o.outputDtype);
   sink.result("input.grad", x.shape, c);
-  sink.result("fc1.weight.grad", w1f.shape, c);
+  sink.result("fc1.weight.grad", w1.shape, c);
   sink.result("fc1.bias.grad", b1.shape, c);
-  sink.result("fc2.weight.grad", w2f.shape, c);
+  sink.result("fc2.weight.grad", w2.shape, c);
   sink.result("fc2.bias.grad", b2.shape, c);
   Mat y = zeros(tokens, h), boundY = zeros(tokens, h), dX = zeros(tokens, h), boundX = zeros(tokens, h);
   std::vector<double> db1(std::size_t(f), 0.0), db1Bound(std::size_t(f), 0.0);
@@ -652,14 +696,24 @@ void mlpReference(const ReferenceOptions& o, const TensorMap& in, ReferenceSink&
       return left;
     };
     const Eigen::Map<const Matrix> Ab(A.data(), tokens, fb), dHb(dH.data(), tokens, fb);
-    const auto W1b = W1.middleRows(f0, fb), W1db = W1d.middleRows(f0, fb);
-    const auto W2b = W2.middleCols(f0, fb), W2db = W2d.middleCols(f0, fb);
-    const auto aW1b = aW1.map().middleRows(f0, fb), w1Dgradb = w1Dgrad.map().middleRows(f0, fb);
-    const auto aW2b = aW2.map().middleCols(f0, fb), w2Dgradb = w2Dgrad.map().middleCols(f0, fb);
+    rowsInto(w1f, f0, fb, w1Block);
+    columnsInto(w2f, f0, fb, w2Block);
+    absInto(w1Block, fb, h, eW1, aW1b);
+    absInto(w2Block, h, fb, eW2, aW2b);
+    if (quantized) {
+      rowsInto(w1d, f0, fb, w1dBlock);
+      columnsInto(w2d, f0, fb, w2dBlock);
+      absInto(w1dBlock, fb, h, eW1d, aW1db);
+      absInto(w2dBlock, h, fb, eW2d, aW2db);
+    }
+    const Upper &w1Dgrad = quantized ? aW1db : aW1b, &w2Dgrad = quantized ? aW2db : aW2b;
+    const MatrixView W1b(w1Block.data(), fb, h), W2b(w2Block.data(), h, fb);
+    const MatrixView W1db(quantized ? w1dBlock.data() : w1Block.data(), fb, h),
+        W2db(quantized ? w2dBlock.data() : w2Block.data(), h, fb);
 
     // H = X·W1ᵀ + b1 (in A's place), its magnitude aH = |X|·|W1|ᵀ, then GeLU(H) and GeLU'(H).
     productInto<double>(X, W1b.transpose(), A.data(), fb);
-    upperProductInto(aX.map(), aX.exponent, aW1b.transpose(), aW1.exponent, aH.data(), fb, false);
+    upperProductInto(aX.map(), aX.exponent, aW1b.map().transpose(), aW1b.exponent, aH.data(), fb, false);
     forChunks(n, [&](std::int64_t begin, std::int64_t end) {
       for (std::int64_t i = begin, j = begin % fb; i < end; ++i, j = j + 1 == fb ? 0 : j + 1) {
         const double z = A[std::size_t(i)] + b1.values[std::size_t(f0 + j)], cdf = normalCdf(z);
@@ -671,9 +725,9 @@ void mlpReference(const ReferenceOptions& o, const TensorMap& in, ReferenceSink&
     // fc2: y = A·W2ᵀ + b2; dA = dY·W2d (in dH's place); dW2 = dYᵀ·A.
     productInto<double>(Ab, W2b.transpose(), y.v.data(), h, later);
     const Upper& yLeft = operand(relY, A, aErr, aH);
-    upperProductInto(yLeft.map(), yLeft.exponent, aW2b.transpose(), aW2.exponent, boundY.v.data(), h, later);
+    upperProductInto(yLeft.map(), yLeft.exponent, aW2b.map().transpose(), aW2b.exponent, boundY.v.data(), h, later);
     productInto<double>(dY, W2db, dH.data(), fb);
-    upperProductInto(adY.map(), adY.exponent, w2Dgradb, w2Dgrad.exponent, adA.data(), fb, false);
+    upperProductInto(adY.map(), adY.exponent, w2Dgrad.map(), w2Dgrad.exponent, adA.data(), fb, false);
     productInto<double>(dY.transpose(), Ab, dW2.data(), fb);
     const Upper& w2Right = operand(relW2, A, aErr, aH);
     upperProductInto(adY.map().transpose(), adY.exponent, w2Right.map(), w2Right.exponent, boundW2.data(), fb, false);
@@ -687,7 +741,7 @@ void mlpReference(const ReferenceOptions& o, const TensorMap& in, ReferenceSink&
     // fc1: dX = dH·W1d; dW1 = dHᵀ·X; db1 = Σ dH.
     productInto<double>(dHb, W1db, dX.v.data(), h, later);
     const Upper& xLeft = operand(relX, dH, dhErr, adA);
-    upperProductInto(xLeft.map(), xLeft.exponent, w1Dgradb, w1Dgrad.exponent, boundX.v.data(), h, later);
+    upperProductInto(xLeft.map(), xLeft.exponent, w1Dgrad.map(), w1Dgrad.exponent, boundX.v.data(), h, later);
     productInto<double>(dHb.transpose(), X, dW1.data(), h);
     const Upper& w1Left = operand(relW1, dH, dhErr, adA);
     upperProductInto(w1Left.map().transpose(), w1Left.exponent, aX.map(), aX.exponent, boundW1.data(), h, false);
@@ -710,8 +764,8 @@ void mlpReference(const ReferenceOptions& o, const TensorMap& in, ReferenceSink&
   sink.block("fc2.bias.grad", {0, 0, 1, h, h, db2.value.values.data(), db2.bound.data()});
 }
 
-std::map<std::string, Checked> groupedReference(const ReferenceOptions& o, const TensorMap& in, std::int64_t experts) {
-  const HostTensor &x = need(in, "input"), &ids = need(in, "expert_ids"), &dy = need(in, "grad_output");
+std::map<std::string, Checked> groupedReference(const ReferenceOptions& o, const InputMap& in, std::int64_t experts) {
+  const HostTensor x = needHost(in, "input"), ids = needHost(in, "expert_ids"), dy = needHost(in, "grad_output");
   const std::int64_t M = x.shape[0], K = x.shape[1], N = dy.shape[1];
   // Each token's rows as one linear of its expert, then back in token order.
   auto rowsOf = [](const HostTensor& t, const std::vector<std::int64_t>& rows) {
@@ -739,22 +793,22 @@ std::map<std::string, Checked> groupedReference(const ReferenceOptions& o, const
   out["input.grad"] = zeros({M, K}, o.computeDtype);
   for (std::int64_t e = 0; e < experts; ++e) {
     const std::string weight = detail::concat("weight", e), bias = detail::concat("bias", e);
-    const auto b = in.find(bias);
+    const std::optional<HostTensor> b = in.count(bias) ? std::optional(needHost(in, bias)) : std::nullopt;
     std::vector<std::int64_t> rows;
     for (std::int64_t i = 0; i < M; ++i)
       if (std::int64_t(ids.values[std::size_t(i)]) == e) rows.push_back(i);
     if (rows.empty()) {  // an expert without tokens gets no gradient
       out[weight + ".grad"] = zeros({N, K}, o.computeDtype);
-      if (b != in.end()) out[bias + ".grad"] = zeros({N}, o.computeDtype);
+      if (b) out[bias + ".grad"] = zeros({N}, o.computeDtype);
       continue;
     }
     std::map<std::string, Checked> part;
-    const HostTensor& w = need(in, weight);
-    linearLayer(o, rowsOf(x, rows), w, w, b == in.end() ? nullptr : &b->second, rowsOf(dy, rows), weight, part);
+    const HostTensor w = needHost(in, weight);
+    linearLayer(o, rowsOf(x, rows), w, w, b ? &*b : nullptr, rowsOf(dy, rows), weight, part);
     scatter(part.at("output"), rows, out["output"]);
     scatter(part.at("input.grad"), rows, out["input.grad"]);
     out[weight + ".grad"] = std::move(part.at(weight + ".grad"));
-    if (b != in.end()) out[bias + ".grad"] = std::move(part.at("bias.grad"));
+    if (b) out[bias + ".grad"] = std::move(part.at("bias.grad"));
   }
   return out;
 }

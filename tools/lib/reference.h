@@ -82,20 +82,20 @@ void sendWhole(std::map<std::string, Checked>& results, ReferenceSink& sink);
 // The layer kind's reference (options.layer), with what every kind shares added to its bounds:
 // gradual underflow, the GTP_remat reduce-scatter's on weight gradients included. The streamed form
 // holds at most the kind's own working set; the dense one collects every result whole.
-void streamReference(const ReferenceOptions& options, const TensorMap& inputs, ReferenceSink& sink);
-std::map<std::string, Checked> denseReference(const ReferenceOptions& options, const TensorMap& inputs);
+void streamReference(const ReferenceOptions& options, const InputMap& inputs, ReferenceSink& sink);
+std::map<std::string, Checked> denseReference(const ReferenceOptions& options, const InputMap& inputs);
 
 // The kinds' references, as their descriptors name them. linearReference: one linear layer
 // (input, weight, bias, grad_output; with MXFP8 weights or disable_grad_reduce the placement of
 // "weight"); embeddingReference: the lookup (ids input, weight, grad_output); mlpReference: fc1,
 // exact GeLU, fc2 (with MXFP8 weights the placements of "fc1.weight" and "fc2.weight").
-std::map<std::string, Checked> linearReference(const ReferenceOptions& options, const TensorMap& inputs);
-std::map<std::string, Checked> embeddingReference(const ReferenceOptions& options, const TensorMap& inputs);
+std::map<std::string, Checked> linearReference(const ReferenceOptions& options, const InputMap& inputs);
+std::map<std::string, Checked> embeddingReference(const ReferenceOptions& options, const InputMap& inputs);
 // mlpReference sends its weight gradients a block of F at a time.
-void mlpReference(const ReferenceOptions& options, const TensorMap& inputs, ReferenceSink& sink);
+void mlpReference(const ReferenceOptions& options, const InputMap& inputs, ReferenceSink& sink);
 // The experts' grouped linear: token i (input, grad_output rows) goes through expert
 // expert_ids[i]'s weight<e> and bias<e>.
-std::map<std::string, Checked> groupedReference(const ReferenceOptions& options, const TensorMap& inputs,
+std::map<std::string, Checked> groupedReference(const ReferenceOptions& options, const InputMap& inputs,
                                                 std::int64_t experts);
 
 // deq(Q(w)) of an MXFP8 weight as the ranks quantize it: w (N, K) unsharded, cut over the TP ranks

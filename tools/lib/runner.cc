@@ -29,7 +29,7 @@ struct PerRank {
 };
 
 // A parameter's shard, and the main_grad its wgrad accumulates into under fusion or GTP_remat.
-void setShard(Compute& compute, Parameter& p, const HostTensor& shard, const RunConfig& c) {
+void setShard(Compute& compute, Parameter& p, const StoredTensor& shard, const RunConfig& c) {
   compute.copy(toBackend(compute, shard), p.data);
   if (isGtpShard(p) || (c.gradAccumulationFusion && p.data.shape().rank() == 2))
     p.mainGrad = compute.zeros(p.data.shape(), c.mainGradDtype);
@@ -116,7 +116,7 @@ HostTensor assembled(const ShardedResult& result) {
   return out;
 }
 
-RunResult runSharded(const RunConfig& config, const TensorMap& in, const CheckpointHooks& hooks, Progress* progress,
+RunResult runSharded(const RunConfig& config, const InputMap& in, const CheckpointHooks& hooks, Progress* progress,
                      bool assemble) {
   config.validate();
   checkInputs(config, in);
@@ -382,7 +382,7 @@ class VerifySink final : public ReferenceSink {
   std::vector<double> value_, farthest_;  // the block being checked
 };
 
-std::vector<Verdict> verifyResults(const RunConfig& c, const TensorMap& inputs, VerifyMode mode,
+std::vector<Verdict> verifyResults(const RunConfig& c, const InputMap& inputs, VerifyMode mode,
                                    const std::vector<TensorPlacement>& placements,
                                    std::map<std::string, VerifiedResult> results) {
   if (mode == VerifyMode::kNone) return {};
@@ -393,7 +393,7 @@ std::vector<Verdict> verifyResults(const RunConfig& c, const TensorMap& inputs, 
 
 }  // namespace
 
-std::map<std::string, Checked> referenceFor(const RunConfig& c, const TensorMap& inputs,
+std::map<std::string, Checked> referenceFor(const RunConfig& c, const InputMap& inputs,
                                             std::vector<TensorPlacement> placements) {
   auto reference = denseReference(referenceOptions(c, std::move(placements)), inputs);
   for (auto& [name, ref] : reference)
@@ -404,7 +404,7 @@ std::map<std::string, Checked> referenceFor(const RunConfig& c, const TensorMap&
   return reference;
 }
 
-std::vector<Verdict> verify(const RunConfig& c, const TensorMap& inputs, const RunResult& result, VerifyMode mode) {
+std::vector<Verdict> verify(const RunConfig& c, const InputMap& inputs, const RunResult& result, VerifyMode mode) {
   std::map<std::string, VerifiedResult> results;
   for (const auto& [name, sharded] : result.sharded)
     results[name] = {sharded.placement.shape, sharded.ranks.front().dtype,
@@ -414,7 +414,7 @@ std::vector<Verdict> verify(const RunConfig& c, const TensorMap& inputs, const R
   return verifyResults(c, inputs, mode, result.placements, std::move(results));
 }
 
-std::vector<Verdict> verify(const RunConfig& c, const TensorMap& inputs, const TensorMap& results, VerifyMode mode,
+std::vector<Verdict> verify(const RunConfig& c, const InputMap& inputs, const TensorMap& results, VerifyMode mode,
                             const std::vector<TensorPlacement>& placements,
                             const std::map<std::string, HostTensor>& otherCopies) {
   std::map<std::string, VerifiedResult> read;

@@ -66,7 +66,7 @@ struct CheckpointHooks {
 // runs forward and backward on every rank. With `progress`, its phases are forward and backward
 // (counting the ranks past each), then assemble. Without `assemble` the results are left sharded
 // (RunResult::results and otherCopies empty): what verify and saving read in place.
-RunResult runSharded(const RunConfig& config, const TensorMap& inputs, const CheckpointHooks& hooks = {},
+RunResult runSharded(const RunConfig& config, const InputMap& inputs, const CheckpointHooks& hooks = {},
                      Progress* progress = nullptr, bool assemble = true);
 
 // The names of runSharded's results for config: output, input.grad (unless the input is token ids)
@@ -108,11 +108,11 @@ enum class VerifyMode { kBound, kExact, kNone };
 // One verdict per result; none for kNone (the reference is not computed). `placements` are the
 // run's (RunResult::placements); without them they are built again (placementsOf). An element whose
 // copy in `otherCopies` (RunResult::otherCopies) is outside its bound is outside.
-std::vector<Verdict> verify(const RunConfig& config, const TensorMap& inputs, const TensorMap& results,
+std::vector<Verdict> verify(const RunConfig& config, const InputMap& inputs, const TensorMap& results,
                             VerifyMode mode = VerifyMode::kBound, const std::vector<TensorPlacement>& placements = {},
                             const std::map<std::string, HostTensor>& otherCopies = {});
 // The same for a run's result, read from the ranks' tensors in place (RunResult::sharded).
-std::vector<Verdict> verify(const RunConfig& config, const TensorMap& inputs, const RunResult& result,
+std::vector<Verdict> verify(const RunConfig& config, const InputMap& inputs, const RunResult& result,
                             VerifyMode mode = VerifyMode::kBound);
 // The verification table as `tpsim run` prints it: a header line, then a row per verdict (tensor,
 // shape, max|err|, bound, slack, #outside, result).
@@ -130,7 +130,7 @@ std::string nonFiniteNote(const Verdict& v);
 // GTP_remat MEAN every parameter gradient (and its bound) is 1/G of the full batch's. Without
 // placements they are built (placementsOf).
 ReferenceOptions referenceOptions(const RunConfig& config, std::vector<TensorPlacement> placements = {});
-std::map<std::string, Checked> referenceFor(const RunConfig& config, const TensorMap& inputs,
+std::map<std::string, Checked> referenceFor(const RunConfig& config, const InputMap& inputs,
                                             std::vector<TensorPlacement> placements = {});
 
 }  // namespace tpsim::tools

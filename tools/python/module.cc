@@ -165,7 +165,10 @@ py::array arrayOf(const HostTensor& t) {
   return std::move(a);
 }
 
-py::dict arraysOf(const TensorMap& tensors) {
+py::array arrayOf(const StoredTensor& t) { return arrayOf(hostOf(t)); }
+
+template <class Tensors>
+py::dict arraysOf(const Tensors& tensors) {
   py::dict out;
   for (const auto& [name, t] : tensors) out[py::str(name)] = arrayOf(t);
   return out;
@@ -184,7 +187,7 @@ DType dtypeOf(const py::array& a, const std::string& where) {
 
 // The caller's arrays as the run's tensors, each through the conversion --load's files take, once
 // their shapes have passed the memory check. Every tensor of the layer must be there, and nothing else.
-TensorMap tensorsOf(const RunArgs& parsed, const py::dict& arrays) {
+InputMap tensorsOf(const RunArgs& parsed, const py::dict& arrays) {
   const RunConfig& c = parsed.config;
   const std::vector<TensorSpec> specs = c.layer->tensors(c);
   std::string names;
@@ -207,11 +210,11 @@ TensorMap tensorsOf(const RunArgs& parsed, const py::dict& arrays) {
     shapes[t.name] = std::vector<std::int64_t>(held.back().shape(), held.back().shape() + held.back().ndim());
   }
   checkMemory(c, shapes, parsed.verify, parsed.maxMemory, "inputs");
-  TensorMap out;
+  InputMap out;
   for (std::size_t i = 0; i < specs.size(); ++i) {
     const TensorSpec& t = specs[i];
-    out[t.name] = hostTensorOf(dtypes[i], shapes.at(t.name), held[i].data(), t.idRange.empty() ? c.dtype : DType::kInt64,
-                               "inputs['" + t.name + "']");
+    out[t.name] = storedOf(hostTensorOf(dtypes[i], shapes.at(t.name), held[i].data(),
+                                        t.idRange.empty() ? c.dtype : DType::kInt64, "inputs['" + t.name + "']"));
   }
   return out;
 }
@@ -250,7 +253,7 @@ struct PyRunResult {
 };
 
 // What each rank holds of the run's inputs and results, its pad counts and duplicate filters' choices.
-void addRankViews(const RunConfig& c, const TensorMap& inputs, const RunResult& result, PyRunResult& out) {
+void addRankViews(const RunConfig& c, const InputMap& inputs, const RunResult& result, PyRunResult& out) {
   const LayerGrid grid(c.tp, c.gtpRemat);
   for (int rank = 0; rank < grid.size(); ++rank) {
     const int t = grid.t(rank), g = grid.g(rank);
@@ -284,7 +287,7 @@ PyRunResult run(const py::kwargs& kwargs) {
     const RunConfig& c = parsed.config;
     const SigintStops sigint;
     const StopScope stopScope(sigint.flag());
-    TensorMap inputs;
+    InputMap inputs;
     if (arrays.is_none()) {
       checkSizes(c, {SizeSources::Inputs::kFlags, ""});
       checkMemory(c, tensorShapes(c), parsed.verify, parsed.maxMemory, "");

@@ -101,7 +101,7 @@ class EmbeddingKind final : public LayerKind {
                                       const RunConfig& c) const override {
     return std::make_unique<EmbeddingModules>(lc, mp, c);
   }
-  void reference(const ReferenceOptions& o, const TensorMap& in, ReferenceSink& sink) const override {
+  void reference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& sink) const override {
     std::map<std::string, Checked> results = embeddingReference(o, in);
     sendWhole(results, sink);
   }

@@ -160,7 +160,7 @@ class GroupedKind final : public LayerKind {
                                       const RunConfig& c) const override {
     return std::make_unique<GroupedModules>(lc, mp, c, mode_);
   }
-  void reference(const ReferenceOptions& o, const TensorMap& in, ReferenceSink& sink) const override {
+  void reference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& sink) const override {
     std::int64_t experts = 0;
     while (in.count(detail::concat("weight", experts))) ++experts;
     std::map<std::string, Checked> results = groupedReference(o, in, experts);

@@ -96,7 +96,7 @@ class LinearKind : public LayerKind {
                                       const RunConfig& c) const override {
     return std::make_unique<LinearModules<Linear>>(lc, mp, c);
   }
-  void reference(const ReferenceOptions& o, const TensorMap& in, ReferenceSink& sink) const override {
+  void reference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& sink) const override {
     std::map<std::string, Checked> results = linearReference(o, in);
     sendWhole(results, sink);
   }

@@ -120,21 +120,22 @@ class MlpKind final : public LayerKind {
     return {share, share};
   }
   // The reference holds its (tokens, F) matrices for a block of F at a time, and the block's rows of
-  // dW1 and columns of dW2 with their bounds (mlpReference).
+  // W1 and dW1 and columns of W2 and dW2 in double, the gradients' bounds, |W1| and |W2| in float
+  // (mlpReference).
   double referenceIntermediates(const RunConfig&, const ShapeMap& shapes) const override {
     double tokens = 0;
     const double h = hiddenElements(shapes, tokens);
     const double block = std::min(h, std::max(double(ReferenceOptions().mlpBlockElements), 256 * tokens));
     const auto in = shapes.find("input");
     const double features = in == shapes.end() || in->second.empty() ? 0 : double(in->second.back());
-    return 13 * block + 4 * features * (tokens > 0 ? block / tokens : 0);
+    return 13 * block + 7 * features * (tokens > 0 ? block / tokens : 0);
   }
-  double referenceBytesPerParameter() const override { return 4; }
+  double referenceBytesPerParameter() const override { return 0; }
   std::unique_ptr<LayerModules> build(const LayerContext& lc, const ModelParallelConfig& mp,
                                       const RunConfig& c) const override {
     return std::make_unique<MlpModules>(lc, mp, c);
   }
-  void reference(const ReferenceOptions& o, const TensorMap& in, ReferenceSink& sink) const override {
+  void reference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& sink) const override {
     mlpReference(o, in, sink);
   }
 };
