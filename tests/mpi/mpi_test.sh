@@ -235,6 +235,7 @@ case "$mode" in
     [ "$rc" -eq 2 ] || fail "tpsim bench --what mpi -b 4: exit $rc, expected 2"
     grep -q "^tpsim bench: --min-bytes/--max-bytes: with --what mpi expected 4·processes ($((4 * p))) <= min <= max, got 4 and 64M" "$tmp/err" ||
       fail "tpsim bench --what mpi -b 4: $(cat "$tmp/err")"
+    ;;
   gpulocal)
     spread local
     [ "$rc" -eq 0 ] || fail "exit $rc, expected 0"
