@@ -38,16 +38,29 @@ show() { echo "--- stdout"; cat "$tmp/out"; echo "--- stderr"; cat "$tmp/err"; }
 
 # Runs the driver under mpiexec with a hang guard; sets rc and elapsed (ms). Each process reports
 # its own exit status ("process exit N"): a launcher that outlives a killed process (Open MPI with
-# orte_enable_recovery) does not pass them on.
+# orte_enable_recovery) does not pass them on. Each process writes its own files, joined in rank
+# order into out and err: the launcher forwards a process's output in pieces of its own choosing,
+# which interleave with another's mid-line.
 spread() {
   local start=$(date +%s%N)
+  rm -rf "$tmp/procs"
+  mkdir "$tmp/procs"
   set +e
   timeout -k 5 100 "$mpiexec" -n "$p" \
-    sh -c '"$0" "$@" & pid=$!; echo "process pid $pid" >&2; wait $pid; s=$?; echo "process exit $s" >&2; exit $s' \
-    "$driver" "$@" \
-    >"$tmp/out" 2>"$tmp/err"
+    sh -c 'd=$1; shift; r=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-$$}}
+           "$@" >"$d/out.$r" 2>"$d/err.$r" & pid=$!
+           echo "process pid $pid" >"$d/status.$r"; wait $pid; s=$?; echo "process exit $s" >>"$d/status.$r"; exit $s' \
+    sh "$tmp/procs" "$driver" "$@" \
+    >"$tmp/launcher" 2>&1
   rc=$?
   set -e
+  : >"$tmp/out"
+  cp "$tmp/launcher" "$tmp/err"
+  for r in $(ls "$tmp/procs" | sed -n 's/^status\.//p' | sort -n); do
+    # A process ended before its command started has no out or err.
+    cat "$tmp/procs/out.$r" >>"$tmp/out" 2>/dev/null || true
+    cat "$tmp/procs/status.$r" "$tmp/procs/err.$r" >>"$tmp/err" 2>/dev/null || true
+  done
   elapsed=$(( ($(date +%s%N) - start) / 1000000 ))
   show
   [ "$rc" -ne 124 ] || fail "mpiexec hung"
