@@ -19,6 +19,12 @@ inline void putString(std::string& out, const std::string& s) {
   out += s;
 }
 
+// Tensor data in a part starts at a multiple of kDataAlign bytes from the part's start, which the
+// allocator aligns at least as much, so that a view of it reads every dtype aligned.
+inline constexpr std::size_t kDataAlign = 16;
+inline std::size_t alignedOffset(std::size_t at) { return (at + kDataAlign - 1) / kDataAlign * kDataAlign; }
+inline void padToData(std::string& out) { out.resize(alignedOffset(out.size()), '\0'); }
+
 // Reads what put and putString wrote; a read past the end is an internal error naming `what`.
 class Reader {
  public:

@@ -477,10 +477,12 @@ void startExchange(RunState& run, Op& op) {
     wire::put(part, std::int32_t(op.splitColor[r]));
     wire::put(part, std::int32_t(op.splitKey[r]));
   }
-  if (movesData(op) && !run.transport->carriesPeerData())
+  if (movesData(op) && !run.transport->carriesPeerData()) {
+    wire::padToData(part);
     for (std::size_t r = 0; r < op.arrived.size(); ++r)
       if (op.arrived[r])
         part.append(static_cast<const char*>(op.in[r].data()), std::size_t(op.in[r].numel()) * dtypeSize(op.fp.dtype));
+  }
   op.exchanging = true;
   const std::string key = exchangeKey(op);
   run.exchanges[key] = run.pendingOps.at({op.group.get(), op.seq});
@@ -518,7 +520,7 @@ void completeExchange(RunState& run, Op& op, const std::vector<std::string>& par
       op.splitKey[r] = in.get<std::int32_t>();
       partOf[r] = int(p);
     }
-    dataAt[p] = in.at();
+    dataAt[p] = wire::alignedOffset(in.at());
     mismatch = mismatch || !(fp == op.fp);
   }
   if (mismatch) {
@@ -549,8 +551,11 @@ void completeExchange(RunState& run, Op& op, const std::vector<std::string>& par
       if (partOf[r] < 0) continue;
       std::size_t& at = dataAt[std::size_t(partOf[r])];
       const std::size_t bytes = std::size_t(op.fp.inCount) * esize;
-      TPSIM_INTERNAL_ASSERT(at + bytes <= parts[std::size_t(partOf[r])].size(), "a peer's exchange part is truncated");
-      c.in[r] = ConstView(parts[std::size_t(partOf[r])].data() + at, Shape{op.fp.inCount}, op.fp.dtype,
+      const std::string& part = parts[std::size_t(partOf[r])];
+      TPSIM_INTERNAL_ASSERT(at + bytes <= part.size(), "a peer's exchange part is truncated");
+      TPSIM_INTERNAL_ASSERT(reinterpret_cast<std::uintptr_t>(part.data() + at) % esize == 0,
+                            "a peer's input is misaligned in its exchange part");
+      c.in[r] = ConstView(part.data() + at, Shape{op.fp.inCount}, op.fp.dtype,
                           run.transport->device());
       c.out[r] = View(dropped.data(), Shape{op.fp.outCount}, op.fp.dtype, run.transport->device());
       at += bytes;
