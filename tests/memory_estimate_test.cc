@@ -1,5 +1,6 @@
 // The memory estimate measured: `tpsim run` at 1, 4, 16 and 64 ranks, on a row layer whose input
-// and output every rank holds whole, so that the ranks' copies dominate the peak, and at 8 and 64
+// and output every rank holds whole, so that the ranks' copies dominate the peak (and without
+// verification at batch 64, where the gemms' packed operands are a fifth of it), and at 8 and 64
 // ranks on a sequence-parallel MLP, whose ranks each gather the whole sequence. The estimate
 // `tpsim run` checks (parseRunArgs, tensorShapes, estimateRunBytes: what runMain calls) must be at
 // least the child's peak resident memory, and at most 1.3 times it.
@@ -60,18 +61,24 @@ Peak peakOf(const std::vector<std::string>& args) {
 }
 
 // Shapes whose peaks grow with the ranks in different ways: a row layer whose input and output
-// every rank holds whole, a sequence-parallel MLP whose ranks each gather the whole sequence, and a
-// column layer whose weight is nearly all of it (the reference copies it in double).
+// every rank holds whole (unverified, the run alone is the peak), a sequence-parallel MLP whose
+// ranks each gather the whole sequence, and a column layer whose weight is nearly all of it (the
+// reference copies it in double), alone and with GTP_remat, whose gathers left resident would add a
+// fifth to its peak were they not handed back before the verification).
 struct Shape {
   const char* name;
   std::vector<std::string> flags;
 };
 const Shape kRow{"row", {"--layer", "row", "--batch", "16", "--seq", "64", "--in-features", "1024", "--out-features",
                          "256"}};
+const Shape kRowUnverified{"row unverified", {"--layer", "row", "--batch", "64", "--seq", "64", "--in-features", "1024",
+                                             "--out-features", "256", "--verify", "none"}};
 const Shape kMlp{"mlp", {"--layer", "mlp", "--sequence-parallel", "--batch", "2", "--seq", "256", "--in-features",
                          "512", "--ffn-hidden", "4096"}};
 const Shape kWideColumn{"column", {"--layer", "column", "--batch", "2", "--seq", "16", "--in-features", "2048",
                                    "--out-features", "4096"}};
+const Shape kWideColumnGtp{"column G=2", {"--layer", "column", "--batch", "2", "--seq", "16", "--in-features", "2048",
+                                          "--out-features", "4096", "--gtp-remat", "2"}};
 
 class MemoryEstimate : public ::testing::TestWithParam<std::tuple<Shape, int>> {};
 
@@ -100,7 +107,13 @@ TEST_P(MemoryEstimate, CoversTheMeasuredPeakWithin30Percent) {
 
 INSTANTIATE_TEST_SUITE_P(Row, MemoryEstimate, ::testing::Combine(::testing::Values(kRow), ::testing::Values(1, 4, 16, 64)),
                          [](const auto& info) { return "T" + std::to_string(std::get<1>(info.param)); });
+INSTANTIATE_TEST_SUITE_P(RowUnverified, MemoryEstimate,
+                         ::testing::Combine(::testing::Values(kRowUnverified), ::testing::Values(1, 4)),
+                         [](const auto& info) { return "T" + std::to_string(std::get<1>(info.param)); });
 INSTANTIATE_TEST_SUITE_P(WideColumn, MemoryEstimate, ::testing::Combine(::testing::Values(kWideColumn), ::testing::Values(2)),
+                         [](const auto& info) { return "T" + std::to_string(std::get<1>(info.param)); });
+INSTANTIATE_TEST_SUITE_P(WideColumnGtp, MemoryEstimate,
+                         ::testing::Combine(::testing::Values(kWideColumnGtp), ::testing::Values(2)),
                          [](const auto& info) { return "T" + std::to_string(std::get<1>(info.param)); });
 INSTANTIATE_TEST_SUITE_P(SequenceParallelMlp, MemoryEstimate,
                          ::testing::Combine(::testing::Values(kMlp), ::testing::Values(8, 64)),

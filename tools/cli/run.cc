@@ -7,6 +7,9 @@
 #include <functional>
 #include <iostream>
 #include <map>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <optional>
 #include <sstream>
 
@@ -417,6 +420,12 @@ int runMain(const std::vector<std::string>& args) {
   std::string notes;
   if (verifyMode != VerifyMode::kNone) {
     progress.phase("verify");
+#if defined(__GLIBC__)
+    // The ranks' freed memory stays resident (keepFreedMemory), in pieces between the kept results
+    // that the reference's larger blocks do not fit in: handing it back first lowers a GTP_remat run's
+    // peak by a fifth and makes it vary half as much from run to run (docs/memory.md).
+    malloc_trim(0);
+#endif
     const std::vector<Verdict> verdicts = verify(c, inputs, result, verifyMode);
     for (const Verdict& v : verdicts) {
       ok = ok && v.outside == 0;

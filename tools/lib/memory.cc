@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include "backends/errors.h"
 #include "core/gtp.h"
@@ -35,25 +36,31 @@ std::optional<double> readNumber(const std::string& file) {
 //   program    16 MiB + 256 KiB a rank: the binary, its libraries, the threads' and fibers' stacks
 //   inputs     the unsharded inputs in their dtypes (4 bytes an fp32 element, 8 a token id), held
 //              through the run and the verification
-// then the larger of the run's working set and the verification's, which reuses what the ranks freed:
-//   copies     15T(fX·X + fY·Y) (+ 10T·n), with f the rank's share of the tensor (LayerKind::rankShare; the G
-//              peers split the batch): each rank's input and grad_output as backend tensors (4 bytes
-//              an element), input.grad and output as backend tensors (4) and as the run keeps them
-//              (4), and the holes that freed conversions leave between them in the one heap (3,
-//              measured); in a sequence-parallel run a split share passes whole through the rank's
-//              all-gather or reduce-scatter, forward and backward, its saved copy and the holes
-//              between them (10 bytes an element of the whole, measured)
-//   shards     (20 + 32(G - 1))Wp: each parameter's shard and gradient as backend tensors, the
-//              gradient as the run keeps it, the shard while it is cut, main_grad, GTP_remat's
+// then the larger of the run's working set and the verification's (the run hands what its ranks
+// freed back to the system before it verifies):
+//   copies     13T(fX·X + fY·Y) (+ 3T·n), with f the rank's share of the tensor
+//              (LayerKind::rankShare; the G peers split the batch): each rank's input and
+//              input.grad, grad_output and output as backend tensors (4 bytes an element),
+//              input.grad and output as the run keeps them (4), and the holes that freed conversions
+//              leave between them in the one heap (1, measured); in a sequence-parallel run a split
+//              share passes whole through the rank's all-gather or reduce-scatter (3 bytes an
+//              element of the whole, measured: not every rank holds its whole copy at the peak)
+//   shards     (14 + 4m + 16(G - 1))Wp: each parameter's shard and gradient as backend tensors and
+//              the gradient as the run keeps it (4 bytes each), the shard while it is cut (2,
+//              measured), main_grad (m: 1 under --grad-accumulation-fusion or GTP_remat), GTP_remat's
 //              gathers
 //   step       8S: the kind's other per-rank intermediates (LayerKind::stepIntermediates, in doubles)
+//   packing    per thread that runs ranks, the gemms' packed operands (sim/gemm_driver.h), each at
+//              most 32 MiB: 8 bytes an element of the rank's largest left operand (its input or
+//              output, as gathered, or its (tokens, F/T) intermediate) and of its largest right one
+//              (its weight as gathered, its input or intermediate); measured
 // or
 //   kept       4(T(fX·X + fY·Y) + Wp): the results as the ranks left them, which verify reads in place
 //   reference  52(X + Y) + pW + 16 min(2^20, max(X, Y, W)) + 8R: the input and grad_output in
 //              double, the dense results sent whole, their bounds and the magnitudes behind them
-//              (measured: the copies in double reuse memory the ranks freed); the parameters' part p
-//              (LayerKind::referenceBytesPerParameter); the rows verify reads at a time; what the
-//              kind's reference holds at once besides (LayerKind::referenceIntermediates, in doubles)
+//              (measured); the parameters' part p (LayerKind::referenceBytesPerParameter); the
+//              rows verify reads at a time; what the kind's reference holds at once besides
+//              (LayerKind::referenceIntermediates, in doubles)
 double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode verify) {
   const double T = c.tp, G = c.gtpRemat;
   const double x = numel(shapes, "input"), y = numel(shapes, "grad_output");
@@ -80,10 +87,22 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
     inputs += double(dtypeSize(t.idRange.empty() ? c.dtype : DType::kInt64)) * numel(shapes, t.name);
   const LayerKind::RankShare share = c.layer->rankShare(c);
   const bool sequenceSplit = c.sequenceParallel || c.reduceScatterEmbeddings;
-  auto rankCopies = [&](double f, double n) { return T * (15 * f * n + (f < 1 && sequenceSplit ? 10 * n : 0)); };
-  const double copies = rankCopies(share.input, x) + rankCopies(share.output, y);
-  const double shards = (20 + 32 * (G - 1)) * held;
+  // The elements of tensor n that a rank's gemms see (a split along the sequence is gathered whole),
+  // and what each rank passes whole through its gathers and reduce-scatters.
+  auto seen = [&](double f, double n) { return (f < 1 && sequenceSplit ? n : f * n) / G; };
+  auto passedWhole = [&](double f, double n) { return f < 1 && sequenceSplit ? T * n : 0; };
+  const double whole = passedWhole(share.input, x) + passedWhole(share.output, y);
+  const double copies = 13 * T * (share.input * x + share.output * y) + 3 * whole;
+  const bool mainGrad = c.gradAccumulationFusion || c.gtpRemat > 1;
+  const double shards = (14 + (mainGrad ? 4 : 0) + 16 * (G - 1)) * held;
   const double step = 8 * c.layer->stepIntermediates(c, shapes);
+  const double hidden = c.layer->stepIntermediates(c, shapes) / 2 / (T * G);
+  const double xs = seen(share.input, x), ys = seen(share.output, y);
+  const double packedLimit = 32.0 * (1 << 20);
+  const double threads = std::min(T * G, c.threads > 0 ? double(c.threads)
+                                                       : std::max(1.0, double(std::thread::hardware_concurrency())));
+  const double packing = threads * (std::min(8 * std::max({xs, ys, hidden}), packedLimit) +
+                                    std::min(8 * std::max({held / T, xs, hidden}), packedLimit));
   // input.grad is (T, s, b, K): kept, and in the reference
   const double stacked = c.disableGradReduce ? 24 * T * x : 0;
   const double kept = 4 * (T * (share.input * x + share.output * y) + held);
@@ -92,7 +111,7 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
                                : kept + 52 * (x + y) + c.layer->referenceBytesPerParameter() * w +
                                      16 * std::min(double(1 << 20), std::max({x, y, w})) +
                                      8 * c.layer->referenceIntermediates(c, shapes);
-  return program + inputs + stacked + std::max(copies + shards + step, reference);
+  return program + inputs + stacked + std::max(copies + shards + step + packing, reference);
 }
 
 std::optional<AvailableMemory> availableMemory() {
