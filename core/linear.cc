@@ -143,7 +143,7 @@ LinearGrads LinearWithGradAccumulation::backward(ConstView dYIn) {
   Parameter& weight = *weight_;
   const bool gtp = isGtpShard(weight);
   // Rematerialized for dgrad, the forward's copy was not kept; columnwise blocks under mxfp8.
-  const GemmWeight dgradWeight = gemmWeight(compute_, weight, options_.weightFormat, GemmUse::kDgrad, input_.dtype());
+  GemmWeight dgradWeight = gemmWeight(compute_, weight, options_.weightFormat, GemmUse::kDgrad, input_.dtype());
   const ConstView w = dgradWeight.weight;  // (N, K)
   const std::int64_t n = w.dim(0), k = w.dim(1);
   Shape outShape = withLastDim(input_.shape(), n);
@@ -173,6 +173,10 @@ LinearGrads LinearWithGradAccumulation::backward(ConstView dYIn) {
   LinearGrads grads;
   Tensor dX = compute_.empty(withLastDim(dY.shape(), k), dY.dtype());  // (…, K), partial over TP
   compute_.gemm(dY.flattenTo2d(), w, dX.view().flattenTo2d());
+  // A rematerialized or dequantized copy of the weight is not needed past dgrad: released before
+  // the wgrad allocates its (N, K) gradient and GTP_remat's reduce-scatter its buffers (a GPU frees
+  // it in stream order, after the GEMM).
+  dgradWeight.storage = Tensor();
   if (gather) gather->wait();
 
   std::unique_ptr<Work> dgradReduction;
