@@ -12,13 +12,13 @@
 #include <type_traits>
 #include <utility>
 
-#include <sys/mman.h>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
 #include "backends/errors.h"
+#include "backends/huge_pages.h"
 #include "sim/host_pool.h"
 #include "sim/sgemm.h"
 
@@ -156,9 +156,7 @@ class Scratch {
       const std::size_t align = huge ? kHuge : 64, bytes = (count * sizeof(T) + align - 1) / align * align;
       data_ = static_cast<T*>(std::aligned_alloc(align, bytes));
       if (data_ == nullptr) throw std::bad_alloc();
-#ifdef MADV_HUGEPAGE
-      if (huge) madvise(data_, bytes, MADV_HUGEPAGE);  // a hint: failure is fine
-#endif
+      if (huge) adviseHugePages(data_, bytes);
       size_ = count;
     }
     return data_;

@@ -16,6 +16,7 @@
 #include "backends/compute_checks.h"
 #include "backends/element_math.h"
 #include "backends/errors.h"
+#include "backends/huge_pages.h"
 #include "backends/stop.h"
 #include "sim/gelu.h"
 
@@ -41,8 +42,7 @@ template <typename T>
 using Dense = Eigen::Matrix<T, Dynamic, Dynamic, Eigen::RowMajor>;
 
 // Freed blocks of 1 MiB or more are kept for reuse, by exact size: a fresh block of that size
-// comes from mmap and page-faults on first touch, which cost about 5% of an MLP step of tpsim
-// bench -W mlp. Small blocks go straight back to malloc, which reuses them well. The cache holds
+// page-faults on first touch, which cost about 5% of an MLP step of tpsim bench -W mlp. Small blocks go straight back to malloc, which reuses them well. The cache holds
 // at most kMaxCachedBytes; AddressSanitizer builds bypass it so that use-after-free stays visible.
 // A world's ranks reuse each other's blocks while it runs; when it returns, the blocks go back to
 // malloc (releaseCachedHostBlocks), for whatever the process does next.
@@ -67,6 +67,7 @@ class BlockCache {
     // One alignment unit in front of the data remembers the size for release().
     void* block = std::aligned_alloc(kAlignment, bytes + kAlignment);
     if (block == nullptr) throw std::bad_alloc();
+    if (bytes >= kMinHugeBytes) adviseHugePages(block, bytes + kAlignment);
     *static_cast<std::size_t*>(block) = bytes;
     return static_cast<char*>(block) + kAlignment;
   }
@@ -103,6 +104,9 @@ class BlockCache {
   static constexpr bool kEnabled = true;
 #endif
   static constexpr std::size_t kMinCachedBytes = std::size_t(1) << 20;
+  // Fresh blocks this large go on huge pages (backends/huge_pages.h), whose faults cost a 2 MiB page
+  // each instead of a 4 KiB one.
+  static constexpr std::size_t kMinHugeBytes = std::size_t(4) << 20;
   static constexpr std::size_t kMaxCachedBytes = std::size_t(2) << 30;
   std::mutex mu_;
   std::unordered_map<std::size_t, std::vector<void*>> free_;

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "backends/errors.h"
+#include "backends/huge_pages.h"
 
 namespace tpsim::tools {
 
@@ -155,7 +156,7 @@ HostTensor shardOf(const TensorPlacement& p, const HostTensor& full, int t, int 
 StoredTensor shardOf(const TensorPlacement& p, const StoredTensor& full, int t, int g) {
   StoredTensor out{localShape(p, t, g), full.dtype, {}};
   const std::size_t size = dtypeSize(full.dtype);
-  out.bytes.assign(std::size_t(out.numel()) * size, 0);  // pad rows: +0
+  resizeFresh(out.bytes, std::size_t(out.numel()) * size);  // pad rows: +0
   forEachShardRun(p, full.shape, out.shape, t, g, [&](std::int64_t from, std::int64_t to, std::int64_t n) {
     std::memcpy(out.bytes.data() + std::size_t(to) * size, full.bytes.data() + std::size_t(from) * size,
                 std::size_t(n) * size);
@@ -307,7 +308,7 @@ StoredTensor storedFromBackend(Compute& compute, ConstView v) {
   StoredTensor out;
   for (int i = 0; i < v.rank(); ++i) out.shape.push_back(v.dim(i));
   out.dtype = v.dtype();
-  out.bytes.resize(v.bytes());
+  resizeFresh(out.bytes, v.bytes());
   compute.download(v, out.bytes.data());
   return out;
 }

@@ -6,6 +6,7 @@
 #include <random>
 
 #include "backends/errors.h"
+#include "backends/huge_pages.h"
 #include "backends/stop.h"
 #include "tools/lib/layers/kinds.h"
 
@@ -154,7 +155,7 @@ InputMap generateInputs(const RunConfig& c) {
   auto fill = [stop](StoredTensor& t, const auto& draw) {
     constexpr std::int64_t kChunk = std::int64_t(1) << 20;
     const std::size_t size = dtypeSize(t.dtype);
-    t.bytes.resize(std::size_t(t.numel()) * size);
+    resizeFresh(t.bytes, std::size_t(t.numel()) * size);
     for (std::int64_t i = 0; i < t.numel(); ++i) {
       if (i % kChunk == 0) throwIfStopped(stop, "tpsim run");
       storeFromDouble(t.dtype, roundedTo(t.dtype, draw()), t.bytes.data() + std::size_t(i) * size);
@@ -220,7 +221,8 @@ void checkInputs(const RunConfig& c, const InputMap& in, const SizeSources& sour
   // Non-finite inputs would only surface as a result outside its bound.
   for (const auto& [name, t] : in) {
     std::int64_t bad = 0, first = -1;
-    for (std::int64_t i = 0; i < t.numel(); ++i)
+    const std::int64_t n = t.numel();
+    for (std::int64_t i = 0; i < n; ++i)
       if (!std::isfinite(t.at(i)) && bad++ == 0) first = i;
     TPSIM_CHECK(bad == 0, "tpsim run: ", tensorText(c, name, sources), ": expected finite values, got ", bad,
                 " NaN or Inf, the first at flat index ", first);

@@ -11,9 +11,8 @@
 #include <type_traits>
 #include <utility>
 
-#include <sys/mman.h>
-
 #include "backends/errors.h"
+#include "backends/huge_pages.h"
 #include "sim/dgemm.h"
 #include "sim/host_pool.h"
 #include "sim/sgemm.h"
@@ -60,19 +59,11 @@ void forTiles(std::int64_t rows, std::int64_t cols, std::int64_t depth,
   });
 }
 
-// n zeroed elements, on transparent huge pages where the kernel offers them on request: the first
-// touch of each 4 KiB page is a fault, and in a virtual machine one costs about 20 µs (5 s a GiB).
+// n zeroed elements, on huge pages (backends/huge_pages.h).
 template <class T>
 std::vector<T> freshVector(std::int64_t n) {
   std::vector<T> v;
-  v.reserve(std::size_t(n));
-#ifdef MADV_HUGEPAGE
-  constexpr std::uintptr_t kHuge = std::uintptr_t(2) << 20;
-  const auto begin = (reinterpret_cast<std::uintptr_t>(v.data()) + kHuge - 1) / kHuge * kHuge;
-  const auto end = (reinterpret_cast<std::uintptr_t>(v.data() + n)) / kHuge * kHuge;
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);  // a hint: failure is fine
-#endif
-  v.resize(std::size_t(n));
+  resizeFresh(v, std::size_t(n));
   return v;
 }
 
@@ -371,11 +362,13 @@ double halfSubnormal(DType dtype) {
 // norm of an input: nothing for fp32 and bf16, a few ulps of fp16's subnormals.
 double underflowAllowance(const ReferenceOptions& o, const InputMap& inputs) {
   const double delta = std::max(halfSubnormal(o.computeDtype), halfSubnormal(o.outputDtype));
+  if (delta == 0) return 0;
   double l1 = 0;
   for (const auto& [name, t] : inputs) {
     if (t.dtype == DType::kInt64) continue;
     double sum = 0;
-    for (std::int64_t i = 0; i < t.numel(); ++i) sum += std::fabs(t.at(i));
+    const std::int64_t n = t.numel();
+    for (std::int64_t i = 0; i < n; ++i) sum += std::fabs(t.at(i));
     l1 = std::max(l1, sum);
   }
   return (o.tp + 3) * delta * (1 + 1.13 * l1);
