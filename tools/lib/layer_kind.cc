@@ -8,6 +8,7 @@
 #include "backends/errors.h"
 #include "backends/huge_pages.h"
 #include "backends/stop.h"
+#include "sim/host_pool.h"
 #include "tools/lib/layers/kinds.h"
 
 namespace tpsim::tools {
@@ -146,34 +147,82 @@ ShapeMap tensorShapes(const RunConfig& c) {
   return m;
 }
 
+void drawNormals(std::mt19937_64& rng, double sigma, DType dtype, std::int64_t n, char* out) {
+  // A block of pairs is drawn while the previous block's normals are computed and stored; a block
+  // of 2^19 pairs (2^20 elements) is tens of milliseconds, a progress point.
+  constexpr std::int64_t kBlockPairs = std::int64_t(1) << 19, kParts = 8;
+  const StopFlag* stop = currentStopFlag();
+  const std::size_t size = dtypeSize(dtype);
+  const std::int64_t pairs = (n + 1) / 2, blocks = (pairs + kBlockPairs - 1) / kBlockPairs;
+  // generate_canonical<double, 53> over a 64-bit engine: one draw over 2^64, kept below 1.
+  auto uniform = [&rng] {
+    const double u = double(rng() - std::mt19937_64::min()) / 18446744073709551616.0;
+    return u >= 1.0 ? std::nextafter(1.0, 0.0) : u;
+  };
+  // The disc's points (x, y, r2) of the block's pairs, drawn in order.
+  auto drawBlock = [&](std::int64_t block, std::vector<double>& disc) {
+    const std::int64_t count = std::min(kBlockPairs, pairs - block * kBlockPairs);
+    disc.resize(std::size_t(3 * count));
+    for (std::int64_t i = 0; i < count; ++i) {
+      double x, y, r2;
+      do {
+        x = 2.0 * uniform() - 1.0;
+        y = 2.0 * uniform() - 1.0;
+        r2 = x * x + y * y;
+      } while (r2 > 1.0 || r2 == 0.0);
+      disc[std::size_t(3 * i)] = x, disc[std::size_t(3 * i + 1)] = y, disc[std::size_t(3 * i + 2)] = r2;
+    }
+  };
+  auto store = [&](std::int64_t at, double normal) {
+    storeFromDouble(dtype, roundedTo(dtype, normal * sigma + 0.0), out + std::size_t(at) * size);
+  };
+  std::vector<double> current, next;
+  if (blocks > 0) drawBlock(0, current);
+  for (std::int64_t b = 0; b < blocks; ++b) {
+    throwIfStopped(stop, "tpsim run");
+    const std::int64_t count = std::int64_t(current.size() / 3);
+    // Task 0 draws the next block; the others turn parts of this one into normals.
+    sim::runTasks(&sim::processHostPool(), 1 + kParts, [&](std::int64_t task) {
+      if (task == 0) {
+        if (b + 1 < blocks) drawBlock(b + 1, next);
+        return;
+      }
+      const std::int64_t begin = count * (task - 1) / kParts, end = count * task / kParts;
+      for (std::int64_t i = begin; i < end; ++i) {
+        const double x = current[std::size_t(3 * i)], y = current[std::size_t(3 * i + 1)],
+                     r2 = current[std::size_t(3 * i + 2)];
+        const double mult = std::sqrt(-2 * std::log(r2) / r2);
+        // The pair's second normal is what the distribution keeps for its next call.
+        const std::int64_t at = 2 * (b * kBlockPairs + i);
+        store(at, y * mult);
+        if (at + 1 < n) store(at + 1, x * mult);
+      }
+    });
+    current.swap(next);
+  }
+}
+
 InputMap generateInputs(const RunConfig& c) {
   const ShapeMap shapes = tensorShapes(c);
   std::mt19937_64 rng(c.seed);
   const StopFlag* stop = currentStopFlag();
-  // Each tensor's draws, rounded to its dtype, stored a chunk of 2^20 (tens of milliseconds, a
-  // progress point) at a time.
-  auto fill = [stop](StoredTensor& t, const auto& draw) {
-    constexpr std::int64_t kChunk = std::int64_t(1) << 20;
-    const std::size_t size = dtypeSize(t.dtype);
-    resizeFresh(t.bytes, std::size_t(t.numel()) * size);
-    for (std::int64_t i = 0; i < t.numel(); ++i) {
-      if (i % kChunk == 0) throwIfStopped(stop, "tpsim run");
-      storeFromDouble(t.dtype, roundedTo(t.dtype, draw()), t.bytes.data() + std::size_t(i) * size);
-    }
-  };
   InputMap m;
   // The draws keep the kind's order, so a seed makes the same data.
   for (const TensorSpec& t : c.layer->tensors(c)) {
     StoredTensor& out = m[t.name];
     out.shape = shapes.at(t.name);
-    if (!t.idRange.empty()) {
-      out.dtype = DType::kInt64;
-      std::uniform_int_distribution<std::int64_t> id(0, sizeValue(c, t.idRange) - 1);
-      fill(out, [&] { return double(id(rng)); });
-    } else {
-      out.dtype = c.dtype;
-      std::normal_distribution<double> dist(0.0, t.sigma);
-      fill(out, [&] { return dist(rng); });
+    out.dtype = t.idRange.empty() ? c.dtype : DType::kInt64;
+    const std::size_t size = dtypeSize(out.dtype);
+    resizeFresh(out.bytes, std::size_t(out.numel()) * size);
+    if (t.idRange.empty()) {
+      drawNormals(rng, t.sigma, out.dtype, out.numel(), out.bytes.data());
+      continue;
+    }
+    // Token ids: few, in order, a chunk of 2^20 at a time between stop checks.
+    std::uniform_int_distribution<std::int64_t> id(0, sizeValue(c, t.idRange) - 1);
+    for (std::int64_t i = 0; i < out.numel(); ++i) {
+      if (i % (std::int64_t(1) << 20) == 0) throwIfStopped(stop, "tpsim run");
+      storeFromDouble(out.dtype, double(id(rng)), out.bytes.data() + std::size_t(i) * size);
     }
   }
   return m;

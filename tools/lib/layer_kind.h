@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -189,6 +190,12 @@ ShapeMap tensorShapes(const RunConfig& config);
 // Seeded data with those shapes, drawn in the kind's order and rounded to the configured dtype.
 // Obeys the calling thread's stop flag (backends/stop.h).
 InputMap generateInputs(const RunConfig& config);
+// n draws of std::normal_distribution<double>(0, sigma) from rng, as libstdc++'s makes them (a new
+// distribution's first n: the polar method, each pair of uniforms inside the unit disc giving two
+// normals), each rounded to dtype and stored at out: bit for bit that loop, and rng left as it
+// leaves it. Only the uniforms and the disc test run in order, on the calling thread; logarithms,
+// roots and stores run on sim::processHostPool beside the next block's draws.
+void drawNormals(std::mt19937_64& rng, double sigma, DType dtype, std::int64_t n, char* out);
 // config with its sizes read from `shapes` (loaded files or a checkpoint's tensors): each size from
 // its own tensor's dim, where `shapes` has that tensor.
 RunConfig withSizesOf(RunConfig config, const ShapeMap& shapes);
