@@ -12,7 +12,6 @@
 #include <type_traits>
 #include <utility>
 
-
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif

@@ -42,8 +42,9 @@ template <typename T>
 using Dense = Eigen::Matrix<T, Dynamic, Dynamic, Eigen::RowMajor>;
 
 // Freed blocks of 1 MiB or more are kept for reuse, by exact size: a fresh block of that size
-// page-faults on first touch, which cost about 5% of an MLP step of tpsim bench -W mlp. Small blocks go straight back to malloc, which reuses them well. The cache holds
-// at most kMaxCachedBytes; AddressSanitizer builds bypass it so that use-after-free stays visible.
+// page-faults on first touch, which cost about 5% of an MLP step of tpsim bench -W mlp. Small
+// blocks go straight back to malloc, which reuses them well. The cache holds at most
+// kMaxCachedBytes; AddressSanitizer builds bypass it so that use-after-free stays visible.
 // A world's ranks reuse each other's blocks while it runs; when it returns, the blocks go back to
 // malloc (releaseCachedHostBlocks), for whatever the process does next.
 class BlockCache {

@@ -60,7 +60,8 @@ TEST(Generate, InputsAreOneStreamInTheKindsOrder) {
         continue;
       }
       std::uniform_int_distribution<std::int64_t> id(0, sizeValue(c, t.idRange) - 1);
-      for (std::int64_t i = 0; i < tensor.numel(); ++i) ASSERT_EQ(tensor.at(i), double(id(rng))) << layer << " " << t.name;
+      for (std::int64_t i = 0; i < tensor.numel(); ++i)
+        ASSERT_EQ(tensor.at(i), double(id(rng))) << layer << " " << t.name;
     }
   }
 }
