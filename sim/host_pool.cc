@@ -108,9 +108,4 @@ void runTasks(HostPool* pool, std::int64_t count, const std::function<void(std::
   if (error) std::rethrow_exception(error);
 }
 
-HostPool& processHostPool() {
-  static HostPool pool(std::max(0, int(std::thread::hardware_concurrency()) - 1));
-  return pool;
-}
-
 }  // namespace tpsim::sim

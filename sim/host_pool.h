@@ -45,8 +45,4 @@ class HostPool {
 // a stop as HostPool::run.
 void runTasks(HostPool* pool, std::int64_t count, const std::function<void(std::int64_t)>& task);
 
-// The process's pool for work outside a world (the tools' reference, their data generation): a
-// helper for each hardware thread beyond the caller's, started on first use.
-HostPool& processHostPool();
-
 }  // namespace tpsim::sim

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <optional>
 #include <random>
+#include <thread>
 
 #include "backends/errors.h"
 #include "backends/huge_pages.h"
@@ -147,7 +148,7 @@ ShapeMap tensorShapes(const RunConfig& c) {
   return m;
 }
 
-void drawNormals(std::mt19937_64& rng, double sigma, DType dtype, std::int64_t n, char* out) {
+void drawNormals(std::mt19937_64& rng, double sigma, DType dtype, std::int64_t n, char* out, sim::HostPool* pool) {
   // A block of pairs is drawn while the previous block's normals are computed and stored; a block
   // of 2^19 pairs (2^20 elements) is tens of milliseconds, a progress point.
   constexpr std::int64_t kBlockPairs = std::int64_t(1) << 19, kParts = 8;
@@ -182,7 +183,7 @@ void drawNormals(std::mt19937_64& rng, double sigma, DType dtype, std::int64_t n
     throwIfStopped(stop, "tpsim run");
     const std::int64_t count = std::int64_t(current.size() / 3);
     // Task 0 draws the next block; the others turn parts of this one into normals.
-    sim::runTasks(&sim::processHostPool(), 1 + kParts, [&](std::int64_t task) {
+    sim::runTasks(pool, 1 + kParts, [&](std::int64_t task) {
       if (task == 0) {
         if (b + 1 < blocks) drawBlock(b + 1, next);
         return;
@@ -206,6 +207,14 @@ InputMap generateInputs(const RunConfig& c) {
   const ShapeMap shapes = tensorShapes(c);
   std::mt19937_64 rng(c.seed);
   const StopFlag* stop = currentStopFlag();
+  // Helpers for the large tensors' normals, joined before this returns: a run leaves no thread behind.
+  const bool large = std::any_of(shapes.begin(), shapes.end(), [](const auto& entry) {
+    std::int64_t n = 1;
+    for (std::int64_t d : entry.second) n *= d;
+    return n >= (std::int64_t(1) << 16);
+  });
+  std::optional<sim::HostPool> pool;
+  if (large) pool.emplace(std::max(0, int(std::thread::hardware_concurrency()) - 1));
   InputMap m;
   // The draws keep the kind's order, so a seed makes the same data.
   for (const TensorSpec& t : c.layer->tensors(c)) {
@@ -215,12 +224,13 @@ InputMap generateInputs(const RunConfig& c) {
     const std::size_t size = dtypeSize(out.dtype);
     resizeFresh(out.bytes, std::size_t(out.numel()) * size);
     if (t.idRange.empty()) {
-      drawNormals(rng, t.sigma, out.dtype, out.numel(), out.bytes.data());
+      drawNormals(rng, t.sigma, out.dtype, out.numel(), out.bytes.data(), pool ? &*pool : nullptr);
       continue;
     }
     // Token ids: few, in order, a chunk of 2^20 at a time between stop checks.
     std::uniform_int_distribution<std::int64_t> id(0, sizeValue(c, t.idRange) - 1);
-    for (std::int64_t i = 0; i < out.numel(); ++i) {
+    const std::int64_t n = out.numel();
+    for (std::int64_t i = 0; i < n; ++i) {
       if (i % (std::int64_t(1) << 20) == 0) throwIfStopped(stop, "tpsim run");
       storeFromDouble(out.dtype, double(id(rng)), out.bytes.data() + std::size_t(i) * size);
     }

@@ -25,6 +25,10 @@
 #include "tools/lib/host_tensor.h"
 #include "tools/lib/run_config.h"
 
+namespace tpsim::sim {
+class HostPool;  // sim/host_pool.h
+}
+
 namespace tpsim::tools {
 
 struct Checked;           // tools/lib/reference.h
@@ -194,8 +198,9 @@ InputMap generateInputs(const RunConfig& config);
 // distribution's first n: the polar method, each pair of uniforms inside the unit disc giving two
 // normals), each rounded to dtype and stored at out: bit for bit that loop, and rng left as it
 // leaves it. Only the uniforms and the disc test run in order, on the calling thread; logarithms,
-// roots and stores run on sim::processHostPool beside the next block's draws.
-void drawNormals(std::mt19937_64& rng, double sigma, DType dtype, std::int64_t n, char* out);
+// roots and stores run on `pool` (on the calling thread after each block's draws when it is null)
+// beside the next block's draws.
+void drawNormals(std::mt19937_64& rng, double sigma, DType dtype, std::int64_t n, char* out, sim::HostPool* pool);
 // config with its sizes read from `shapes` (loaded files or a checkpoint's tensors): each size from
 // its own tensor's dim, where `shapes` has that tensor.
 RunConfig withSizesOf(RunConfig config, const ShapeMap& shapes);

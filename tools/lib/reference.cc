@@ -7,6 +7,7 @@
 #include <functional>
 #include <limits>
 #include <optional>
+#include <thread>
 #include <type_traits>
 #include <utility>
 
@@ -36,7 +37,11 @@ constexpr std::int64_t kTileRows = 256, kTileCols = 512, kChunk = std::int64_t(1
 
 // Every core for large work, started at the first: the property suite computes thousands of tiny
 // references, each best left on its calling thread.
-sim::HostPool* poolIf(bool large) { return large ? &sim::processHostPool() : nullptr; }
+sim::HostPool* poolIf(bool large) {
+  if (!large) return nullptr;
+  static sim::HostPool pool(std::max(0, int(std::thread::hardware_concurrency()) - 1));
+  return &pool;
+}
 
 // task(begin, end) for consecutive chunks of [0, n).
 void forChunks(std::int64_t n, const std::function<void(std::int64_t, std::int64_t)>& task) {
