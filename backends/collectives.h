@@ -15,9 +15,12 @@
 #include <vector>
 
 #include "backends/errors.h"
+#include "backends/tensor.h"
 #include "backends/view.h"
 
 namespace tpsim {
+
+class Compute;
 
 enum class ReduceOp : std::uint8_t { kSum, kMean };
 const char* reduceOpName(ReduceOp op);
@@ -96,10 +99,22 @@ class Collectives {
   // c = in.numel(). In-place if in.data() == out.data() + r·c.
   [[nodiscard]] virtual std::unique_ptr<Work> allGather(ConstView in, View out,
                                                         const CollectiveOptions& opts = {}) = 0;
+  // allGather into a tensor of outShape (n·in.numel() elements, in's dtype) that its holders only
+  // read, made by `compute`, the calling rank's. Members that share an address space may all get
+  // one tensor (the simulator's ranks do): a copy a group instead of a copy a rank, so that what a
+  // world gathers does not grow with its size. `out` is set before this returns and holds the
+  // result once wait() has returned. Here: a tensor of the caller's own.
+  [[nodiscard]] virtual std::unique_ptr<Work> allGatherShared(ConstView in, const Shape& outShape, Compute& compute,
+                                                              SharedTensor& out, const CollectiveOptions& opts = {});
   // Rank r receives block r, elements [r·c, (r+1)·c) of Σ_q in_q, where c = out.numel() and
   // in.numel() = n·c. In-place if out.data() == in.data() + r·c.
   [[nodiscard]] virtual std::unique_ptr<Work> reduceScatter(ConstView in, View out,
                                                             const ReduceScatterOptions& opts = {}) = 0;
+  // reduceScatter of an input the caller gives up (out must not lie in it): a backend may free it
+  // once it has read it (the simulator adds the members' inputs up in rank order as they arrive), so
+  // that a world's partial sums are not all held at once. Here: kept until wait() returns.
+  [[nodiscard]] virtual std::unique_ptr<Work> reduceScatterConsuming(Tensor in, View out,
+                                                                     const ReduceScatterOptions& opts = {});
   // out = in of the root on every rank; in is read on the root only. In-place if equal.
   [[nodiscard]] virtual std::unique_ptr<Work> broadcast(ConstView in, View out,
                                                         const BroadcastOptions& opts = {}) = 0;
@@ -116,6 +131,10 @@ class Collectives {
   [[nodiscard]] std::unique_ptr<Work> allReduce(View inout, const AllReduceOptions& opts = {}) {
     return allReduce(inout, inout, opts);
   }
+
+ protected:
+  // reduceScatterConsuming's precondition: out lies outside the input given up.
+  void checkOutsideConsumed(ConstView in, ConstView out) const;
 };
 
 }  // namespace tpsim

@@ -41,4 +41,7 @@ class Tensor {
   View view_;
 };
 
+// A tensor its holders only read, which several ranks may hold at once (Collectives::allGatherShared).
+using SharedTensor = std::shared_ptr<const Tensor>;
+
 }  // namespace tpsim

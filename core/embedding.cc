@@ -105,11 +105,11 @@ void VocabParallelEmbedding::backward(ConstView dOutput) {
   Compute& compute = ctx_.compute;
 
   // The all-reduce's backward is the identity; the reduce-scatter's is the dim-0 all-gather.
-  Tensor gathered;
+  SharedTensor gathered;
   ConstView dEmbedded = dOutput;  // (b, s, h)
   if (options_.reduceScatterEmbeddings) {
-    gathered = reduceScatterToSpRegionBackward(compute, ctx_.tp, dOutput);  // (s, b, h)
-    dEmbedded = gathered.view().transpose(0, 1);
+    gathered = gatherAlongFirstDimShared(compute, ctx_.tp, dOutput);  // (s, b, h): the reduce-scatter's backward
+    dEmbedded = gathered->view().transpose(0, 1);
   }
   Tensor dense;
   if (!dEmbedded.isContiguous()) {

@@ -86,9 +86,9 @@ void wrapGtp(Compute& compute, Parameter& weight, Collectives& group, int padFor
 Materialized materialize(Compute& compute, const Parameter& shard) {
   const ShardInfo info = shardInfo(shard, "materialize");
   Materialized m;
-  m.gathered = compute.empty(withDim0(shard.data.shape(), info.rows * info.group->size()), shard.data.dtype());
-  info.group->allGather(shard.data, m.gathered)->wait();
-  m.weight = m.gathered.view().slice(0, 0, info.dLog);
+  info.group->allGatherShared(shard.data, withDim0(shard.data.shape(), info.rows * info.group->size()), compute,
+                              m.gathered)->wait();
+  m.weight = m.gathered->view().slice(0, 0, info.dLog);
   return m;
 }
 

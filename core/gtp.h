@@ -38,7 +38,7 @@ bool isGtpShard(const Parameter& p);
 // The TP-local weight (dLog, ...) behind a GTP shard: all-gather along dim 0 in GTP-rank order,
 // strip the pad rows (SPEC 4.4). `weight` views the leading rows of `gathered`.
 struct Materialized {
-  Tensor gathered;  // (S·G, ...)
+  SharedTensor gathered;  // (S·G, ...), which the GTP_remat group's members may share
   ConstView weight; // (dLog, ...)
 };
 Materialized materialize(Compute& compute, const Parameter& shard);

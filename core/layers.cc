@@ -263,7 +263,7 @@ LayerOutput RowParallelLinear::forward(ConstView input) {
                 "skip_bias_add = True");
     out.output = std::move(partial);
   } else if (sequenceParallel_) {
-    out.output = reduceScatterToSpRegionForward(ctx_.compute, ctx_.tp, partial);  // (s/T, b, N)
+    out.output = reduceScatterAlongFirstDimConsuming(ctx_.compute, ctx_.tp, std::move(partial));  // (s/T, b, N)
   } else {
     reduceFromTpRegionForward(ctx_.compute, ctx_.tp, partial);  // all-reduce in place
     out.output = std::move(partial);
@@ -286,11 +286,11 @@ Tensor RowParallelLinear::backward(ConstView dOutput, ConstView dOutputBias) {
   } else if (bias_ && dOutputBias.data()) {
     accumulateGrad(compute, *bias_, copyOf(compute, dOutputBias));
   }
-  Tensor gathered;
+  SharedTensor gathered;
   ConstView dPartial = dOutput;  // (…, N)
   if (!explicitExpertComm_ && sequenceParallel_) {
-    gathered = reduceScatterToSpRegionBackward(compute, ctx_.tp, dOutput);  // (s, b, N)
-    dPartial = gathered;
+    gathered = gatherAlongFirstDimShared(compute, ctx_.tp, dOutput);  // (s, b, N): the reduce-scatter's backward
+    dPartial = *gathered;
   }
   LinearGrads g = linear_ ? linear_->backward(dPartial) : frozen_->backward(dPartial);
   if (linear_) applyWeightGrad(compute, weight_, g);

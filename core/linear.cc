@@ -22,14 +22,14 @@ ConstView contiguous(Compute& compute, ConstView v, Tensor& storage) {
 }
 
 
-// AG along dim 0 over `tp`: (s/T, b, K) -> (s, b, K), asynchronously.
+// AG along dim 0 over `tp`: (s/T, b, K) -> (s, b, K), asynchronously, into a tensor the group's
+// members may share (the GEMMs only read it).
 std::unique_ptr<Work> gatherSequence(Compute& compute, Collectives& tp, ConstView local, Tensor& storage,
-                                     Tensor& out) {
+                                     SharedTensor& out) {
   local = contiguous(compute, local, storage);
   Shape full = local.shape();
   full[0] *= tp.size();
-  out = compute.empty(full, local.dtype());
-  return tp.allGather(local, out);
+  return tp.allGatherShared(local, full, compute, out);
 }
 
 // main_grad += dYᵀ·X with Megatron's kernel choice by main_grad's dtype (3.14.2 step 11).
@@ -133,9 +133,10 @@ Tensor LinearWithGradAccumulation::forward(ConstView input, Parameter& weight, c
   // The fprop operand (N, K); a GTP_remat or mxfp8 copy is dropped after the GEMM.
   const GemmWeight w = gemmWeight(compute_, weight, options_.weightFormat, GemmUse::kFprop, input.dtype());
   if (!options_.sequenceParallel) return linearForward(compute_, input, w.weight, biasView, options_.outputDtype);
-  Tensor staging, total;  // total: (s, b, K)
+  Tensor staging;
+  SharedTensor total;  // (s, b, K)
   gatherSequence(compute_, tp_, input, staging, total)->wait();
-  return linearForward(compute_, total, w.weight, biasView, options_.outputDtype);
+  return linearForward(compute_, *total, w.weight, biasView, options_.outputDtype);
 }
 
 LinearGrads LinearWithGradAccumulation::backward(ConstView dYIn) {
@@ -162,12 +163,13 @@ LinearGrads LinearWithGradAccumulation::backward(ConstView dYIn) {
     wgradCompute = false;
   }
 
-  Tensor staging, gathered;  // gathered: (s, b, K)
+  Tensor staging;
+  SharedTensor gathered;  // (s, b, K)
   std::unique_ptr<Work> gather;
   ConstView xTotal = input_;
   if (wgradCompute && options_.sequenceParallel) {
     gather = gatherSequence(compute_, tp_, input_, staging, gathered);  // overlaps the dgrad GEMM
-    xTotal = gathered;
+    xTotal = *gathered;
   }
 
   LinearGrads grads;
@@ -176,17 +178,20 @@ LinearGrads LinearWithGradAccumulation::backward(ConstView dYIn) {
   // A rematerialized or dequantized copy of the weight is not needed past dgrad: released before
   // the wgrad allocates its (N, K) gradient and GTP_remat's reduce-scatter its buffers (a GPU frees
   // it in stream order, after the GEMM).
-  dgradWeight.storage = Tensor();
-  if (gather) gather->wait();
+  dgradWeight.storage.reset();
 
+  // The dgrad reduction is issued before the gather is awaited (the group sees the same order of
+  // collectives): a rank gives its partial dX up as soon as it is made, so that the simulator's ranks,
+  // which all reach the wait before any passes it, do not all hold theirs at once.
   std::unique_ptr<Work> dgradReduction;
   if (options_.allreduceDgrad) dgradReduction = tp_.allReduce(dX);  // overlaps the wgrad GEMM
   if (options_.sequenceParallel) {
-    grads.dX = compute_.empty(input_.shape(), dY.dtype());  // (s/T, b, K)
-    dgradReduction = tp_.reduceScatter(dX, grads.dX);        // overlaps the wgrad GEMM
+    grads.dX = compute_.empty(input_.shape(), dY.dtype());               // (s/T, b, K)
+    dgradReduction = tp_.reduceScatterConsuming(std::move(dX), grads.dX);  // overlaps the wgrad GEMM
   } else {
     grads.dX = std::move(dX);
   }
+  if (gather) gather->wait();
 
   const ConstView dY2 = dY.flattenTo2d();  // (M, N)
   Tensor xStorage;
@@ -244,9 +249,10 @@ Tensor LinearWithFrozenWeight::forward(ConstView input, const Parameter& weight,
   if (!options_.sequenceParallel) {
     y = linearForward(compute_, input, fprop.weight, biasView, options_.outputDtype);
   } else {
-    Tensor staging, total;  // total: (s, b, K)
+    Tensor staging;
+    SharedTensor total;  // (s, b, K)
     gatherSequence(compute_, tp_, input, staging, total)->wait();
-    y = linearForward(compute_, total, fprop.weight, biasView, options_.outputDtype);
+    y = linearForward(compute_, *total, fprop.weight, biasView, options_.outputDtype);
   }
   if (native) dgradWeight_ = std::move(fprop);
   return y;
@@ -265,7 +271,7 @@ LinearGrads LinearWithFrozenWeight::backward(ConstView dYIn) {
   if (options_.allreduceDgrad) tp_.allReduce(dX)->wait();
   if (options_.sequenceParallel) {
     grads.dX = compute_.empty(inputShape_, inputDtype_);  // (s/T, b, K): backward of the SP gather
-    tp_.reduceScatter(dX, grads.dX)->wait();
+    tp_.reduceScatterConsuming(std::move(dX), grads.dX)->wait();
   } else {
     grads.dX = std::move(dX);
   }
@@ -284,7 +290,8 @@ void drainEmbeddingWgrad(Compute& compute, Collectives& tp, bool sequenceParalle
   TPSIM_CHECK(activations.empty() || weight.hasMainGrad(), "drainEmbeddingWgrad: ", weight.name,
               ".main_grad must be allocated");
   // Double-buffered under SP: the gather of entry i+1 runs while entry i's GEMM does.
-  Tensor staging[2], gathered[2];
+  Tensor staging[2];
+  SharedTensor gathered[2];
   std::unique_ptr<Work> pending;
   auto startGather = [&](std::size_t i) {
     if (sequenceParallel) pending = gatherSequence(compute, tp, activations[i], staging[i % 2], gathered[i % 2]);
@@ -293,7 +300,7 @@ void drainEmbeddingWgrad(Compute& compute, Collectives& tp, bool sequenceParalle
   for (std::size_t i = 0; i < activations.size(); ++i) {
     if (pending) pending->wait();
     pending.reset();
-    const ConstView x = sequenceParallel ? ConstView(gathered[i % 2]) : ConstView(activations[i]);  // (s, b, K)
+    const ConstView x = sequenceParallel ? ConstView(*gathered[i % 2]) : ConstView(activations[i]);  // (s, b, K)
     if (i + 1 < activations.size()) startGather(i + 1);
     accumulateIntoMainGrad(compute, weight, gradOutputs[i].view().flattenTo2d(), x.flattenTo2d(),
                            "drainEmbeddingWgrad");

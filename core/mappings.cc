@@ -156,6 +156,16 @@ Tensor gatherAlongFirstDim(Compute& compute, Collectives& group, ConstView x, co
   return out;
 }
 
+SharedTensor gatherAlongFirstDimShared(Compute& compute, Collectives& group, ConstView x) {
+  checkHasDims("gatherAlongFirstDimShared", x);
+  if (group.size() == 1) return std::make_shared<Tensor>(copyOf(compute, x));
+  Tensor storage;
+  SharedTensor out;
+  group.allGatherShared(contiguous(compute, x, storage), withDim(x.shape(), 0, group.size() * x.dim(0)), compute, out)
+      ->wait();
+  return out;
+}
+
 Tensor reduceScatterAlongFirstDim(Compute& compute, Collectives& group, ConstView x,
                                   const SplitSizes& inputSplitSizes) {
   checkHasDims("reduceScatterAlongFirstDim", x);
@@ -165,6 +175,15 @@ Tensor reduceScatterAlongFirstDim(Compute& compute, Collectives& group, ConstVie
   Tensor storage;
   Tensor out = compute.empty(withDim(x.shape(), 0, m), x.dtype());  // (d0/n, ...)
   group.reduceScatter(contiguous(compute, x, storage), out)->wait();
+  return out;
+}
+
+Tensor reduceScatterAlongFirstDimConsuming(Compute& compute, Collectives& group, Tensor x) {
+  checkHasDims("reduceScatterAlongFirstDimConsuming", x);
+  const std::int64_t m = perRank("reduceScatterAlongFirstDimConsuming", group, x, 0);
+  if (group.size() == 1) return x;
+  Tensor out = compute.empty(withDim(x.shape(), 0, m), x.dtype());  // (d0/n, ...)
+  group.reduceScatterConsuming(std::move(x), out)->wait();
   return out;
 }
 

@@ -41,11 +41,18 @@ Tensor gatherAlongLastDim(Compute& compute, Collectives& group, ConstView x);
 // concat_0(x_0, ..., x_{n-1}).  x: (d0, ...)  ->  (n·d0, ...), or with outputSplitSizes s (rank q
 // passes x_q: (s_q, ...)): (Σ_q s_q, ...).
 Tensor gatherAlongFirstDim(Compute& compute, Collectives& group, ConstView x, const SplitSizes& outputSplitSizes = {});
+// gatherAlongFirstDim (even split) into a tensor that its holders only read and the group's members
+// may share (Collectives::allGatherShared): the backward of a sequence-parallel layer's output.
+SharedTensor gatherAlongFirstDimShared(Compute& compute, Collectives& group, ConstView x);
 
 // Rows [r·d0/n, (r+1)·d0/n) of Σ_q x_q; d0 must divide by n.  x: (d0, ...)  ->  (d0/n, ...).
 // With inputSplitSizes s (Σ_q s_q = d0): rows [s_0 + ... + s_{r-1}, ... + s_r) of the sum, (s_r, ...).
 Tensor reduceScatterAlongFirstDim(Compute& compute, Collectives& group, ConstView x,
                                   const SplitSizes& inputSplitSizes = {});
+// reduceScatterAlongFirstDim (even split) of a contiguous x the caller gives up
+// (Collectives::reduceScatterConsuming): the forward of a sequence-parallel row layer, whose
+// ranks' partial outputs need not all be held at once.
+Tensor reduceScatterAlongFirstDimConsuming(Compute& compute, Collectives& group, Tensor x);
 // Columns [r·c/n, (r+1)·c/n) of Σ_q x_q; c must divide by n.  x: (..., c)  ->  (..., c/n)
 Tensor reduceScatterAlongLastDim(Compute& compute, Collectives& group, ConstView x);
 

@@ -82,9 +82,10 @@ GemmWeight gemmWeight(Compute& compute, const Parameter& weight, WeightFormat fo
     dLog = rows * g - weight.attrs.padLength.value_or(0);
   }
   const std::int64_t scaleRows = axis == 1 ? dLog : ceilDiv(dLog, kMxfp8BlockSize);
-  out.storage = compute.empty({dLog, k}, computeDtype);  // (dLog, K)
-  compute.dequantizeMxfp8(data.view().slice(0, 0, dLog), scales.view().slice(0, 0, scaleRows), axis, out.storage);
-  out.weight = out.storage;
+  auto dequantized = std::make_shared<Tensor>(compute.empty({dLog, k}, computeDtype));  // (dLog, K)
+  compute.dequantizeMxfp8(data.view().slice(0, 0, dLog), scales.view().slice(0, 0, scaleRows), axis, *dequantized);
+  out.weight = *dequantized;
+  out.storage = std::move(dequantized);
   return out;
 }
 

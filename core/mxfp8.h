@@ -31,7 +31,7 @@ inline constexpr std::int64_t kMxfp8BlockSize = 32;
 // What a GEMM multiplies by: `weight` views `storage` (the gathered or dequantized copy, dropped
 // with this object) or, for a native weight that is not a GTP_remat shard, the parameter itself.
 struct GemmWeight {
-  Tensor storage;
+  SharedTensor storage;  // what weight points into, when not the parameter itself
   ConstView weight;  // (dLog, K): the TP-local logical weight, pad rows stripped
 };
 

@@ -134,11 +134,12 @@ TPSIM_PROP(GtpLaws, MaterializeIsThePreWrapWeightBitwiseAndPadRowsAreZero, kReco
       }
       const Materialized m = materialize(ctx.compute, w);
       problems.check(m.weight.shape() == shapeOf(dLog, trailing), at + "materialized shape " + m.weight.shape().str());
-      problems.check(m.gathered.shape() == shapeOf(geo.rows * G, trailing), at + "gathered shape " + m.gathered.shape().str());
+      problems.check(m.gathered->shape() == shapeOf(geo.rows * G, trailing),
+                     at + "gathered shape " + m.gathered->shape().str());
       const Values rebuilt = valuesOf(ctx.compute, m.weight);
       problems.check(sameBits(rebuilt, before),
                      at + "materialize() " + str(rebuilt) + " is not the pre-wrap weight " + str(before));
-      const std::string tail = padRowsNonZero(valuesOf(ctx.compute, m.gathered), geo.rows * G, dLog, "gathered");
+      const std::string tail = padRowsNonZero(valuesOf(ctx.compute, *m.gathered), geo.rows * G, dLog, "gathered");
       problems.check(tail.empty(), at + tail);
     });
     problems.assertNone();

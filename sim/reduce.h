@@ -19,4 +19,10 @@ namespace tpsim::sim {
 void reduceInRankOrder(DType dtype, ReduceOp op, const std::vector<const void*>& inputs, std::int64_t count,
                        void* out);
 
+// The same sum built one member at a time, as the members arrive (HostTransport::fold): sum = in
+// for the first, sum = sum + in for each next one in rank order; then finishSum divides by n for
+// kMean. Bitwise reduceInRankOrder's result.
+void foldIntoSum(DType dtype, const void* in, std::int64_t count, void* sum, bool first);
+void finishSum(DType dtype, ReduceOp op, int n, std::int64_t count, void* sum);
+
 }  // namespace tpsim::sim

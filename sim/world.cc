@@ -4,10 +4,22 @@
 #include <cstring>
 #include <thread>
 
+#include "backends/huge_pages.h"
 #include "sim/reduce.h"
 #include "sim/sim_compute.h"
 
 namespace tpsim::sim {
+
+world::TransportToken HostTransport::fold(const world::Collective& c) {
+  // A sum of its own (several groups may fold at once), freed when the collective is done.
+  std::shared_ptr<std::vector<char>> sum = std::static_pointer_cast<std::vector<char>>(c.folded);
+  if (!sum) {
+    sum = std::make_shared<std::vector<char>>();
+    resizeFresh(*sum, std::size_t(c.inCount) * dtypeSize(c.dtype));
+  }
+  foldIntoSum(c.dtype, c.in[c.foldedCount].data(), c.inCount, sum->data(), c.foldedCount == 0);
+  return sum;
+}
 
 // Every member has issued and none may touch its buffers until wait() returns, so reading and
 // writing them here, under the rendezvous lock, is safe.
@@ -18,13 +30,22 @@ world::TransportToken HostTransport::execute(const world::Collective& c) {
   switch (c.kind) {
     case world::OpKind::kAllReduce:
     case world::OpKind::kReduceScatter: {
-      std::vector<const void*> inputs(n);
-      for (int r = 0; r < n; ++r) inputs[r] = c.in[r].data();
-      // The scratch buffer only grows: a fresh multi-megabyte buffer per collective would
-      // page-fault on every call.
-      if (scratch_.size() < std::size_t(c.inCount) * esize) scratch_.resize(std::size_t(c.inCount) * esize);
-      char* sum = scratch_.data();
-      reduceInRankOrder(c.dtype, c.reduce, inputs, c.inCount, sum);
+      char* sum = nullptr;
+      std::shared_ptr<std::vector<char>> folded = std::static_pointer_cast<std::vector<char>>(c.folded);
+      if (folded) {
+        // Members [0, c.foldedCount) are in the sum already; the rest are added in rank order.
+        sum = folded->data();
+        for (int r = c.foldedCount; r < n; ++r) foldIntoSum(c.dtype, c.in[r].data(), c.inCount, sum, false);
+        finishSum(c.dtype, c.reduce, n, c.inCount, sum);
+      } else {
+        std::vector<const void*> inputs(n);
+        for (int r = 0; r < n; ++r) inputs[r] = c.in[r].data();
+        // The scratch buffer only grows: a fresh multi-megabyte buffer per collective would
+        // page-fault on every call.
+        if (scratch_.size() < std::size_t(c.inCount) * esize) scratch_.resize(std::size_t(c.inCount) * esize);
+        sum = scratch_.data();
+        reduceInRankOrder(c.dtype, c.reduce, inputs, c.inCount, sum);
+      }
       const std::size_t blockBytes = std::size_t(c.outCount) * esize;
       for (int r = 0; r < n; ++r) {
         const char* src = sum + (c.kind == world::OpKind::kReduceScatter ? r * blockBytes : 0);
@@ -34,11 +55,16 @@ world::TransportToken HostTransport::execute(const world::Collective& c) {
     }
     case world::OpKind::kAllGather: {
       const std::size_t blockBytes = std::size_t(c.inCount) * esize;
-      for (int r = 0; r < n; ++r)
+      for (int r = 0; r < n; ++r) {
+        // Members of an allGatherShared hold one output: it is written once.
+        bool written = false;
+        for (int p = 0; p < r && !written; ++p) written = c.out[p].data() == c.out[r].data();
+        if (written) continue;
         for (int q = 0; q < n; ++q) {
           char* dst = static_cast<char*>(c.out[r].data()) + q * blockBytes;
           if (dst != c.in[q].data()) std::memmove(dst, c.in[q].data(), blockBytes);
         }
+      }
       break;
     }
     case world::OpKind::kBroadcast: {

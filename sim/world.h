@@ -22,6 +22,9 @@ namespace tpsim::sim {
 class HostTransport final : public world::Transport {
  public:
   Device device() const override { return Device::kHost; }
+  bool sharesMemory() const override { return true; }
+  bool foldsReductions() const override { return true; }
+  world::TransportToken fold(const world::Collective& c) override;
   world::TransportToken execute(const world::Collective& c) override;
 
  private:

@@ -1,9 +1,11 @@
 // The memory estimate measured: `tpsim run` at 1, 4, 16 and 64 ranks, on a row layer whose input
 // and output every rank holds whole, so that the ranks' copies dominate the peak (and without
 // verification at batch 64, where the gemms' packed operands are a fifth of it), and at 8 and 64
-// ranks on a sequence-parallel MLP, whose ranks each gather the whole sequence. The estimate
-// `tpsim run` checks (parseRunArgs, tensorShapes, estimateRunBytes: what runMain calls) must be at
-// least the child's peak resident memory, and at most 1.3 times it.
+// ranks on sequence-parallel MLPs, whose groups gather the whole sequence. The estimate `tpsim run`
+// checks (parseRunArgs, tensorShapes, estimateRunBytes: what runMain calls) must be at least the
+// child's peak resident memory, and at most 1.3 times it. And the long sequence-parallel MLP, whose
+// whole-sequence tensors are most of its peak, must peak at 64 ranks at most 1.25 times its peak
+// at 8: its ranks share the gathered sequence and give their partial sums up as they make them.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/resource.h>
@@ -75,6 +77,8 @@ const Shape kRowUnverified{"row unverified", {"--layer", "row", "--batch", "64",
                                              "--out-features", "256", "--verify", "none"}};
 const Shape kMlp{"mlp", {"--layer", "mlp", "--sequence-parallel", "--batch", "2", "--seq", "256", "--in-features",
                          "512", "--ffn-hidden", "4096"}};
+const Shape kLongMlp{"long mlp", {"--layer", "mlp", "--sequence-parallel", "--batch", "2", "--seq", "2048",
+                                  "--in-features", "1024", "--ffn-hidden", "1024", "--verify", "none"}};
 const Shape kWideColumn{"column", {"--layer", "column", "--batch", "2", "--seq", "16", "--in-features", "2048",
                                    "--out-features", "4096"}};
 const Shape kWideColumnGtp{"column G=2", {"--layer", "column", "--batch", "2", "--seq", "16", "--in-features", "2048",
@@ -118,6 +122,25 @@ INSTANTIATE_TEST_SUITE_P(WideColumnGtp, MemoryEstimate,
 INSTANTIATE_TEST_SUITE_P(SequenceParallelMlp, MemoryEstimate,
                          ::testing::Combine(::testing::Values(kMlp), ::testing::Values(8, 64)),
                          [](const auto& info) { return "T" + std::to_string(std::get<1>(info.param)); });
+INSTANTIATE_TEST_SUITE_P(LongSequenceParallelMlp, MemoryEstimate,
+                         ::testing::Combine(::testing::Values(kLongMlp), ::testing::Values(8, 64)),
+                         [](const auto& info) { return "T" + std::to_string(std::get<1>(info.param)); });
+
+TEST(MemoryGrowth, ASequenceParallelMlpPeaksAtMost25PercentHigherAt64RanksThanAt8) {
+  long peaks[2] = {0, 0};
+  for (int i = 0; i < 2; ++i) {
+    std::vector<std::string> run{"run"};
+    run.insert(run.end(), kLongMlp.flags.begin(), kLongMlp.flags.end());
+    for (const char* flag : {"--tp", i == 0 ? "8" : "64", "--threads", "2"}) run.push_back(flag);
+    const Peak peak = peakOf(run);
+    ASSERT_TRUE(peak.maxRssKiB > 0 && WIFEXITED(peak.status) && WEXITSTATUS(peak.status) == 0)
+        << "T=" << (i == 0 ? 8 : 64) << ": wait status " << peak.status << ", peak " << peak.maxRssKiB << " KiB";
+    peaks[i] = peak.maxRssKiB;
+  }
+  const double growth = double(peaks[1]) / double(peaks[0]);
+  EXPECT_LE(growth, 1.25) << "peak at T=8 " << peaks[0] << " KiB, at T=64 " << peaks[1] << " KiB";
+  std::printf("long mlp: peak at T=8 %ld KiB, at T=64 %ld KiB, growth %.3f\n", peaks[0], peaks[1], growth);
+}
 
 }  // namespace
 }  // namespace tpsim::tools

@@ -304,6 +304,7 @@ class Spread final : public world::Transport {
   }
 
   Device device() const override { return local_->device(); }
+  bool sharesMemory() const override { return local_->sharesMemory(); }
   world::TransportToken issued(int globalRank) override { return local_->issued(globalRank); }
   world::TransportToken execute(const world::Collective& c) override { return local_->execute(c); }
   void split(const world::Collective& c) override { local_->split(c); }

@@ -158,6 +158,12 @@ struct Op {
   std::vector<RankState*> waiters;
   std::vector<TransportToken> tokens;  // per group rank: Transport::issued
   TransportToken doneToken;            // Transport::execute
+  std::weak_ptr<Tensor> sharedOut;     // the output its allGatherShared members share
+  // A reduction folded as its members arrive (Transport::fold): the inputs members gave up, by group
+  // rank, each freed once it is in the sum of members [0, foldedCount).
+  std::vector<Tensor> consumed;
+  TransportToken folded;
+  int foldedCount = 0;
 
   std::string describe() const {
     return detail::concat(fp.str(), " on ", group->name(), " (seq ", seq, ")");
@@ -215,6 +221,9 @@ void lockSpinning(std::unique_lock<std::mutex>& lock) {
 // An idle worker polls this long before it sleeps: a peer's collective usually completes within
 // microseconds, and a condition-variable wake-up across threads costs more than that.
 constexpr auto kSpinBeforeSleep = std::chrono::microseconds(50);
+
+// The longest a thread waits for an earlier member of a folded reduction (SimCollectives::awaitFold).
+constexpr auto kFoldWait = std::chrono::milliseconds(500);
 
 class SimCollectives;
 
@@ -410,12 +419,44 @@ Collective collectiveOf(const Op& op) {
   c.in = op.in;
   c.out = op.out;
   c.issued = op.tokens;
+  c.folded = op.folded;
+  c.foldedCount = op.foldedCount;
   for (std::size_t r = 0; r < op.splitResult.size(); ++r) {
     const auto& [group, rank] = op.splitResult[r];
     c.split.push_back(group ? SplitPlace{op.splitColor[r], op.splitKey[r], group->id, rank, int(group->globalRanks.size())}
                             : SplitPlace{op.splitColor[r], op.splitKey[r], "", -1, 0});
   }
   return c;
+}
+
+// Caller holds mu. op is done: its waiters run again in rank order, whatever order they parked in,
+// so that they reach their next collective in about that order, the order a folded reduction adds
+// inputs in (Transport::fold).
+void wakeWaiters(RunState& run, Op& op) {
+  std::sort(op.waiters.begin(), op.waiters.end(),
+            [](const RankState* a, const RankState* b) { return a->rank < b->rank; });
+  for (RankState* w : op.waiters) run.wake(w);
+  op.waiters.clear();
+}
+
+// Caller holds mu. Adds the inputs members gave up to op's sum in rank order, from the first member
+// not yet added while that member's input is given up, and frees each. False when the transport
+// threw and the world failed.
+bool foldArrived(RunState& run, Op& op) {
+  const int n = int(op.arrived.size());
+  while (op.foldedCount < n && op.consumed[std::size_t(op.foldedCount)].defined()) {
+    try {
+      op.folded = run.transport->fold(collectiveOf(op));
+    } catch (const std::exception& e) {
+      run.fail(CollectiveFailure::kBackend,
+               detail::concat(run.name, ": ", op.describe(), " failed in the transport: ", e.what()));
+      return false;
+    }
+    op.consumed[std::size_t(op.foldedCount)] = Tensor();
+    op.in[std::size_t(op.foldedCount)] = ConstView();
+    ++op.foldedCount;
+  }
+  return true;
 }
 
 // Caller holds mu. Every member of op issued it (and, spread over processes, every process agreed):
@@ -429,6 +470,8 @@ bool executeOp(RunState& run, Op& op) {
     } else if (!op.faulty) {  // every member agreed with a faulty issue: no fabric defines the data
       op.doneToken = run.transport->execute(collectiveOf(op));
     }
+    op.folded.reset();
+    op.consumed.clear();
   } catch (const std::exception& e) {
     run.fail(CollectiveFailure::kBackend,
              detail::concat(run.name, ": ", op.describe(), " failed in the transport: ", e.what()));
@@ -436,8 +479,7 @@ bool executeOp(RunState& run, Op& op) {
   }
   op.done = true;
   op.exchanging = false;
-  for (RankState* w : op.waiters) run.wake(w);
-  op.waiters.clear();
+  wakeWaiters(run, op);
   return true;
 }
 
@@ -570,8 +612,7 @@ void completeExchange(RunState& run, Op& op, const std::vector<std::string>& par
   }
   op.done = true;
   op.exchanging = false;
-  for (RankState* w : op.waiters) run.wake(w);
-  op.waiters.clear();
+  wakeWaiters(run, op);
 }
 
 // The rendezvous' side of a transport whose world spans processes; outlives a run() it may call into.
@@ -752,6 +793,21 @@ class SimCollectives final : public Collectives {
     return issue(fp, in, out, opts.timeout);
   }
 
+  std::unique_ptr<Work> allGatherShared(ConstView in, const Shape& outShape, Compute& compute, SharedTensor& out,
+                                        const CollectiveOptions& opts) override {
+    // A rank whose next collective carries an injected fault gets a copy of its own: a corrupted
+    // result is that rank's alone.
+    if (!run_->transport->sharesMemory() || run_->faultAt(self_->rank, self_->collectives + 1))
+      return Collectives::allGatherShared(in, outShape, compute, out, opts);
+    const View planned(nullptr, outShape, in.dtype(), run_->transport->device());
+    checkBuffers("allGatherShared", in, planned);
+    TPSIM_CHECK(outShape.numel() == size() * in.numel(), where("allGatherShared"), ": out must have n·in = ",
+                size(), "·", in.numel(), " elements, got ", outShape.str());
+    Fingerprint fp{OpKind::kAllGather, in.dtype(), in.numel(), outShape.numel(), ReduceOp::kSum, 0, {}};
+    SharedOut shared{outShape, compute, out};
+    return issue(fp, in, View(), opts.timeout, 0, 0, &shared);
+  }
+
   std::unique_ptr<Work> reduceScatter(ConstView in, View out, const ReduceScatterOptions& opts) override {
     checkBuffers("reduceScatter", in, out);
     checkOverlap("reduceScatter", in, out, -rank_ * out.numel(), "out == in + r·out.numel(), this rank's block of in");
@@ -760,6 +816,22 @@ class SimCollectives final : public Collectives {
                 "·", out.numel(), " elements, got ", in.str(), "; in's dim 0 must divide by the group size");
     Fingerprint fp{OpKind::kReduceScatter, in.dtype(), in.numel(), out.numel(), opts.op, 0, {}};
     return issue(fp, in, out, opts.timeout);
+  }
+
+  std::unique_ptr<Work> reduceScatterConsuming(Tensor in, View out, const ReduceScatterOptions& opts) override {
+    // Spread over processes, the peers are sent the inputs whole; a rank with a fault injected at
+    // this collective keeps the plain path.
+    if (!run_->transport->foldsReductions() || group_->localMembers != size() ||
+        run_->faultAt(self_->rank, self_->collectives + 1))
+      return Collectives::reduceScatterConsuming(std::move(in), out, opts);
+    checkBuffers("reduceScatterConsuming", in, out);
+    checkOutsideConsumed(in, out);
+    checkReducible("reduceScatterConsuming", in);
+    TPSIM_CHECK(in.numel() == size() * out.numel(), where("reduceScatterConsuming"), ": in must have n·out = ",
+                size(), "·", out.numel(), " elements, got ", in.str(), "; in's dim 0 must divide by the group size");
+    Fingerprint fp{OpKind::kReduceScatter, in.dtype(), in.numel(), out.numel(), opts.op, 0, {}};
+    const ConstView view = in;
+    return issue(fp, view, out, opts.timeout, 0, 0, nullptr, &in);
   }
 
   std::unique_ptr<Work> broadcast(ConstView in, View out, const BroadcastOptions& opts) override {
@@ -843,12 +915,22 @@ class SimCollectives final : public Collectives {
                 "; fp8 tensors can be all-gathered, broadcast or exchanged, dequantize them to reduce");
   }
 
+  // An allGatherShared's output: made by the first member to issue, handed to the others.
+  struct SharedOut {
+    const Shape& shape;
+    Compute& compute;
+    SharedTensor& out;
+  };
+
+  // shared: an allGatherShared's output; consumed: a reduceScatterConsuming's input, folded.
   std::unique_ptr<Work> issue(const Fingerprint& fp, ConstView in, View out, Timeout timeout,
-                              int color = 0, int key = 0) {
+                              int color = 0, int key = 0, SharedOut* shared = nullptr, Tensor* consumed = nullptr) {
     if (fp.kind == OpKind::kSplit) return issueOn(*membership_, fp, false, in, out, timeout, color, key);
     const std::int64_t k = ++self_->collectives;
     const Fault* fault = run_->faultAt(self_->rank, k);
-    if (!fault) return issueOn(*membership_, fp, false, in, out, timeout);
+    if (!fault) return issueOn(*membership_, fp, false, in, out, timeout, 0, 0, shared, consumed);
+    TPSIM_INTERNAL_ASSERT(shared == nullptr && consumed == nullptr,
+                          "a collective with an injected fault must take the plain path");
     RunState& run = *run_;
     const std::string what = detail::concat("its collective ", k, ", ", fp.str(), " on ", group_->name(), " (seq ",
                                             membership_->nextSeq, ")");
@@ -900,7 +982,8 @@ class SimCollectives final : public Collectives {
 
   // Matches this rank's issue of `fp` on group m; `faulty` marks an issue an injected fault altered.
   std::unique_ptr<Work> issueOn(Membership& m, const Fingerprint& fp, bool faulty, ConstView in, View out,
-                                Timeout timeout, int color = 0, int key = 0) {
+                                Timeout timeout, int color = 0, int key = 0, SharedOut* shared = nullptr,
+                                Tensor* consumed = nullptr) {
     RunState& run = *run_;
     GroupState* const group = m.group.get();
     // Outside the lock: a GPU transport records an event on this rank's stream here.
@@ -924,12 +1007,23 @@ class SimCollectives final : public Collectives {
       slot->splitColor.resize(n);
       slot->splitKey.resize(n);
       slot->tokens.resize(n);
+      slot->consumed.resize(n);
       slot->firstArrival = Clock::now();
       slot->timeout = timeout.count() > 0 ? Clock::duration(timeout) : Clock::duration(run.options.timeout);
       run.minTimeout = std::min(run.minTimeout, slot->timeout);
       run.pendingOps[{group, seq}] = slot;
     }
     std::shared_ptr<Op> op = slot;
+    if (shared) {
+      // Allocated before the rank counts as arrived, so that a failed allocation fails only the rank.
+      std::shared_ptr<Tensor> made = op->sharedOut.lock();
+      if (!made || made->shape() != shared->shape || made->dtype() != fp.dtype) {
+        made = std::make_shared<Tensor>(shared->compute.empty(shared->shape, fp.dtype));
+        if (op->sharedOut.expired()) op->sharedOut = made;
+      }
+      shared->out = made;
+      out = made->view();
+    }
     op->faulty = op->faulty || faulty;
     op->issued[rank] = fp;
     op->arrived[rank] = 1;
@@ -948,6 +1042,11 @@ class SimCollectives final : public Collectives {
     op->splitColor[rank] = color;
     op->splitKey[rank] = key;
     op->tokens[rank] = std::move(token);
+    if (consumed) {
+      op->consumed[rank] = std::move(*consumed);
+      if (!foldArrived(run, *op)) throw run.failureFor(self_->rank);
+    }
+    const bool awaitsFold = consumed && op->foldedCount <= rank;
     if (run.options.trace)
       run.trace[self_->rank].push_back(
           TraceEvent{opName(fp.kind), group->name(), seq, dtypeName(fp.dtype),
@@ -965,7 +1064,25 @@ class SimCollectives final : public Collectives {
     } else if (op->arrivedCount == group->localMembers) {
       startExchange(run, *op);
     }
+    if (awaitsFold && !op->done) awaitFold(lock, *op, rank);
     return std::make_unique<SimWork>(run_, op, self_);
+  }
+
+  // This rank gave its input up, but the member before it that was not added yet (the sum is built
+  // in rank order) has not arrived. Were this thread to run its next rank now, that rank would make
+  // and hold another partial sum, and threads that drift apart would hold many. While that member
+  // runs on another thread, this one waits for it to arrive (and add both inputs), at most
+  // kFoldWait: the threads reach the reduce-scatter in about rank order. Caller holds mu.
+  void awaitFold(std::unique_lock<std::mutex>& lock, Op& op, int rank) {
+    RunState& run = *run_;
+    const auto deadline = Clock::now() + kFoldWait;
+    while (!run.failed && !op.done && op.foldedCount <= rank && Clock::now() < deadline) {
+      const RankState& first = *run.ranks[std::size_t(op.group->globalRanks[std::size_t(op.foldedCount)])];
+      if (first.worker == self_->worker || first.status != RankStatus::kRunning) return;
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+      lockSpinning(lock);
+    }
   }
 
   RunState* run_;

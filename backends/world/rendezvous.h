@@ -54,6 +54,10 @@ struct Collective {
   std::vector<ConstView> in;
   std::vector<View> out;
   std::vector<TransportToken> issued;  // what Transport::issued returned for each member
+  // A reduction begun with Transport::fold: the sum of members [0, foldedCount) (their inputs are
+  // gone) in `folded`; the other members' inputs are in `in`.
+  TransportToken folded;
+  int foldedCount = 0;
   std::vector<SplitPlace> split;       // kSplit: where each member goes
 };
 
@@ -77,9 +81,23 @@ class Transport {
 
   // Where collective buffers must live; checked when a rank issues.
   virtual Device device() const = 0;
+  // Whether this process's members may all read one buffer: then the members of an allGatherShared
+  // get one output tensor, made by the first to issue, and execute() sees that buffer as each
+  // local member's out (a transport must tolerate outputs that alias each other).
+  virtual bool sharesMemory() const { return false; }
   // Rank `globalRank` issues a collective; runs on its fiber. The token reaches execute().
   virtual TransportToken issued(int globalRank) {
     (void)globalRank;
+    return nullptr;
+  }
+  // Whether a reduction's members may be added up as they arrive (fold()), so that an input a member
+  // gave up (Collectives::reduceScatterConsuming) is freed once added, not when the last member
+  // arrives: a world's partial sums are then not all held at once.
+  virtual bool foldsReductions() const { return false; }
+  // Adds member c.foldedCount's input c.in[c.foldedCount] to c.folded, the sum of the members before
+  // it (null when it is the first), and returns the new sum. Runs under the rendezvous lock.
+  virtual TransportToken fold(const Collective& c) {
+    (void)c;
     return nullptr;
   }
   // Every member has issued c: move its data, or enqueue the movement after every member's issue

@@ -42,13 +42,16 @@ std::optional<double> readNumber(const std::string& file) {
 //              (LayerKind::rankShare; the G peers split the batch): each rank's input and
 //              input.grad, grad_output and output as backend tensors (4 bytes an element),
 //              input.grad and output as the run keeps them (4), and the holes that freed conversions
-//              leave between them in the one heap (1, measured); in a sequence-parallel run a split
-//              share passes whole through the rank's all-gather or reduce-scatter (3 bytes an
-//              element of the whole, measured: not every rank holds its whole copy at the peak)
-//   shards     (14 + 4m + 16(G - 1))Wp: each parameter's shard and gradient as backend tensors and
+//              leave between them in the one heap (1, measured); in a sequence-parallel run a tensor
+//              split along the sequence is also held whole, about twice (8 bytes an element): the
+//              one gathered copy its group shares, or a reduce-scatter's sum and the ranks'
+//              partials not yet added to it (backends/collectives.h, allGatherShared and
+//              reduceScatterConsuming), whatever the number of ranks
+//   shards     (14 + 4m + 6(G - 1))Wp: each parameter's shard and gradient as backend tensors and
 //              the gradient as the run keeps it (4 bytes each), the shard while it is cut (2,
-//              measured), main_grad (m: 1 under --grad-accumulation-fusion or GTP_remat), GTP_remat's
-//              gathers
+//              measured), main_grad (m: 1 under --grad-accumulation-fusion or GTP_remat), and under
+//              GTP_remat each rank's whole TP-local wgrad and its padded reduce-scatter buffers beside
+//              the gathered weight its group shares (6 an element a peer, measured)
 //   step       8S: the kind's other per-rank intermediates (LayerKind::stepIntermediates, in doubles)
 //   packing    per thread that runs ranks, the gemms' packed operands (sim/gemm_driver.h), each at
 //              most 32 MiB: 8 bytes an element of the rank's largest left operand (its input or
@@ -88,13 +91,13 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   const LayerKind::RankShare share = c.layer->rankShare(c);
   const bool sequenceSplit = c.sequenceParallel || c.reduceScatterEmbeddings;
   // The elements of tensor n that a rank's gemms see (a split along the sequence is gathered whole),
-  // and what each rank passes whole through its gathers and reduce-scatters.
+  // and what the run holds whole of a tensor split along the sequence.
   auto seen = [&](double f, double n) { return (f < 1 && sequenceSplit ? n : f * n) / G; };
-  auto passedWhole = [&](double f, double n) { return f < 1 && sequenceSplit ? T * n : 0; };
-  const double whole = passedWhole(share.input, x) + passedWhole(share.output, y);
-  const double copies = 13 * T * (share.input * x + share.output * y) + 3 * whole;
+  auto heldWhole = [&](double f, double n) { return f < 1 && sequenceSplit ? n : 0; };
+  const double whole = heldWhole(share.input, x) + heldWhole(share.output, y);
+  const double copies = 13 * T * (share.input * x + share.output * y) + 8 * whole;
   const bool mainGrad = c.gradAccumulationFusion || c.gtpRemat > 1;
-  const double shards = (14 + (mainGrad ? 4 : 0) + 16 * (G - 1)) * held;
+  const double shards = (14 + (mainGrad ? 4 : 0) + 6 * (G - 1)) * held;
   const double step = 8 * c.layer->stepIntermediates(c, shapes);
   const double hidden = c.layer->stepIntermediates(c, shapes) / 2 / (T * G);
   const double xs = seen(share.input, x), ys = seen(share.output, y);

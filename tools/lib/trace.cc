@@ -160,8 +160,19 @@ class RecordingCollectives final : public Collectives {
   std::unique_ptr<Work> allGather(ConstView in, View out, const CollectiveOptions& opts) override {
     return logged("allGather", in, out, [&] { return inner_.allGather(in, out, opts); });
   }
+  std::unique_ptr<Work> allGatherShared(ConstView in, const Shape& outShape, Compute& compute, SharedTensor& out,
+                                        const CollectiveOptions& opts) override {
+    const ConstView planned(nullptr, outShape, in.dtype(), in.device());
+    return logged("allGather", in, planned,
+                  [&] { return inner_.allGatherShared(in, outShape, compute, out, opts); });
+  }
   std::unique_ptr<Work> reduceScatter(ConstView in, View out, const ReduceScatterOptions& opts) override {
     return logged("reduceScatter", in, out, [&] { return inner_.reduceScatter(in, out, opts); });
+  }
+  std::unique_ptr<Work> reduceScatterConsuming(Tensor in, View out, const ReduceScatterOptions& opts) override {
+    const ConstView given = in;
+    return logged("reduceScatter", given, out,
+                  [&] { return inner_.reduceScatterConsuming(std::move(in), out, opts); });
   }
   std::unique_ptr<Work> broadcast(ConstView in, View out, const BroadcastOptions& opts) override {
     // Only the root's input is read: every member logs the output's size.
