@@ -94,7 +94,7 @@ Materialized materialize(Compute& compute, const Parameter& shard) {
 
 struct GtpGradReducer::Pending {
   Parameter* shard;
-  Tensor padded;    // (S·G, ...) the pre-scaled, padded wgrad: the send buffer
+  Tensor padded;    // (S·G, ...) the pre-scaled, padded wgrad: the all-to-all's send buffer
   Tensor received;  // (S·G, ...) the all-to-all's chunks, fp32-accumulation variant only
   Tensor result;    // (S, ...)
   std::unique_ptr<Work> work;
@@ -133,7 +133,9 @@ Tensor GtpGradReducer::reduceScatter(Parameter& shard, View dW) {
     p->work = info.group->allToAll(p->padded, p->received);
     ++fp32Dispatches_;
   } else {
-    p->work = info.group->reduceScatter(p->padded, p->result);
+    // Given up: where the group's ranks share memory, each one's padded wgrad is added to the sum
+    // and freed as it arrives, not held until the last peer's.
+    p->work = info.group->reduceScatterConsuming(std::move(p->padded), p->result);
   }
   if (!options_.async) {
     finalize(*p);

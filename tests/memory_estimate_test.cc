@@ -6,6 +6,7 @@
 // child's peak resident memory, and at most 1.3 times it. And the long sequence-parallel MLP, whose
 // whole-sequence tensors are most of its peak, must peak at 64 ranks at most 1.25 times its peak
 // at 8: its ranks share the gathered sequence and give their partial sums up as they make them.
+// One run of each kind whose reference holds the peak checks that kind's own coefficients.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/resource.h>
@@ -81,6 +82,18 @@ const Shape kLongMlp{"long mlp", {"--layer", "mlp", "--sequence-parallel", "--ba
                                   "--in-features", "1024", "--ffn-hidden", "1024", "--verify", "none"}};
 const Shape kWideColumn{"column", {"--layer", "column", "--batch", "2", "--seq", "16", "--in-features", "2048",
                                    "--out-features", "4096"}};
+// One of each kind whose reference holds the peak, each by its own coefficients: the linear kinds'
+// and the grouped experts' bytes an activation element, the embedding's dense gradients.
+const Shape kColumn{"column", {"--layer", "column", "--batch", "4", "--seq", "256", "--in-features", "1024",
+                               "--out-features", "1024"}};
+const Shape kSequenceParallelRow{"row SP", {"--layer", "row", "--batch", "4", "--seq", "256", "--in-features", "1024",
+                                            "--out-features", "1024", "--sequence-parallel", "--input-is-parallel"}};
+const Shape kEmbedding{"embedding", {"--layer", "embedding", "--vocab", "8192", "--out-features", "512", "--batch", "4",
+                                     "--seq", "256"}};
+const Shape kGroupedColumn{"grouped column", {"--layer", "grouped-column", "--tokens", "4096", "--experts", "4",
+                                              "--in-features", "512", "--out-features", "1024"}};
+const Shape kGroupedRow{"grouped row", {"--layer", "grouped-row", "--tokens", "4096", "--experts", "4", "--in-features",
+                                        "1024", "--out-features", "512"}};
 const Shape kWideColumnGtp{"column G=2", {"--layer", "column", "--batch", "2", "--seq", "16", "--in-features", "2048",
                                           "--out-features", "4096", "--gtp-remat", "2"}};
 
@@ -119,6 +132,16 @@ INSTANTIATE_TEST_SUITE_P(WideColumn, MemoryEstimate, ::testing::Combine(::testin
 INSTANTIATE_TEST_SUITE_P(WideColumnGtp, MemoryEstimate,
                          ::testing::Combine(::testing::Values(kWideColumnGtp), ::testing::Values(2)),
                          [](const auto& info) { return "T" + std::to_string(std::get<1>(info.param)); });
+INSTANTIATE_TEST_SUITE_P(EachKind, MemoryEstimate,
+                         ::testing::Combine(::testing::Values(kColumn, kSequenceParallelRow, kEmbedding, kGroupedColumn,
+                                                             kGroupedRow),
+                                            ::testing::Values(4)),
+                         [](const auto& info) {
+                           std::string name = std::get<0>(info.param).name;
+                           for (char& ch : name)
+                             if (ch == ' ') ch = '_';
+                           return name + "_T" + std::to_string(std::get<1>(info.param));
+                         });
 INSTANTIATE_TEST_SUITE_P(SequenceParallelMlp, MemoryEstimate,
                          ::testing::Combine(::testing::Values(kMlp), ::testing::Values(8, 64)),
                          [](const auto& info) { return "T" + std::to_string(std::get<1>(info.param)); });

@@ -369,6 +369,35 @@ TEST(Rendezvous, AReduceScatterOfAGivenUpInputRejectsAnOutputInsideIt) {
   for (const std::string& e : errors) EXPECT_THAT(e, HasSubstr("out must not lie in the input given up"));
 }
 
+// An output shape without n·in elements is refused before anything moves, on the shared path and
+// on the rank's own.
+TEST(Rendezvous, AllGatherSharedRejectsAnOutputOfTheWrongSize) {
+  for (bool sharesMemory : {true, false}) {
+    constexpr int kRanks = 2;
+    world::Rendezvous rendezvous("sim", options(kRanks, 1));
+    auto transport = std::make_shared<RecordingTransport>(-1, sharesMemory);
+    std::vector<std::string> errors(kRanks);
+    try {
+      rendezvous.run(
+          [&](RankContext& ctx) {
+            Tensor in = ctx.compute.zeros({2}, DType::kFloat32);  // (2)
+            SharedTensor out;
+            try {
+              ctx.comm.allGatherShared(in, Shape{3}, ctx.compute, out)->wait();
+            } catch (const Error& e) {
+              errors[std::size_t(ctx.comm.rank())] = e.what();
+              throw;
+            }
+          },
+          computes(kRanks), transport);
+    } catch (const WorldError&) {
+    }
+    for (const std::string& e : errors)
+      EXPECT_THAT(e, HasSubstr("out must have n·in = 2·2 elements, got ")) << (sharesMemory ? "shared" : "own");
+    EXPECT_TRUE(transport->executed_.empty());
+  }
+}
+
 TEST(Rendezvous, OptionsErrorsNameTheWorld) {
   WorldOptions o;
   o.size = 0;

@@ -3,12 +3,13 @@
 # are not Debian packages: the gpu backend uses them when /usr/local/cuda (or CUDAToolkit_ROOT,
 # NCCL_ROOT) provides them, and is skipped otherwise. python3 to python3-pytest build and test the
 # Python module (tools/python/), against Debian's /usr/bin/python3; Open MPI (the last two) builds
-# and tests worlds spread over processes (mpi/, docs/distributed.md).
+# and tests worlds spread over processes (mpi/, docs/distributed.md); GNU time measures the peaks of
+# tools/memory_table.py.
 set -euo pipefail
 
 packages=(cmake ninja-build g++ libeigen3-dev libboost-program-options-dev libboost-context-dev
           libgtest-dev libgmock-dev librapidcheck-dev nlohmann-json3-dev python3
-          python3-dev pybind11-dev python3-numpy python3-pytest libopenmpi-dev openmpi-bin)
+          python3-dev pybind11-dev python3-numpy python3-pytest libopenmpi-dev openmpi-bin time)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

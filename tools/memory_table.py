@@ -5,21 +5,30 @@
 
 Runs `tpsim run` for each case (the README's commands and the shapes of docs/memory.md, or the
 CASEs given, each one string of flags) and prints, per case, the peak resident memory of that run
-alone (wait4's ru_maxrss), the run's own estimate and their ratio. The estimate is what `tpsim run`
-refuses above --max-memory: found to the byte by bisection over --max-memory, on runs that stop
-before allocating anything. --large adds the real model shapes, which need up to 12 GiB and minutes.
+alone (its ru_maxrss, from GNU time), the run's own estimate and their ratio. The estimate is what
+`tpsim run` refuses above --max-memory: found to the byte by bisection over --max-memory, on runs
+that stop before allocating anything or are stopped right after the check. --large adds the real
+model shapes, which need up to 12 GiB and minutes.
 """
 import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 CASES = [
-    # The README's commands.
+    # The README's commands (without --save; the 70B one is in LARGE).
+    "--layer column --tp 4 --sequence-parallel --bias --dtype bf16",
+    "--layer mlp --tp 2 --gtp-remat 2 --sequence-parallel --dtype bf16 --batch 4",
+    "--layer column --tp 2 --gtp-remat 2 --pad-for-alignment 32 --weight-format mxfp8 --dtype bf16 --batch 4 "
+    "--in-features 64 --out-features 96",
+    "--layer grouped-row --tp 2 --gtp-remat 2 --experts 3 --tokens 16 --bias --dtype bf16",
+    "--layer mlp --tp 8 --seq 512 --batch 4 --in-features 1024 --ffn-hidden 4096",
+    "--layer mlp --tp 4 --gtp-remat 2",
+    # docs/memory.md: small runs, the test's shape, then one of each kind.
     "--layer column --tp 4 --gtp-remat 2 --batch 2 --seq 8 --in-features 32 --out-features 64",
     "--layer mlp --tp 4 --batch 4 --seq 128 --in-features 256 --ffn-hidden 2048",
-    # docs/memory.md: the test's shape, then one of each kind.
     "--layer row --batch 16 --seq 64 --in-features 1024 --out-features 256 --tp 1",
     "--layer row --batch 16 --seq 64 --in-features 1024 --out-features 256 --tp 4",
     "--layer row --batch 16 --seq 64 --in-features 1024 --out-features 256 --tp 16",
@@ -50,13 +59,18 @@ LARGE = [
 
 
 def refused(tpsim, flags, limit):
-    """Whether `tpsim run FLAGS --max-memory LIMIT` refuses the run for its estimate."""
-    r = subprocess.run([tpsim, "run", *flags, "--max-memory", str(limit)], capture_output=True, text=True)
-    if "expected a run that fits in memory" in r.stderr:
+    """Whether `tpsim run FLAGS --max-memory LIMIT` refuses the run for its estimate. A run that
+    passes the check prints its header line next: it is stopped there."""
+    child = subprocess.Popen([tpsim, "run", *flags, "--max-memory", str(limit)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    if child.stdout.readline():
+        child.kill()
+        child.communicate()
+        return False
+    _, error = child.communicate()
+    if "expected a run that fits in memory" in error:
         return True
-    if r.returncode == 2:
-        sys.exit(f"memory_table.py: tpsim run {' '.join(flags)}: {r.stderr.strip()}")
-    return False
+    sys.exit(f"memory_table.py: tpsim run {' '.join(flags)} --max-memory {limit}: {error.strip()}")
 
 
 def estimate(tpsim, flags):
@@ -74,15 +88,19 @@ def estimate(tpsim, flags):
 
 
 def peak(tpsim, flags):
-    """Peak resident bytes and seconds of the run, which must pass."""
+    """Peak resident bytes and seconds of the run, which must pass.
+
+    GNU time forks the run and reports its ru_maxrss. A child this script forked itself would report
+    at least this Python's own resident memory (Linux keeps the high-water mark of the memory a
+    process had before exec), about 14 MiB, above the smallest runs' peaks."""
     start = time.monotonic()
-    with open(os.devnull, "w") as null:
-        child = subprocess.Popen([tpsim, "run", *flags, "--quiet"], stdout=null, stderr=subprocess.PIPE)
-        _, status, usage = os.wait4(child.pid, 0)
-        error = child.stderr.read().decode()
-    if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"memory_table.py: tpsim run {' '.join(flags)} failed ({status}): {error.strip()}")
-    return usage.ru_maxrss * 1024, time.monotonic() - start
+    with tempfile.NamedTemporaryFile("r") as report:
+        r = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", report.name, tpsim, "run", *flags, "--quiet"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if r.returncode != 0:
+            sys.exit(f"memory_table.py: tpsim run {' '.join(flags)} failed (exit {r.returncode}): {r.stderr.strip()}")
+        kib = int(report.read().split()[-1])
+    return kib * 1024, time.monotonic() - start
 
 
 def main():

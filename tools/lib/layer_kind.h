@@ -147,10 +147,14 @@ class LayerKind {
   virtual double stepIntermediates(const RunConfig&, const ShapeMap&) const { return 0; }
   virtual double referenceIntermediates(const RunConfig&, const ShapeMap&) const { return 0; }
   // Bytes the reference holds per parameter element: the parameter in double, the values and bounds
-  // of its gradients whole, the magnitudes behind them and the parameter's own (48); or nothing
-  // where it takes the weights and sends their gradients a block at a time (the blocks are its
-  // intermediates).
-  virtual double referenceBytesPerParameter() const { return 48; }
+  // of its gradients whole, the magnitudes behind them and the parameter's own (46, measured); or
+  // nothing where it takes the weights and sends their gradients a block at a time (the blocks are
+  // its intermediates).
+  virtual double referenceBytesPerParameter() const { return 46; }
+  // Bytes the reference holds per element of the input and of grad_output: each in double, the
+  // values and bounds of the results of their shapes, the magnitudes behind them, and the GEMMs'
+  // packed copies (42, measured).
+  virtual double referenceBytesPerActivation() const { return 42; }
   // What one rank holds of the run's input and of its gradient, and of grad_output and the output,
   // as a fraction of the whole: 1 where TP replicates it (the default, the most a rank can hold),
   // 1/T where TP splits it (the memory estimate's rank copies).

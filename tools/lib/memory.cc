@@ -33,7 +33,8 @@ std::optional<double> readNumber(const std::string& file) {
 // The sum of what holds memory at the peak, in bytes (docs/memory.md has the measurements). With X,
 // Y and W the input, output-gradient and parameter elements (Wp: with GTP_remat's pad rows), T ranks
 // and G GTP_remat peers:
-//   program    16 MiB + 256 KiB a rank: the binary, its libraries, the threads' and fibers' stacks
+//   program    9.5 MiB + 48 KiB a rank: the binary, its libraries, the threads' and fibers' stacks
+//              (measured on runs of a few KiB of tensors)
 //   inputs     the unsharded inputs in their dtypes (4 bytes an fp32 element, 8 a token id), held
 //              through the run and the verification
 // then the larger of the run's working set and the verification's (the run hands what its ranks
@@ -47,11 +48,11 @@ std::optional<double> readNumber(const std::string& file) {
 //              one gathered copy its group shares, or a reduce-scatter's sum and the ranks'
 //              partials not yet added to it (backends/collectives.h, allGatherShared and
 //              reduceScatterConsuming), whatever the number of ranks
-//   shards     (14 + 4m + 6(G - 1))Wp: each parameter's shard and gradient as backend tensors and
+//   shards     (14 + 4m + 3(G - 1))Wp: each parameter's shard and gradient as backend tensors and
 //              the gradient as the run keeps it (4 bytes each), the shard while it is cut (2,
 //              measured), main_grad (m: 1 under --grad-accumulation-fusion or GTP_remat), and under
-//              GTP_remat each rank's whole TP-local wgrad and its padded reduce-scatter buffers beside
-//              the gathered weight its group shares (6 an element a peer, measured)
+//              GTP_remat each rank's whole TP-local wgrad, which its reduce-scatter frees as it adds
+//              it up, beside the gathered weight its group shares (3 an element a peer, measured)
 //   step       8S: the kind's other per-rank intermediates (LayerKind::stepIntermediates, in doubles)
 //   packing    per thread that runs ranks, the gemms' packed operands (sim/gemm_driver.h), each at
 //              most 32 MiB: 8 bytes an element of the rank's largest left operand (its input or
@@ -59,11 +60,13 @@ std::optional<double> readNumber(const std::string& file) {
 //              (its weight as gathered, its input or intermediate); measured
 // or
 //   kept       4(T(fX·X + fY·Y) + Wp): the results as the ranks left them, which verify reads in place
-//   reference  52(X + Y) + pW + 16 min(2^20, max(X, Y, W)) + 8R: the input and grad_output in
+//   reference  a(X + Y) + pW + 16 min(2^20, max(X, Y, W)) + 8R: the input and grad_output in
 //              double, the dense results sent whole, their bounds and the magnitudes behind them
-//              (measured); the parameters' part p (LayerKind::referenceBytesPerParameter); the
-//              rows verify reads at a time; what the kind's reference holds at once besides
-//              (LayerKind::referenceIntermediates, in doubles)
+//              (a: LayerKind::referenceBytesPerActivation, measured); the parameters' part p
+//              (LayerKind::referenceBytesPerParameter); the rows verify reads at a time; what the
+//              kind's reference holds at once besides (LayerKind::referenceIntermediates, in doubles)
+// and 5% of all that, at most 16 MiB: freed blocks the heap's arenas keep resident, between live ones
+// and below their trim thresholds (measured).
 double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode verify) {
   const double T = c.tp, G = c.gtpRemat;
   const double x = numel(shapes, "input"), y = numel(shapes, "grad_output");
@@ -84,7 +87,7 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
     const double padRows = double(slices) * double(gtpRematShardDim0(rows / slices, c.gtpRemat, c.padForAlignment).padLength);
     held += padRows * (n / double(rows));
   }
-  const double program = 16.0 * (1 << 20) + 256.0 * 1024 * T * G;
+  const double program = 9.5 * (1 << 20) + 48.0 * 1024 * T * G;
   double inputs = 0;
   for (const TensorSpec& t : c.layer->tensors(c))
     inputs += double(dtypeSize(t.idRange.empty() ? c.dtype : DType::kInt64)) * numel(shapes, t.name);
@@ -97,7 +100,7 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   const double whole = heldWhole(share.input, x) + heldWhole(share.output, y);
   const double copies = 13 * T * (share.input * x + share.output * y) + 8 * whole;
   const bool mainGrad = c.gradAccumulationFusion || c.gtpRemat > 1;
-  const double shards = (14 + (mainGrad ? 4 : 0) + 6 * (G - 1)) * held;
+  const double shards = (14 + (mainGrad ? 4 : 0) + 3 * (G - 1)) * held;
   const double step = 8 * c.layer->stepIntermediates(c, shapes);
   const double hidden = c.layer->stepIntermediates(c, shapes) / 2 / (T * G);
   const double xs = seen(share.input, x), ys = seen(share.output, y);
@@ -111,10 +114,12 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   const double kept = 4 * (T * (share.input * x + share.output * y) + held);
   const double reference = verify == VerifyMode::kNone
                                ? 0
-                               : kept + 52 * (x + y) + c.layer->referenceBytesPerParameter() * w +
+                               : kept + c.layer->referenceBytesPerActivation() * (x + y) +
+                                     c.layer->referenceBytesPerParameter() * w +
                                      16 * std::min(double(1 << 20), std::max({x, y, w})) +
                                      8 * c.layer->referenceIntermediates(c, shapes);
-  return program + inputs + stacked + std::max(copies + shards + step + packing, reference);
+  const double live = inputs + stacked + std::max(copies + shards + step + packing, reference);
+  return program + live + std::min(0.05 * live, 16.0 * (1 << 20));
 }
 
 std::optional<AvailableMemory> availableMemory() {

@@ -88,11 +88,6 @@ class EmbeddingKind final : public LayerKind {
   DType gtpWireDtype(const RunConfig& c) const override { return c.dtype; }
   // A repeated id sums up to b·s gradient rows.
   std::int64_t longestSum(const RunConfig& c) const override { return c.seq * c.batch; }
-  // The reference sums the weight's gradient and its magnitudes densely (dW, adW) before checking them.
-  double referenceIntermediates(const RunConfig&, const ShapeMap& shapes) const override {
-    const auto w = shapes.find("weight");
-    return w == shapes.end() || w->second.size() != 2 ? 0 : 2 * double(w->second[0]) * double(w->second[1]);
-  }
   // Every rank holds the token ids, and the output whole unless reduce-scattered.
   RankShare rankShare(const RunConfig& c) const override {
     return {1.0, c.reduceScatterEmbeddings ? 1.0 / double(c.tp) : 1.0};

@@ -140,6 +140,9 @@ class GroupedKind final : public LayerKind {
     const double split = 1.0 / double(c.tp);
     return mode_ == GroupedParallelMode::kColumn ? RankShare{1.0, split} : RankShare{split, 1.0};
   }
+  // The reference's GEMMs are one expert's at a time: it packs and bounds one expert's operands, not
+  // the whole input's (32, measured).
+  double referenceBytesPerActivation() const override { return 32; }
   // The experts' weights and biases are saved as one key each, expert i at index i of its leading axis.
   CheckpointSlot checkpointSlot(const std::string& parameter) const override {
     const std::size_t digits = parameter.find_first_of("0123456789");

@@ -128,7 +128,7 @@ class MlpKind final : public LayerKind {
     const double block = std::min(h, std::max(double(ReferenceOptions().mlpBlockElements), 256 * tokens));
     const auto in = shapes.find("input");
     const double features = in == shapes.end() || in->second.empty() ? 0 : double(in->second.back());
-    return 13 * block + 7 * features * (tokens > 0 ? block / tokens : 0);
+    return 11 * block + 7 * features * (tokens > 0 ? block / tokens : 0);
   }
   double referenceBytesPerParameter() const override { return 0; }
   std::unique_ptr<LayerModules> build(const LayerContext& lc, const ModelParallelConfig& mp,
