@@ -56,6 +56,8 @@ LARGE = [
     "--layer mlp --batch 2 --seq 4096 --in-features 4096 --ffn-hidden 14336 --sequence-parallel --tp 8 --gtp-remat 2",
     "--layer mlp --batch 1 --seq 4096 --in-features 8192 --ffn-hidden 28672 --sequence-parallel --tp 8",
 ]
+# Measures each run's peak (peak() says why not this script itself).
+GNU_TIME = "/usr/bin/time"
 
 
 def refused(tpsim, flags, limit):
@@ -95,7 +97,7 @@ def peak(tpsim, flags):
     process had before exec), about 14 MiB, above the smallest runs' peaks."""
     start = time.monotonic()
     with tempfile.NamedTemporaryFile("r") as report:
-        r = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", report.name, tpsim, "run", *flags, "--quiet"],
+        r = subprocess.run([GNU_TIME, "-f", "%M", "-o", report.name, tpsim, "run", *flags, "--quiet"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if r.returncode != 0:
             sys.exit(f"memory_table.py: tpsim run {' '.join(flags)} failed (exit {r.returncode}): {r.stderr.strip()}")
@@ -109,6 +111,9 @@ def main():
     parser.add_argument("--large", action="store_true", help="add the real model shapes")
     parser.add_argument("cases", nargs="*", help="flags of tpsim run, one string a case")
     args = parser.parse_args()
+    if not os.access(GNU_TIME, os.X_OK):
+        sys.exit(f"memory_table.py: expected GNU time at {GNU_TIME}, which measures the peaks; got none "
+                 "(Debian: apt-get install time, or tools/install_deps.sh)")
     cases = args.cases or CASES + (LARGE if args.large else [])
     mib = 1 << 20
     print(f"| flags | peak MiB | estimate MiB | estimate / peak | seconds |")
