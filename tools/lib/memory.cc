@@ -8,6 +8,7 @@
 
 #include "backends/errors.h"
 #include "core/gtp.h"
+#include "tpsim_config.h"
 
 namespace tpsim::tools {
 namespace {
@@ -33,8 +34,9 @@ std::optional<double> readNumber(const std::string& file) {
 // The sum of what holds memory at the peak, in bytes (docs/memory.md has the measurements). With X,
 // Y and W the input, output-gradient and parameter elements (Wp: with GTP_remat's pad rows), T ranks
 // and G GTP_remat peers:
-//   program    9.5 MiB + 48 KiB a rank: the binary, its libraries, the threads' and fibers' stacks
-//              (measured on runs of a few KiB of tensors)
+//   program    9.5 MiB + 48 KiB a rank (11.25 MiB + 48 KiB where the gpu backend is built): the
+//              binary, its libraries, the threads' and fibers' stacks (measured on runs of a few KiB
+//              of tensors)
 //   inputs     the unsharded inputs in their dtypes (4 bytes an fp32 element, 8 a token id), held
 //              through the run and the verification
 // then the larger of the run's working set and the verification's (the run hands what its ranks
@@ -87,7 +89,8 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
     const double padRows = double(slices) * double(gtpRematShardDim0(rows / slices, c.gtpRemat, c.padForAlignment).padLength);
     held += padRows * (n / double(rows));
   }
-  const double program = 9.5 * (1 << 20) + 48.0 * 1024 * T * G;
+  // The CUDA runtime and NCCL, where the build links them, hold 1.75 MiB more from the start.
+  const double program = (TPSIM_HAVE_GPU ? 11.25 : 9.5) * (1 << 20) + 48.0 * 1024 * T * G;
   double inputs = 0;
   for (const TensorSpec& t : c.layer->tensors(c))
     inputs += double(dtypeSize(t.idRange.empty() ? c.dtype : DType::kInt64)) * numel(shapes, t.name);
