@@ -176,6 +176,131 @@ __attribute__((target("avx512f"))) void geluBackward16(const float* x, const flo
   }
 }
 
+#define TPSIM_AVX2 __attribute__((target("avx2,fma"), always_inline)) inline
+
+// The same two functions on 8 lanes of AVX2: masks are lanes of all ones, the table is gathered.
+// (Names differ from the AVX-512 ones: same-named functions of two targets would be multiversioned.)
+// expf on 4 lanes widened to double; every lane's |x| < 88.
+TPSIM_AVX2 __m128 exp4(__m128 x) {
+  const __m256d invLn2N = _mm256_set1_pd(kInvLn2N), shift = _mm256_set1_pd(kShift);
+  const __m256d xd = _mm256_cvtps_pd(x);
+  __m256d kd = _mm256_fmadd_pd(invLn2N, xd, shift);
+  const __m256i ki = _mm256_castpd_si256(kd);
+  kd = _mm256_sub_pd(kd, shift);
+  const __m256d r = _mm256_fmsub_pd(invLn2N, xd, kd);
+  const __m256i entry = _mm256_i64gather_epi64(reinterpret_cast<const long long*>(kExp2Table),
+                                               _mm256_and_si256(ki, _mm256_set1_epi64x(31)), 8);
+  const __m256i t = _mm256_add_epi64(entry, _mm256_slli_epi64(ki, 47));
+  const __m256d z = _mm256_fmadd_pd(_mm256_set1_pd(kC0), r, _mm256_set1_pd(kC1));
+  const __m256d r2 = _mm256_mul_pd(r, r);
+  __m256d y = _mm256_fmadd_pd(r, _mm256_set1_pd(kC2), _mm256_set1_pd(1.0));
+  y = _mm256_fmadd_pd(z, r2, y);
+  return _mm256_cvtpd_ps(_mm256_mul_pd(y, _mm256_castsi256_pd(t)));
+}
+
+TPSIM_AVX2 __m256 exp8Avx2(__m256 x) {
+  return _mm256_set_m128(exp4(_mm256_extractf128_ps(x, 1)), exp4(_mm256_castps256_ps128(x)));
+}
+
+TPSIM_AVX2 __m256i below8(__m256i ix, int bound) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(bound), ix); }
+TPSIM_AVX2 bool any8(__m256i mask) { return !_mm256_testz_si256(mask, mask); }
+TPSIM_AVX2 __m256 where8(__m256i mask, __m256 v, __m256 otherwise) {
+  return _mm256_blendv_ps(otherwise, v, _mm256_castsi256_ps(mask));
+}
+
+TPSIM_AVX2 __m256i expOutside8(__m256 x) {
+  const __m256i top = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 20), _mm256_set1_epi32(0x7ff));
+  return _mm256_cmpgt_epi32(top, _mm256_set1_epi32(0x42a));
+}
+
+TPSIM_AVX2 __m256 withSignOf8(__m256 v, __m256i signBits) {
+  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(v), signBits));
+}
+
+// erf16's branches on 8 lanes. *libmLanes: the lanes left to libm, a bit each.
+TPSIM_AVX2 __m256 erf8(__m256 x, int* libmLanes) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i ix = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+  const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(int(0x80000000u)));
+  const __m256 ax = _mm256_castsi256_ps(ix), one = _mm256_set1_ps(1.f);
+  const __m256i tiny = below8(ix, 0x31800000), belowB = below8(ix, 0x3f580000), belowC = below8(ix, 0x3fa00000);
+  const __m256i belowD = below8(ix, 0x4036DB6E), belowE = below8(ix, 0x40c00000), finite = below8(ix, 0x7f800000);
+  const __m256i a = _mm256_andnot_si256(tiny, belowB), b = _mm256_andnot_si256(belowB, belowC);
+  const __m256i cd = _mm256_andnot_si256(belowC, belowE), e = _mm256_andnot_si256(belowE, finite);
+  const __m256i vector = _mm256_or_si256(_mm256_or_si256(a, b), _mm256_or_si256(cd, e));
+  *libmLanes = ~_mm256_movemask_ps(_mm256_castsi256_ps(vector)) & 0xff;
+  __m256 result = _mm256_setzero_ps();
+  if (any8(a)) {
+    const __m256 z = _mm256_mul_ps(x, x);
+    __m256 r = _mm256_set1_ps(kPp[4]), s = _mm256_set1_ps(kQq[4]);
+    for (int i = 3; i >= 0; --i) r = _mm256_add_ps(_mm256_set1_ps(kPp[i]), _mm256_mul_ps(z, r));
+    for (int i = 3; i >= 0; --i) s = _mm256_add_ps(_mm256_set1_ps(kQq[i]), _mm256_mul_ps(z, s));
+    s = _mm256_add_ps(one, _mm256_mul_ps(z, s));
+    result = where8(a, _mm256_add_ps(x, _mm256_mul_ps(x, _mm256_div_ps(r, s))), result);
+  }
+  if (any8(b)) {
+    const __m256 s = _mm256_sub_ps(ax, one);
+    __m256 p = _mm256_set1_ps(kPa[6]), q = _mm256_set1_ps(kQa[5]);
+    for (int i = 5; i >= 0; --i) p = _mm256_add_ps(_mm256_set1_ps(kPa[i]), _mm256_mul_ps(s, p));
+    for (int i = 4; i >= 0; --i) q = _mm256_add_ps(_mm256_set1_ps(kQa[i]), _mm256_mul_ps(s, q));
+    q = _mm256_add_ps(one, _mm256_mul_ps(s, q));
+    const __m256 v = _mm256_add_ps(_mm256_set1_ps(kErx), _mm256_div_ps(p, q));
+    result = where8(b, withSignOf8(v, sign), result);
+  }
+  if (any8(cd)) {
+    const __m256i far = _mm256_xor_si256(belowD, _mm256_set1_epi32(-1));
+    const __m256 s = _mm256_div_ps(one, _mm256_mul_ps(x, x));
+    __m256 r = where8(far, _mm256_set1_ps(kRb[7]), _mm256_set1_ps(kRa[7]));
+    __m256 q = where8(far, _mm256_set1_ps(kSb[7]), _mm256_set1_ps(kSa[7]));
+    for (int i = 6; i >= 0; --i) {
+      r = _mm256_add_ps(where8(far, _mm256_set1_ps(kRb[i]), _mm256_set1_ps(kRa[i])), _mm256_mul_ps(s, r));
+      q = _mm256_add_ps(where8(far, _mm256_set1_ps(kSb[i]), _mm256_set1_ps(kSa[i])), _mm256_mul_ps(s, q));
+    }
+    q = _mm256_add_ps(one, _mm256_mul_ps(s, q));
+    const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(ix, _mm256_set1_epi32(int(0xfffff000u))));
+    const __m256 e1 =
+        exp8Avx2(_mm256_sub_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), z), z), _mm256_set1_ps(0.5625f)));
+    const __m256 e2 =
+        exp8Avx2(_mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(z, ax), _mm256_add_ps(z, ax)), _mm256_div_ps(r, q)));
+    const __m256 v = _mm256_sub_ps(one, _mm256_div_ps(_mm256_mul_ps(e1, e2), ax));
+    result = where8(cd, withSignOf8(v, sign), result);
+  }
+  if (any8(e)) {
+    const __m256 v = _mm256_sub_ps(one, _mm256_set1_ps(1e-30f));
+    result = where8(e, withSignOf8(v, sign), result);
+  }
+  return result;
+}
+
+__attribute__((target("avx2,fma"))) void gelu8(const float* x, float* y, std::int64_t n) {
+  const __m256 sqrtHalf = _mm256_set1_ps(kGeluSqrtHalf), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.f);
+  for (std::int64_t i = 0; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    int libm;
+    const __m256 erf = erf8(_mm256_mul_ps(v, sqrtHalf), &libm);
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(v, half), _mm256_add_ps(one, erf)));
+    for (int l = 0; libm; ++l, libm >>= 1)
+      if (libm & 1) y[i + l] = geluOf(x[i + l]);
+  }
+}
+
+__attribute__((target("avx2,fma"))) void geluBackward8(const float* x, const float* dy, float* dx, std::int64_t n) {
+  const __m256 sqrtHalf = _mm256_set1_ps(kGeluSqrtHalf), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.f);
+  const __m256 minusHalf = _mm256_set1_ps(-0.5f), invSqrt2Pi = _mm256_set1_ps(kGeluInvSqrt2Pi);
+  for (std::int64_t i = 0; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    int libm;
+    const __m256 cdf = _mm256_mul_ps(half, _mm256_add_ps(one, erf8(_mm256_mul_ps(v, sqrtHalf), &libm)));
+    const __m256 arg = _mm256_mul_ps(_mm256_mul_ps(minusHalf, v), v);
+    libm |= _mm256_movemask_ps(_mm256_castsi256_ps(expOutside8(arg)));
+    const __m256 pdf = _mm256_mul_ps(exp8Avx2(arg), invSqrt2Pi);
+    const __m256 d = _mm256_mul_ps(_mm256_loadu_ps(dy + i), _mm256_add_ps(cdf, _mm256_mul_ps(v, pdf)));
+    _mm256_storeu_ps(dx + i, d);
+    for (int l = 0; libm; ++l, libm >>= 1)
+      if (libm & 1) dx[i + l] = geluBackwardOf(x[i + l], dy[i + l]);
+  }
+}
+
 // Every branch of both functions and their edges: a spread of float bit patterns over the
 // magnitudes GeLU reaches (with both signs, so erf's arguments cover all its ranges and exp's
 // reach past -88), the branch bounds and their neighbours, and the special values.
@@ -199,17 +324,17 @@ std::vector<float> probeInputs() {
       in.push_back(t * 1.41421356f);
     }
   for (float v : {0.f, -1e-30f, 1e-38f, 3.f, 13.3f, 13.4f, 14.f, 1e30f, INFINITY, -INFINITY, NAN}) in.push_back(v);
-  while (in.size() % 16) in.push_back(1.f);
+  while (in.size() % 16) in.push_back(1.f);  // whole vectors of either width
   return in;
 }
 
-bool probeMatches(float (*gelu)(float), float (*backward)(float, float)) {
+bool probeMatches(GeluIsa isa, float (*gelu)(float), float (*backward)(float, float)) {
   const std::vector<float> in = probeInputs();
   const std::int64_t n = std::int64_t(in.size());
   std::vector<float> dy(in.size()), y(in.size()), dx(in.size());
   for (std::size_t i = 0; i < in.size(); ++i) dy[i] = 1.f + float(i % 7) * 0.25f;
-  gelu16(in.data(), y.data(), n);
-  geluBackward16(in.data(), dy.data(), dx.data(), n);
+  vectorGelu(isa, in.data(), y.data(), n);
+  vectorGeluBackward(isa, in.data(), dy.data(), dx.data(), n);
   // A NaN's sign and payload follow the compiler's operand order, not the formula: any NaN will do.
   auto same = [](float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0 || (std::isnan(a) && std::isnan(b)); };
   for (std::size_t i = 0; i < in.size(); ++i)
@@ -220,35 +345,53 @@ bool probeMatches(float (*gelu)(float), float (*backward)(float, float)) {
 
 }  // namespace
 
-bool vectorGeluRuns() {
+const char* geluIsaName(GeluIsa isa) { return isa == GeluIsa::kAvx512 ? "avx512" : "avx2"; }
+
+bool geluIsaRuns([[maybe_unused]] GeluIsa isa) {
 #if defined(__x86_64__)
-  static const bool runs = __builtin_cpu_supports("avx512f") && vectorGeluMatches(geluOf, geluBackwardOf);
-  return runs;
+  if (isa == GeluIsa::kAvx512) return __builtin_cpu_supports("avx512f");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #else
   return false;
 #endif
 }
 
-bool vectorGeluMatches([[maybe_unused]] float (*gelu)(float), [[maybe_unused]] float (*backward)(float, float)) {
+std::optional<GeluIsa> vectorGeluIsa() {
+  static const std::optional<GeluIsa> chosen = []() -> std::optional<GeluIsa> {
+    for (GeluIsa isa : {GeluIsa::kAvx512, GeluIsa::kAvx2})
+      if (geluIsaRuns(isa) && vectorGeluMatches(isa, geluOf, geluBackwardOf)) return isa;
+    return std::nullopt;
+  }();
+  return chosen;
+}
+
+bool vectorGeluMatches([[maybe_unused]] GeluIsa isa, [[maybe_unused]] float (*gelu)(float),
+                       [[maybe_unused]] float (*backward)(float, float)) {
 #if defined(__x86_64__)
-  return probeMatches(gelu, backward);
+  return probeMatches(isa, gelu, backward);
 #else
   return false;
 #endif
 }
 
-void vectorGelu(const float* x, float* y, std::int64_t n) {
-  const std::int64_t whole = n / 16 * 16;
+void vectorGelu([[maybe_unused]] GeluIsa isa, const float* x, float* y, std::int64_t n) {
+  std::int64_t whole = 0;
 #if defined(__x86_64__)
-  gelu16(x, y, whole);
+  const std::int64_t lanes = isa == GeluIsa::kAvx512 ? 16 : 8;
+  whole = n / lanes * lanes;
+  if (isa == GeluIsa::kAvx512) gelu16(x, y, whole);
+  else gelu8(x, y, whole);
 #endif
   for (std::int64_t i = whole; i < n; ++i) y[i] = geluOf(x[i]);
 }
 
-void vectorGeluBackward(const float* x, const float* dy, float* dx, std::int64_t n) {
-  const std::int64_t whole = n / 16 * 16;
+void vectorGeluBackward([[maybe_unused]] GeluIsa isa, const float* x, const float* dy, float* dx, std::int64_t n) {
+  std::int64_t whole = 0;
 #if defined(__x86_64__)
-  geluBackward16(x, dy, dx, whole);
+  const std::int64_t lanes = isa == GeluIsa::kAvx512 ? 16 : 8;
+  whole = n / lanes * lanes;
+  if (isa == GeluIsa::kAvx512) geluBackward16(x, dy, dx, whole);
+  else geluBackward8(x, dy, dx, whole);
 #endif
   for (std::int64_t i = whole; i < n; ++i) dx[i] = geluBackwardOf(x[i], dy[i]);
 }

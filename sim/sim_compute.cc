@@ -489,7 +489,7 @@ void SimCompute::gelu(ConstView x, View y) {
   if (denseFp32(x, y)) {
     const float* xp = x.typed<float>();
     float* yp = y.typed<float>();
-    if (vectorGeluRuns()) return vectorGelu(xp, yp, x.numel());
+    if (const auto isa = vectorGeluIsa()) return vectorGelu(*isa, xp, yp, x.numel());
     for (std::int64_t i = 0, n = x.numel(); i < n; ++i) yp[i] = geluOf(xp[i]);
     return;
   }
@@ -507,7 +507,7 @@ void SimCompute::geluBackward(ConstView x, ConstView dy, View dx) {
   if (denseFp32(x, dy, dx)) {
     const float *xp = x.typed<float>(), *dyp = dy.typed<float>();
     float* dxp = dx.typed<float>();
-    if (vectorGeluRuns()) return vectorGeluBackward(xp, dyp, dxp, x.numel());
+    if (const auto isa = vectorGeluIsa()) return vectorGeluBackward(*isa, xp, dyp, dxp, x.numel());
     for (std::int64_t i = 0, n = x.numel(); i < n; ++i) dxp[i] = geluBackwardOf(xp[i], dyp[i]);
     return;
   }

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace tpsim::sim {
@@ -45,24 +46,31 @@ std::vector<float> inputs() {
     }
   const float inf = std::numeric_limits<float>::infinity();
   for (float v : {0.f, -0.f, 1e-45f, 13.31f, 13.32f, 14.5f, 1e30f, inf, -inf, std::nanf("")}) x.push_back(v);
-  x.resize(x.size() / 16 * 16 + 7, 0.5f);  // a tail the 16 lanes leave to the scalar loop
+  x.resize(x.size() / 16 * 16 + 7, 0.5f);  // a tail either width leaves to the scalar loop
   return x;
 }
 
-TEST(VectorGelu, MatchesTheScalarFormulaBitForBit) {
-  if (!vectorGeluRuns()) GTEST_SKIP() << "no AVX-512, or this libm's erff/expf are not the ported ones";
+// Each instruction set the core runs, whichever vectorGeluIsa() picks: an AVX-512 core checks
+// the AVX2 loops too.
+class VectorGelu : public ::testing::TestWithParam<GeluIsa> {
+ protected:
+  void SetUp() override {
+    if (!geluIsaRuns(GetParam())) GTEST_SKIP() << "this core lacks " << geluIsaName(GetParam());
+  }
+};
+
+TEST_P(VectorGelu, MatchesTheScalarFormulaBitForBit) {
   const std::vector<float> x = inputs();
   std::vector<float> y(x.size());
-  vectorGelu(x.data(), y.data(), std::int64_t(x.size()));
+  vectorGelu(GetParam(), x.data(), y.data(), std::int64_t(x.size()));
   for (std::size_t i = 0; i < x.size(); ++i) ASSERT_TRUE(sameFloat(y[i], geluOf(x[i]), x[i])) << "index " << i;
 }
 
-TEST(VectorGelu, BackwardMatchesTheScalarFormulaBitForBit) {
-  if (!vectorGeluRuns()) GTEST_SKIP() << "no AVX-512, or this libm's erff/expf are not the ported ones";
+TEST_P(VectorGelu, BackwardMatchesTheScalarFormulaBitForBit) {
   const std::vector<float> x = inputs();
   std::vector<float> dy(x.size()), dx(x.size());
   for (std::size_t i = 0; i < x.size(); ++i) dy[i] = 0.75f + float(i % 5) * 0.5f - (i % 3 == 0 ? 2.f : 0.f);
-  vectorGeluBackward(x.data(), dy.data(), dx.data(), std::int64_t(x.size()));
+  vectorGeluBackward(GetParam(), x.data(), dy.data(), dx.data(), std::int64_t(x.size()));
   for (std::size_t i = 0; i < x.size(); ++i)
     ASSERT_TRUE(sameFloat(dx[i], geluBackwardOf(x[i], dy[i]), x[i])) << "index " << i;
 }
@@ -77,11 +85,28 @@ float backwardOneUlpOff(float v, float dy) {
   return v == -1e-30f ? std::nextafter(dx, 0.f) : dx;
 }
 
-TEST(VectorGelu, ProbeRejectsALibmThatRoundsOneValueDifferently) {
-  if (!vectorGeluRuns()) GTEST_SKIP() << "no AVX-512, or this libm's erff/expf are not the ported ones";
-  EXPECT_TRUE(vectorGeluMatches(geluOf, geluBackwardOf));
-  EXPECT_FALSE(vectorGeluMatches(geluOneUlpOff, geluBackwardOf));
-  EXPECT_FALSE(vectorGeluMatches(geluOf, backwardOneUlpOff));
+TEST_P(VectorGelu, ProbeRejectsALibmThatRoundsOneValueDifferently) {
+  EXPECT_TRUE(vectorGeluMatches(GetParam(), geluOf, geluBackwardOf));
+  EXPECT_FALSE(vectorGeluMatches(GetParam(), geluOneUlpOff, geluBackwardOf));
+  EXPECT_FALSE(vectorGeluMatches(GetParam(), geluOf, backwardOneUlpOff));
+}
+
+INSTANTIATE_TEST_SUITE_P(Isa, VectorGelu, ::testing::Values(GeluIsa::kAvx512, GeluIsa::kAvx2),
+                         [](const ::testing::TestParamInfo<GeluIsa>& info) { return geluIsaName(info.param); });
+
+// SimCompute takes the widest set that runs and passes the probe; with AVX2 and FMA (every x86-64
+// core these builds target in practice) one is taken, as this process's libm is glibc's.
+TEST(VectorGeluIsa, PicksTheWidestInstructionSetThatRuns) {
+  const std::optional<GeluIsa> isa = vectorGeluIsa();
+  if (geluIsaRuns(GeluIsa::kAvx512)) {
+    ASSERT_TRUE(isa.has_value());
+    EXPECT_EQ(*isa, GeluIsa::kAvx512);
+  } else if (geluIsaRuns(GeluIsa::kAvx2)) {
+    ASSERT_TRUE(isa.has_value());
+    EXPECT_EQ(*isa, GeluIsa::kAvx2);
+  } else {
+    EXPECT_FALSE(isa.has_value());
+  }
 }
 
 }  // namespace

@@ -38,6 +38,7 @@
 #include "backends/world/fiber.h"
 #include "core/layers.h"
 #include "sim/dgemm.h"
+#include "sim/gelu.h"
 #include "sim/sgemm.h"
 #include "sim/sim_compute.h"
 #include "sim/upper_gemm_bf16.h"
@@ -556,6 +557,9 @@ void benchMlp(const BenchConfig& c) {
               c.mlpReps);
   std::printf("# eigen: the unsharded block, Eigen's GEMMs tiled over the same threads (SimCompute::gemm),\n");
   std::printf("# GeLU and bias on one thread; sim: min(T, threads) threads run ranks, the rest share GEMM tiles\n");
+  const std::optional<sim::GeluIsa> geluIsa = sim::vectorGeluIsa();
+  std::printf("# sim's kernels: GEMM %s, GeLU %s\n", sim::gemmKernelName(sim::bestGemmKernel()),
+              geluIsa ? sim::geluIsaName(*geluIsa) : "scalar (libm's erff and expf per element)");
   // A core's FMA rate is its clock x FMA pipes x lanes x 2 flops; the chains measure that product
   // directly, on every core the block uses at once (a core may clock lower when all are busy).
   if (peak.gflops > 0)
