@@ -49,6 +49,23 @@ CASES = [
     "--layer mlp --batch 2 --seq 256 --in-features 512 --ffn-hidden 4096 --sequence-parallel --tp 64",
     "--layer grouped-column --tokens 4096 --experts 4 --in-features 512 --out-features 1024 --tp 4",
     "--layer grouped-row --tokens 4096 --experts 4 --in-features 1024 --out-features 512 --tp 4",
+    # bf16 and gradient-accumulation fusion (wgrads added into fp32 or bf16 main_grad).
+    "--layer mlp --batch 4 --seq 512 --in-features 1024 --ffn-hidden 4096 --sequence-parallel --tp 4 --dtype bf16",
+    "--layer mlp --batch 4 --seq 512 --in-features 1024 --ffn-hidden 4096 --sequence-parallel --tp 4 "
+    "--grad-accumulation-fusion",
+    "--layer mlp --batch 4 --seq 512 --in-features 1024 --ffn-hidden 4096 --sequence-parallel --tp 4 --dtype bf16 "
+    "--grad-accumulation-fusion",
+    "--layer mlp --batch 1 --seq 1024 --in-features 2048 --ffn-hidden 7168 --sequence-parallel --tp 8 --dtype bf16",
+    "--layer row --batch 16 --seq 64 --in-features 1024 --out-features 256 --tp 4 --dtype bf16",
+    "--layer row --batch 16 --seq 64 --in-features 1024 --out-features 256 --tp 4 --dtype bf16 "
+    "--grad-accumulation-fusion --main-grad-dtype bf16",
+    "--layer column --batch 4 --seq 256 --in-features 1024 --out-features 1024 --tp 4 --dtype bf16 "
+    "--grad-accumulation-fusion",
+    "--layer column --batch 4 --seq 256 --in-features 1024 --out-features 1024 --tp 4 --gtp-remat 2 --dtype bf16",
+    "--layer embedding --vocab 8192 --out-features 512 --batch 4 --seq 256 --tp 4 --dtype bf16",
+    "--layer grouped-column --tokens 4096 --experts 4 --in-features 512 --out-features 1024 --tp 4 --dtype bf16",
+    "--layer grouped-row --tokens 4096 --experts 4 --in-features 1024 --out-features 512 --tp 4 --dtype bf16 "
+    "--grad-accumulation-fusion",
 ]
 LARGE = [
     # Llama-3-8B's MLP, then Llama-3-70B's.

@@ -8,6 +8,7 @@
 
 #include "backends/errors.h"
 #include "core/gtp.h"
+#include "sim/upper_gemm_bf16.h"
 #include "tpsim_config.h"
 
 namespace tpsim::tools {
@@ -61,12 +62,17 @@ std::optional<double> readNumber(const std::string& file) {
 //              output, as gathered, or its (tokens, F/T) intermediate) and of its largest right one
 //              (its weight as gathered, its input or intermediate); measured
 // or
-//   kept       4(T(fX·X + fY·Y) + Wp): the results as the ranks left them, which verify reads in place
-//   reference  a(X + Y) + pW + 16 min(2^20, max(X, Y, W)) + 8R: the input and grad_output in
-//              double, the dense results sent whole, their bounds and the magnitudes behind them
-//              (a: LayerKind::referenceBytesPerActivation, measured); the parameters' part p
-//              (LayerKind::referenceBytesPerParameter); the rows verify reads at a time; what the
-//              kind's reference holds at once besides (LayerKind::referenceIntermediates, in doubles)
+//   kept       d·T(fX·X + fY·Y) + g·Wp: the results as the ranks left them, which verify reads in
+//              place, d bytes an element of the run's dtype and g of the wgrads' (main_grad's under
+//              --grad-accumulation-fusion)
+//   reference  a(X + Y) + pW + 16 min(2^20, max(X, Y, W)) + 8R (+ 4 min(2^23, max(X, Y, W))): the
+//              input and grad_output in double, the dense results sent whole, their bounds and the
+//              magnitudes behind them (a: LayerKind::referenceBytesPerActivation, measured); the
+//              parameters' part p (LayerKind::referenceBytesPerParameter); the rows verify reads at a
+//              time; what the kind's reference holds at once besides
+//              (LayerKind::referenceIntermediates, in doubles); on cores without AVX512-BF16, the
+//              bounds' products pack their two operands as floats, 2 bytes an element more than
+//              bf16 pairs (a and p were measured with bf16), at most 32 MiB more (measured)
 // and 5% of all that, at most 16 MiB: freed blocks the heap's arenas keep resident, between live ones
 // and below their trim thresholds (measured).
 double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode verify) {
@@ -114,13 +120,16 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
                                     std::min(8 * std::max({held / T, xs, hidden}), packedLimit));
   // input.grad is (T, s, b, K): kept, and in the reference
   const double stacked = c.disableGradReduce ? 24 * T * x : 0;
-  const double kept = 4 * (T * (share.input * x + share.output * y) + held);
+  const double activationBytes = double(dtypeSize(c.dtype));
+  const double gradBytes = double(dtypeSize(c.gradAccumulationFusion ? c.mainGradDtype : c.dtype));
+  const double kept = activationBytes * T * (share.input * x + share.output * y) + gradBytes * held;
+  const double floatMagnitudePacking = sim::upperGemmBf16Runs() ? 0 : 4 * std::min(double(1 << 23), std::max({x, y, w}));
   const double reference = verify == VerifyMode::kNone
                                ? 0
                                : kept + c.layer->referenceBytesPerActivation() * (x + y) +
                                      c.layer->referenceBytesPerParameter() * w +
                                      16 * std::min(double(1 << 20), std::max({x, y, w})) +
-                                     8 * c.layer->referenceIntermediates(c, shapes);
+                                     8 * c.layer->referenceIntermediates(c, shapes) + floatMagnitudePacking;
   const double live = inputs + stacked + std::max(copies + shards + step + packing, reference);
   return program + live + std::min(0.05 * live, 16.0 * (1 << 20));
 }
