@@ -5,11 +5,19 @@
 # Python module (tools/python/), against Debian's /usr/bin/python3; Open MPI (the last two) builds
 # and tests worlds spread over processes (mpi/, docs/distributed.md); GNU time measures the peaks of
 # tools/memory_table.py.
+#   tools/install_deps.sh           what tpsim builds with
+#   tools/install_deps.sh --tests   and Slurm (slurm-wlm, with munge), which tests/mpi/srun_test.sh
+#                                   starts a one-node cluster of to launch tpsim with srun
 set -euo pipefail
 
 packages=(cmake ninja-build g++ libeigen3-dev libboost-program-options-dev libboost-context-dev
           libgtest-dev libgmock-dev librapidcheck-dev nlohmann-json3-dev python3
           python3-dev pybind11-dev python3-numpy python3-pytest libopenmpi-dev openmpi-bin time)
+case "${1:-}" in
+  "") ;;
+  --tests) packages+=(slurm-wlm) ;;
+  *) echo "tools/install_deps.sh: unknown argument '$1' (expected --tests or nothing)" >&2; exit 2 ;;
+esac
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -19,6 +19,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+tools/install_deps.sh --tests
 tools/build.sh --all "${sanitize_args[@]}" -- "${cmake_args[@]}"
 
 build_dir=build
