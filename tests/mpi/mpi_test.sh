@@ -29,6 +29,7 @@
 #                                                   without a usable GPU
 set -euo pipefail
 mpiexec=$1 driver=$2 mode=$3 p=$4
+source "$(dirname "$0")/same_run.sh"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 timeout_ms=3000
@@ -130,12 +131,7 @@ case "$mode" in
         rc=$?
         set -e
         [ "$rc" -eq 0 ] || { cat "$tmp/err"; fail "mpiexec -n $spread_p tpsim $args: exit $rc"; }
-        diff <(sed "s|$tmp/one|DIR|" "$tmp/one.txt") <(sed "s|$tmp/spread|DIR|" "$tmp/spread.txt") ||
-          fail "tpsim $args: the report of $spread_p processes differs from one process's"
-        for f in "$tmp"/one/*; do
-          cmp "$f" "$tmp/spread/$(basename "$f")" || fail "tpsim $args: $(basename "$f") differs"
-        done
-        [ "$(ls "$tmp/one" | wc -l)" -eq "$(ls "$tmp/spread" | wc -l)" ] || fail "tpsim $args: other files"
+        same_run "tpsim $args over $spread_p processes" "$tmp/one.txt" "$tmp/one" "$tmp/spread.txt" "$tmp/spread"
         rm -rf "$tmp/one" "$tmp/spread"
       done
     done

@@ -10,6 +10,7 @@
 # the one-node Slurm does not come up or start a task.
 set -euo pipefail
 tpsim=$1
+source "$(dirname "$0")/same_run.sh"
 for tool in munged slurmctld slurmd srun sinfo; do
   command -v "$tool" >/dev/null || { echo "SKIP: no $tool (Debian's slurm-wlm)"; exit 77; }
 done
@@ -114,12 +115,7 @@ for p in 2 4; do
     [ "$rc" -eq 0 ] || { cat "$tmp/err"; fail "srun -n $p tpsim $args: exit $rc"; }
     grep -q "^tpsim: [0-9]* ranks over $p MPI processes" "$tmp/err" ||
       fail "srun -n $p tpsim $args: no process map on stderr: $(cat "$tmp/err")"
-    diff <(sed "s|$tmp/one|DIR|" "$tmp/one.txt") <(sed "s|$tmp/spread|DIR|" "$tmp/out") ||
-      fail "srun -n $p tpsim $args: the report differs from one process's"
-    for f in "$tmp"/one/*; do
-      cmp "$f" "$tmp/spread/$(basename "$f")" || fail "srun -n $p tpsim $args: $(basename "$f") differs"
-    done
-    [ "$(ls "$tmp/one" | wc -l)" -eq "$(ls "$tmp/spread" | wc -l)" ] || fail "srun -n $p tpsim $args: other files"
+    same_run "srun -n $p tpsim $args" "$tmp/one.txt" "$tmp/one" "$tmp/out" "$tmp/spread"
     rm -rf "$tmp/one" "$tmp/spread"
   done
 done
