@@ -113,6 +113,32 @@ Tensor GtpGradReducer::reduceScatter(Parameter& shard, View dW) {
   TPSIM_CHECK(dW.shape() == withDim0(shard.data.shape(), info.dLog), "GtpGradReducer::reduceScatter: the wgrad of ",
               shard.name, " must be the logical TP-local shape ", withDim0(shard.data.shape(), info.dLog).str(),
               ", got ", dW.str());
+  checkCanReduce(shard);
+  if (options_.mean) compute_.scale(dW, 1.f / float(info.group->size()));
+  Tensor padded = paddedWgrad(shard, dW.dtype());
+  compute_.copy(dW, padded.view().slice(0, 0, info.dLog));
+  return issue(shard, std::move(padded));
+}
+
+Tensor GtpGradReducer::paddedWgrad(const Parameter& shard, DType dtype) {
+  const ShardInfo info = shardInfo(shard, "GtpGradReducer::paddedWgrad");
+  const std::int64_t rows = info.rows * info.group->size();
+  Tensor padded = compute_.empty(withDim0(shard.data.shape(), rows), dtype);
+  if (rows > info.dLog) compute_.fill(padded.view().slice(0, info.dLog, rows), 0.0);
+  return padded;
+}
+
+Tensor GtpGradReducer::reduceScatterPadded(Parameter& shard, Tensor padded) {
+  const ShardInfo info = shardInfo(shard, "GtpGradReducer::reduceScatterPadded");
+  const Shape want = withDim0(shard.data.shape(), info.rows * info.group->size());
+  TPSIM_CHECK(padded.shape() == want, "GtpGradReducer::reduceScatterPadded: the padded wgrad of ", shard.name,
+              " must have shape ", want.str(), ", got ", padded.shape().str());
+  checkCanReduce(shard);
+  if (options_.mean) compute_.scale(padded.view().slice(0, 0, info.dLog), 1.f / float(info.group->size()));
+  return issue(shard, std::move(padded));
+}
+
+void GtpGradReducer::checkCanReduce(Parameter& shard) {
   TPSIM_CHECK(shard.hasMainGrad(), "GtpGradReducer::reduceScatter: ", shard.name,
               ".main_grad must be allocated before backward (GTP_remat accumulates into it)");
   // A weight used twice in one pass: its earlier reduction lands first.
@@ -120,22 +146,24 @@ Tensor GtpGradReducer::reduceScatter(Parameter& shard, View dW) {
     finalize(*pending_);
     pending_.reset();
   }
-  const int g = info.group->size();
-  if (options_.mean) compute_.scale(dW, 1.f / float(g));
+}
+
+Tensor GtpGradReducer::issue(Parameter& shard, Tensor padded) {
+  Collectives& group = **shard.attrs.group;
+  const int g = group.size();
   auto p = std::make_unique<Pending>();
   p->shard = &shard;
-  p->padded = compute_.zeros(withDim0(dW.shape(), info.rows * g), dW.dtype());
-  compute_.copy(dW, p->padded.view().slice(0, 0, info.dLog));
-  p->result = compute_.empty(shard.data.shape(), dW.dtype());
+  p->padded = std::move(padded);
+  p->result = compute_.empty(shard.data.shape(), p->padded.dtype());
   if (options_.fp32AccumReduceScatter && g > 2) {
     // Rank q receives chunk q of every peer, then sums them in fp32 and rounds once (4.6).
-    p->received = compute_.empty(p->padded.shape(), dW.dtype());
-    p->work = info.group->allToAll(p->padded, p->received);
+    p->received = compute_.empty(p->padded.shape(), p->padded.dtype());
+    p->work = group.allToAll(p->padded, p->received);
     ++fp32Dispatches_;
   } else {
     // Given up: where the group's ranks share memory, each one's padded wgrad is added to the sum
     // and freed as it arrives, not held until the last peer's.
-    p->work = info.group->reduceScatterConsuming(std::move(p->padded), p->result);
+    p->work = group.reduceScatterConsuming(std::move(p->padded), p->result);
   }
   if (!options_.async) {
     finalize(*p);

@@ -71,6 +71,13 @@ class GtpGradReducer {
   // Returns the dummy gradient (param dtype, main_grad's shape, zeroed iff zero_out_wgrad) when
   // the reduction completed synchronously, and an undefined Tensor (None) when it was deferred.
   Tensor reduceScatter(Parameter& shard, View dW);
+  // The tensor to make a wgrad of `shard` in, so that the reduce-scatter takes it as its send buffer
+  // instead of a padded copy: (S·G, ...) in `dtype`, the rows past dLog zero; the wgrad goes in rows
+  // [0, dLog).
+  Tensor paddedWgrad(const Parameter& shard, DType dtype);
+  // reduceScatter of a paddedWgrad holding the wgrad, which the caller gives up; its rows [0, dLog)
+  // are pre-scaled in place under MEAN.
+  Tensor reduceScatterPadded(Parameter& shard, Tensor padded);
   // Finalizes the reduce-scatter still in flight, if any.
   void drain();
 
@@ -80,6 +87,10 @@ class GtpGradReducer {
 
  private:
   struct Pending;
+  // main_grad is there to reduce into, and an earlier reduction of the same shard has landed.
+  void checkCanReduce(Parameter& shard);
+  // Starts the reduction of a pre-scaled padded wgrad (finalized at once unless async).
+  Tensor issue(Parameter& shard, Tensor padded);
   void finalize(Pending& p);
 
   Compute& compute_;

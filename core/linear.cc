@@ -199,9 +199,10 @@ LinearGrads LinearWithGradAccumulation::backward(ConstView dYIn) {
     // The wgrad is computed in main_grad's dtype when that is wider (the wider GEMM epilogue),
     // which makes it the reduce-scatter's wire dtype (SPEC 4.5).
     const bool wider = weight.hasMainGrad() && weight.mainGrad.dtype() == DType::kFloat32;
-    Tensor dW = compute_.empty({n, k}, wider ? DType::kFloat32 : dY.dtype());  // (N, K)
-    wgradGemm(compute_, dW, dY2, contiguous(compute_, xTotal, xStorage).flattenTo2d());
-    grads.dW = options_.gtpReducer->reduceScatter(weight, dW);
+    // Made in the reduce-scatter's padded send buffer (S·G, K), rows [0, N): no copy of it there.
+    Tensor dW = options_.gtpReducer->paddedWgrad(weight, wider ? DType::kFloat32 : dY.dtype());
+    wgradGemm(compute_, dW.view().slice(0, 0, n), dY2, contiguous(compute_, xTotal, xStorage).flattenTo2d());
+    grads.dW = options_.gtpReducer->reduceScatterPadded(weight, std::move(dW));
     grads.dWIsDummy = grads.dW.defined();
   } else if (options_.gradientAccumulationFusion) {
     if (wgradCompute)

@@ -66,6 +66,11 @@ CASES = [
     "--layer grouped-column --tokens 4096 --experts 4 --in-features 512 --out-features 1024 --tp 4 --dtype bf16",
     "--layer grouped-row --tokens 4096 --experts 4 --in-features 1024 --out-features 512 --tp 4 --dtype bf16 "
     "--grad-accumulation-fusion",
+    # GTP_remat with the weight gradients' reduce-scatter as the peak.
+    "--layer column --batch 24 --seq 4 --in-features 4096 --out-features 8208 --verify none --pad-for-alignment 0 "
+    "--tp 1 --gtp-remat 2",
+    "--layer column --batch 24 --seq 4 --in-features 4096 --out-features 8208 --verify none --pad-for-alignment 0 "
+    "--tp 2 --gtp-remat 8",
 ]
 LARGE = [
     # Llama-3-8B's MLP, then Llama-3-70B's.

@@ -51,11 +51,14 @@ std::optional<double> readNumber(const std::string& file) {
 //              one gathered copy its group shares, or a reduce-scatter's sum and the ranks'
 //              partials not yet added to it (backends/collectives.h, allGatherShared and
 //              reduceScatterConsuming), whatever the number of ranks
-//   shards     (14 + 4m + 3(G - 1))Wp: each parameter's shard and gradient as backend tensors and
-//              the gradient as the run keeps it (4 bytes each), the shard while it is cut (2,
-//              measured), main_grad (m: 1 under --grad-accumulation-fusion or GTP_remat), and under
-//              GTP_remat each rank's whole TP-local wgrad, which its reduce-scatter frees as it adds
-//              it up, beside the gathered weight its group shares (3 an element a peer, measured)
+//   shards     (14 + 4m)Wp + tWg: each parameter's shard and gradient as backend tensors and the
+//              gradient as the run keeps it (4 bytes each), the shard while it is cut (2, measured),
+//              main_grad (m: 1 under --grad-accumulation-fusion or GTP_remat), and under GTP_remat
+//              t = 7.5 + 3 min(G, 5, 6/T) bytes an element of Wg, the largest weight it shards (as held):
+//              the gathered weight its group shares and the peers' whole TP-local wgrads, which the
+//              reduce-scatter of one weight at a time frees as it adds them up (measured where the
+//              weight is the run: at T = 1 the peak grows with G, from T = 2 it stops at G = 3, and
+//              varies by up to a peer's wgrad from run to run)
 //   step       8S: the kind's other per-rank intermediates (LayerKind::stepIntermediates, in doubles)
 //   packing    per thread that runs ranks, the gemms' packed operands (sim/gemm_driver.h), each at
 //              most 32 MiB: 8 bytes an element of the rank's largest left operand (its input or
@@ -80,20 +83,25 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   const double x = numel(shapes, "input"), y = numel(shapes, "grad_output");
   // W as the run's tensors hold it, and as the ranks hold it: GTP_remat pads the TP-local rows of
   // each weight it shards, in every copy the ranks make.
-  double w = 0, held = 0;
+  // largestGtp: the largest of the weights GTP_remat shards, as held; their reduce-scatters run one
+  // weight at a time.
+  double w = 0, held = 0, largestGtp = 0;
   for (const TensorSpec& t : c.layer->tensors(c)) {
     if (t.role != TensorRole::kParameter) continue;
     const double n = numel(shapes, t.name);
     w += n;
-    held += n;
     const GtpWeightSpec* gtp = c.gtpRemat > 1 ? gtpWeightOf(c, t.name) : nullptr;
     const auto shape = shapes.find(t.name);
-    if (gtp == nullptr || c.padForAlignment == 0 || shape == shapes.end() || shape->second.empty() ||
-        shape->second[0] < 1)
-      continue;
-    const std::int64_t slices = gtp->tpCutsDim0 ? c.tp : 1, rows = shape->second[0];
-    const double padRows = double(slices) * double(gtpRematShardDim0(rows / slices, c.gtpRemat, c.padForAlignment).padLength);
-    held += padRows * (n / double(rows));
+    double padded = n;
+    if (gtp != nullptr && c.padForAlignment != 0 && shape != shapes.end() && !shape->second.empty() &&
+        shape->second[0] >= 1) {
+      const std::int64_t slices = gtp->tpCutsDim0 ? c.tp : 1, rows = shape->second[0];
+      const double padRows =
+          double(slices) * double(gtpRematShardDim0(rows / slices, c.gtpRemat, c.padForAlignment).padLength);
+      padded += padRows * (n / double(rows));
+    }
+    held += padded;
+    if (gtp != nullptr) largestGtp = std::max(largestGtp, padded);
   }
   // The CUDA runtime and NCCL, where the build links them, hold 1.75 MiB more from the start.
   const double program = (TPSIM_HAVE_GPU ? 11.25 : 9.5) * (1 << 20) + 48.0 * 1024 * T * G;
@@ -109,7 +117,8 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   const double whole = heldWhole(share.input, x) + heldWhole(share.output, y);
   const double copies = 13 * T * (share.input * x + share.output * y) + 8 * whole;
   const bool mainGrad = c.gradAccumulationFusion || c.gtpRemat > 1;
-  const double shards = (14 + (mainGrad ? 4 : 0) + 3 * (G - 1)) * held;
+  const double gtpTransient = G > 1 ? (7.5 + 3 * std::min({G, 5.0, 6 / T})) * largestGtp : 0;
+  const double shards = (14 + (mainGrad ? 4 : 0)) * held + gtpTransient;
   const double step = 8 * c.layer->stepIntermediates(c, shapes);
   const double hidden = c.layer->stepIntermediates(c, shapes) / 2 / (T * G);
   const double xs = seen(share.input, x), ys = seen(share.output, y);
