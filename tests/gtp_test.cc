@@ -144,6 +144,42 @@ TEST(GtpGradReducer, Fp32AccumulationIsBypassedAtTwoPeers) {  // G15
   });
 }
 
+// A wgrad made in paddedWgrad's buffer (as the linear layers make theirs) reduces to the bits of the
+// same wgrad handed over as a view and copied; the buffer's pad rows are zero; another shape is refused.
+TEST(GtpGradReducer, AWgradMadeInThePaddedBufferReducesAsACopiedOne) {
+  runRanks(4, [](RankContext& ctx) {
+    const int g = ctx.comm.rank();
+    GtpGradReducer reducer(ctx.compute, {});  // MEAN: the logical rows are scaled in place
+    std::vector<Parameter> shards(2);
+    for (int i = 0; i < 2; ++i) {
+      shards[i].name = "w" + std::to_string(i);
+      // Dlog = 10: S = 16, pad 54; the padded buffer, 1 MiB, comes from the host cache of blocks.
+      shards[i].data = ctx.compute.zeros({10, 4096}, DType::kFloat32);
+      wrapGtp(ctx.compute, shards[i], ctx.comm, 16);
+      shards[i].mainGrad = ctx.compute.zeros(shards[i].data.shape(), DType::kFloat32);
+    }
+    std::vector<double> dw(10 * 4096);
+    for (std::size_t e = 0; e < dw.size(); ++e) dw[e] = 0.1 * double((g + 1) * (int(e % 97) + 3));  // not exact in fp32, nor its mean
+    {
+      // A freed block of the buffer's size, non-zero: the one the host cache hands out next.
+      Tensor used = ctx.compute.empty({64, 4096}, DType::kFloat32);
+      ctx.compute.fill(used, 7.0);
+    }
+    Tensor padded = reducer.paddedWgrad(shards[1], DType::kFloat32);
+    ASSERT_EQ(padded.shape(), (Shape{64, 4096}));
+    const std::vector<double> pads = valuesOf(ctx.compute, padded.view().slice(0, 10, 64));
+    for (std::size_t e = 0; e < pads.size(); ++e) ASSERT_EQ(pads[e], 0.0) << "pad element " << e;
+    ctx.compute.copy(tensorOf(ctx.compute, DType::kFloat32, dw, Shape{10, 4096}), padded.view().slice(0, 0, 10));
+    Tensor copied = tensorOf(ctx.compute, DType::kFloat32, dw, Shape{10, 4096});
+    reducer.reduceScatter(shards[0], copied);
+    reducer.reduceScatterPadded(shards[1], std::move(padded));
+    EXPECT_EQ(valuesOf(ctx.compute, shards[1].mainGrad), valuesOf(ctx.compute, shards[0].mainGrad));
+    Tensor oneRowShort = ctx.compute.zeros({63, 4096}, DType::kFloat32);
+    EXPECT_THAT(errorOf([&] { reducer.reduceScatterPadded(shards[1], std::move(oneRowShort)); }),
+                HasSubstr("the padded wgrad of w1 must have shape (64, 4096), got (63, 4096)"));
+  });
+}
+
 // Everything a GTP-on run and the matching GTP-off run of one layer kind produce.
 struct Outcome {
   std::vector<double> output, dInput, weightGrad;  // weightGrad: unsharded, padding stripped
