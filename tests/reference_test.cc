@@ -1,8 +1,10 @@
 // The dense reference's magnitudes: computed in float or bf16, they must never fall below the same
 // products computed in double (the bound they replace), whatever the magnitudes, and stay close.
-// The MLP's reference, which takes F in blocks, against loops over the whole.
+// The MLP's reference, which takes F in blocks, and the linear's, which takes its weight's rows in
+// blocks, against loops over the whole.
 #include "tools/lib/reference.h"
 #include "tools/lib/layer_kind.h"
+#include "sim/sgemm.h"
 
 #include <gtest/gtest.h>
 
@@ -139,7 +141,7 @@ TEST(Reference, MlpInBlocksOfFMatchesLoopsOverTheWhole) {
   ReferenceOptions whole;
   whole.layer = layerKind("mlp");
   ReferenceOptions blocks = whole;
-  blocks.mlpBlockElements = tokens * 256;
+  blocks.blockElements = tokens * 256;
   const std::map<std::string, Checked> one = denseReference(whole, storedOf(in)), three = denseReference(blocks, storedOf(in));
   ASSERT_EQ(one.size(), want.size());
   for (const auto& [name, values] : want) {
@@ -152,6 +154,73 @@ TEST(Reference, MlpInBlocksOfFMatchesLoopsOverTheWhole) {
       ASSERT_NEAR(b.value.values[i], values[i], tolerance) << name << " element " << i << ", three blocks";
       ASSERT_GT(a.bound[i], 0.0) << name << " element " << i;
       ASSERT_NEAR(b.bound[i] / a.bound[i], 1.0, 1e-4) << name << " element " << i;
+    }
+  }
+}
+
+// A column layer small enough for loops: 6 tokens, K = 5, N = 700 output features. In blocks of 256
+// of the weight's rows (256, 256, 188) and in one block, the reference's values are the loops' in
+// double, and the blocks change no bit of a value or a bound where the packed kernels run (the
+// blocks add to input.grad in the order of one product's K blocks).
+TEST(Reference, LinearInBlocksOfWeightRowsMatchesLoopsAndTheWholeBitForBit) {
+  const std::int64_t tokens = 6, k = 5, n = 700;
+  std::mt19937_64 rng(13);
+  std::normal_distribution<float> normal;
+  auto random = [&](std::vector<std::int64_t> shape) {
+    std::int64_t count = 1;
+    for (std::int64_t d : shape) count *= d;
+    std::vector<double> v(static_cast<std::size_t>(count));
+    for (double& x : v) x = normal(rng);
+    return HostTensor{std::move(shape), DType::kFloat32, std::move(v)};
+  };
+  const TensorMap in = {{"input", random({2, 3, k})},
+                        {"weight", random({n, k})},
+                        {"bias", random({n})},
+                        {"grad_output", random({2, 3, n})}};
+  const std::vector<double> &x = in.at("input").values, &w = in.at("weight").values, &b = in.at("bias").values;
+  const std::vector<double>& dy = in.at("grad_output").values;
+
+  std::map<std::string, std::vector<double>> want, scale;
+  auto result = [&](const std::string& name, std::size_t count) {
+    want[name].assign(count, 0.0);
+    scale[name].assign(count, 0.0);
+  };
+  result("output", tokens * n), result("input.grad", tokens * k), result("weight.grad", n * k), result("bias.grad", n);
+  auto add = [&](const std::string& name, std::int64_t i, double term) {
+    want[name][std::size_t(i)] += term;
+    scale[name][std::size_t(i)] += std::fabs(term);
+  };
+  for (std::int64_t t = 0; t < tokens; ++t)
+    for (std::int64_t j = 0; j < n; ++j) {
+      add("output", t * n + j, b[std::size_t(j)]);
+      add("bias.grad", j, dy[std::size_t(t * n + j)]);
+      for (std::int64_t i = 0; i < k; ++i) {
+        add("output", t * n + j, x[std::size_t(t * k + i)] * w[std::size_t(j * k + i)]);
+        add("input.grad", t * k + i, dy[std::size_t(t * n + j)] * w[std::size_t(j * k + i)]);
+        add("weight.grad", j * k + i, dy[std::size_t(t * n + j)] * x[std::size_t(t * k + i)]);
+      }
+    }
+
+  ReferenceOptions whole;
+  whole.layer = layerKind("column");
+  ReferenceOptions blocks = whole;
+  blocks.blockElements = k * 256;
+  const std::map<std::string, Checked> one = denseReference(whole, storedOf(in)), three = denseReference(blocks, storedOf(in));
+  ASSERT_EQ(one.size(), want.size());
+  const bool packed = sim::bestGemmKernel() != sim::GemmKernel::kEigen;
+  for (const auto& [name, values] : want) {
+    const Checked &a = one.at(name), &c = three.at(name);
+    ASSERT_EQ(a.value.values.size(), values.size()) << name;
+    ASSERT_EQ(c.value.values.size(), values.size()) << name;
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      const double tolerance = 1e-13 * scale[name][i] + 1e-300;
+      ASSERT_NEAR(a.value.values[i], values[i], tolerance) << name << " element " << i << ", one block";
+      ASSERT_NEAR(c.value.values[i], values[i], tolerance) << name << " element " << i << ", three blocks";
+      ASSERT_GE(a.bound[i], 0x1p-24 * scale[name][i]) << name << " element " << i;
+      if (packed) {
+        ASSERT_EQ(c.value.values[i], a.value.values[i]) << name << " element " << i;
+        ASSERT_EQ(c.bound[i], a.bound[i]) << name << " element " << i;
+      }
     }
   }
 }

@@ -71,6 +71,10 @@ CASES = [
     "--tp 1 --gtp-remat 2",
     "--layer column --batch 24 --seq 4 --in-features 4096 --out-features 8208 --verify none --pad-for-alignment 0 "
     "--tp 2 --gtp-remat 8",
+    # Weights that are nearly all of a verified run.
+    "--layer mlp --batch 2 --seq 16 --in-features 1024 --ffn-hidden 4096 --tp 2",
+    "--layer mlp --batch 2 --seq 16 --in-features 1024 --ffn-hidden 4096 --tp 2 --weight-format mxfp8",
+    "--layer column --batch 2 --seq 16 --in-features 2048 --out-features 4096 --tp 2 --weight-format mxfp8",
 ]
 LARGE = [
     # Llama-3-8B's MLP, then Llama-3-70B's.

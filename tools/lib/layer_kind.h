@@ -148,9 +148,9 @@ class LayerKind {
   virtual double referenceIntermediates(const RunConfig&, const ShapeMap&) const { return 0; }
   // Bytes the reference holds per parameter element: the parameter in double, the values and bounds
   // of its gradients whole, the magnitudes behind them and the parameter's own (46, measured); or
-  // nothing where it takes the weights and sends their gradients a block at a time (the blocks are
-  // its intermediates).
-  virtual double referenceBytesPerParameter() const { return 46; }
+  // less where it takes the weights and sends their gradients a block at a time (the blocks are its
+  // intermediates).
+  virtual double referenceBytesPerParameter(const RunConfig&) const { return 46; }
   // Bytes the reference holds per element of the input and of grad_output: each in double, the
   // values and bounds of the results of their shapes, the magnitudes behind them, and the GEMMs'
   // packed copies (42, measured).

@@ -63,7 +63,7 @@ std::optional<double> readNumber(const std::string& file) {
 //   packing    per thread that runs ranks, the gemms' packed operands (sim/gemm_driver.h), each at
 //              most 32 MiB: 8 bytes an element of the rank's largest left operand (its input or
 //              output, as gathered, or its (tokens, F/T) intermediate) and of its largest right one
-//              (its weight as gathered, its input or intermediate); measured
+//              (its input or intermediate), or 4 of its weight as gathered if that is more; measured
 // or
 //   kept       d·T(fX·X + fY·Y) + g·Wp: the results as the ranks left them, which verify reads in
 //              place, d bytes an element of the run's dtype and g of the wgrads' (main_grad's under
@@ -126,7 +126,7 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   const double threads = std::min(T * G, c.threads > 0 ? double(c.threads)
                                                        : std::max(1.0, double(std::thread::hardware_concurrency())));
   const double packing = threads * (std::min(8 * std::max({xs, ys, hidden}), packedLimit) +
-                                    std::min(8 * std::max({held / T, xs, hidden}), packedLimit));
+                                    std::min(std::max({4 * held / T, 8 * xs, 8 * hidden}), packedLimit));
   // input.grad is (T, s, b, K): kept, and in the reference
   const double stacked = c.disableGradReduce ? 24 * T * x : 0;
   const double activationBytes = double(dtypeSize(c.dtype));
@@ -136,7 +136,7 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   const double reference = verify == VerifyMode::kNone
                                ? 0
                                : kept + c.layer->referenceBytesPerActivation() * (x + y) +
-                                     c.layer->referenceBytesPerParameter() * w +
+                                     c.layer->referenceBytesPerParameter(c) * w +
                                      16 * std::min(double(1 << 20), std::max({x, y, w})) +
                                      8 * c.layer->referenceIntermediates(c, shapes) + floatMagnitudePacking;
   const double live = inputs + stacked + std::max(copies + shards + step + packing, reference);

@@ -136,18 +136,8 @@ void addRows(Mat& m, const std::vector<double>& bias) {
   Eigen::Map<Matrix>(m.v.data(), m.rows, m.cols).rowwise() += Eigen::Map<const Eigen::RowVectorXd>(bias.data(), m.cols);
 }
 
-// a·bᵀ (+ bias). a: (M, K)  b: (N, K)  -> (M, N)
-Mat linear(MatrixView a, MatrixView b, const std::vector<double>* bias) {
-  Mat out = product(a, b.transpose());
-  if (bias) addRows(out, *bias);
-  return out;
-}
-
 // a·b. a: (M, N)  b: (N, K)  -> (M, K)
 Mat matmul(MatrixView a, MatrixView b) { return product(a, b); }
-
-// aᵀ·b. a: (M, N)  b: (M, K)  -> (N, K)
-Mat transposeMatmul(MatrixView a, MatrixView b) { return product(a.transpose(), b); }
 
 std::vector<double> columnSums(MatrixView m) { return evaluate(m.colwise().sum()).v; }
 
@@ -282,15 +272,12 @@ Mat upperProduct(const Lhs& lhs, int lhsExponent, const Rhs& rhs, int rhsExponen
   return out;
 }
 
-// The bounds' products: a·bᵀ, a·b, aᵀ·b as linear, matmul and transposeMatmul, with a: (M, K).
+// The bounds' products: a·bᵀ and a·b, with a: (M, K).
 Mat upperLinear(const Upper& a, const Upper& b) {
   return upperProduct(a.map(), a.exponent, b.map().transpose(), b.exponent);
 }
 Mat upperMatmul(const Upper& a, const Upper& b, MagnitudeGemm gemm = bestMagnitudeGemm()) {
   return upperProduct(a.map(), a.exponent, b.map(), b.exponent, gemm);
-}
-Mat upperTransposeMatmul(const Upper& a, const Upper& b) {
-  return upperProduct(a.map().transpose(), a.exponent, b.map(), b.exponent);
 }
 
 // Φ and φ of the standard normal distribution: GeLU(x) = x·Φ(x), GeLU'(x) = Φ(x) + x·φ(x).
@@ -410,56 +397,109 @@ void fakeQuantize(std::vector<double>& m, std::int64_t rows, std::int64_t cols, 
     }
 }
 
-// The weight a linear's GEMM multiplies by for `axis` (1: fprop, 0: dgrad): w itself, or its MXFP8
-// copy, made in `quantized`.
-const HostTensor& gemmOperand(const ReferenceOptions& o, const HostTensor& w, const std::string& name, int axis,
-                              HostTensor& quantized) {
-  if (o.weightFormat == WeightFormat::kNative) return w;
-  quantized = mxfp8Weight(w, placementNamed(o.placements, name), axis, o.computeDtype);
-  return quantized;
+// The MXFP8 copies of the weight `name` that a linear's GEMMs multiply by: fprop's rowwise one,
+// dgrad's columnwise one, each stored in the compute dtype, which holds its values exactly. One
+// weight in double at a time.
+void mxfp8Copies(const ReferenceOptions& o, const StoredTensor& w, const std::string& name, StoredTensor& fprop,
+                 StoredTensor& dgrad) {
+  const HostTensor host = hostOf(w);
+  const TensorPlacement& placement = placementNamed(o.placements, name);
+  fprop = storedOf(mxfp8Weight(host, placement, 1, o.computeDtype));
+  dgrad = storedOf(mxfp8Weight(host, placement, 0, o.computeDtype));
 }
 
-// One linear layer y = x·Wᵀ + b and its gradients, written into `out` as output, input.grad,
-// <weight>.grad and bias.grad; `weight` names the weight as its placement does. wFprop and wDgrad
-// are the weight as the forward and the dgrad GEMM read it (W itself unless quantized).
-void linearLayer(const ReferenceOptions& o, const HostTensor& x, const HostTensor& wFprop, const HostTensor& wDgrad,
-                 const HostTensor* b, const HostTensor& dy, const std::string& weight,
-                 std::map<std::string, Checked>& out) {
-  const MatrixView X = viewOf(x), W = viewOf(wFprop), Wd = viewOf(wDgrad), dY = viewOf(dy);
-  const Upper aX = upperAbs(X), aW = upperAbs(W), adY = upperAbs(dY);
-  const Upper aWd = &wDgrad == &wFprop ? Upper{} : upperAbs(Wd);
-  const Upper& dgradMagnitude = &wDgrad == &wFprop ? aW : aWd;
-  const std::vector<double>* bias = b ? &b->values : nullptr;
+// A stored (rows, cols) matrix's absolute values as an Upper, read in place.
+Upper upperAbs(const StoredTensor& m) {
+  return upper(m.shape[0], m.shape[1], [&m](std::int64_t i) { return std::fabs(m.at(i)); });
+}
+
+// One linear layer y = x·Wᵀ + b and its gradients: output, input.grad (when inputGrad),
+// <weight>.grad and bias.grad, each announced to `sink`; `weight` names the weight as its placement
+// does. wFprop and wDgrad are the weight as the forward and the dgrad GEMM read it (W itself unless
+// quantized). The weight goes through in blocks of its rows, read in double, and its gradient is
+// sent a block at a time: beyond the blocks, the reference holds only |W| in float for the bounds'
+// products. The other results are returned whole, for the caller to send (sendBlocks) once it has
+// let go of what it computed them from.
+// The blocks change no bit: y's columns and dW's rows are computed as by one product, and the
+// blocks, a multiple of the packed kernels' K block (kKc, 256) each, add to input.grad in the order
+// of one product's K blocks; its bound and y's are products of the whole |W|.
+std::map<std::string, Checked> linearLayer(const ReferenceOptions& o, const HostTensor& x, const StoredTensor& wFprop,
+                                          const StoredTensor& wDgrad, const HostTensor* b, const HostTensor& dy,
+                                          const std::string& weight, bool inputGrad, ReferenceSink& sink) {
+  const MatrixView X = viewOf(x), dY = viewOf(dy);
+  const std::int64_t tokens = X.rows(), k = X.cols(), n = wFprop.shape[0];
+  const bool sameDgrad = &wDgrad == &wFprop;
+  const Upper aX = upperAbs(X), adY = upperAbs(dY), aW = upperAbs(wFprop);
+  const Upper aWd = sameDgrad ? Upper{} : upperAbs(wDgrad);
   const DType c = o.computeDtype;
   const int stages = 1 + o.tp;  // the GEMM's (or the sum's) rounding; T partial sums rounded and added
+  sink.result("output", withLast(x.shape, n), o.outputDtype);
+  if (inputGrad) sink.result("input.grad", x.shape, c);
+  sink.result(weight + ".grad", wFprop.shape, c);
+  if (b) sink.result("bias.grad", b->shape, c);
+
+  const std::int64_t block = std::min<std::int64_t>(
+      std::max<std::int64_t>(n, 1), std::max<std::int64_t>(256, o.blockElements / std::max<std::int64_t>(k, 1) / 256 * 256));
+  const double relW = relativeBound(o.accumulationUnit, tokens, wgradRoundings(o, weight + ".grad"));
+  Mat y{tokens, n, freshVector<double>(tokens * n)}, dX{tokens, k, freshVector<double>(inputGrad ? tokens * k : 0)};
+  // The pass over the weight's blocks, whose buffers are gone before the products over the whole |W|.
+  auto weightBlocks = [&] {
+    const std::int64_t blockSize = std::min(n, block) * k;
+    std::vector<double> wBlock = freshVector<double>(blockSize), wdBlock = freshVector<double>(sameDgrad ? 0 : blockSize),
+                        dW = freshVector<double>(blockSize), boundW = freshVector<double>(blockSize);
+    for (std::int64_t n0 = 0; n0 < n; n0 += block) {
+      const std::int64_t nb = std::min(block, n - n0);
+      readDoubles(wFprop, n0 * k, nb * k, wBlock.data());
+      const MatrixView Wb(wBlock.data(), nb, k);
+      const auto dYb = dY.middleCols(n0, nb);
+      productInto<double>(X, Wb.transpose(), y.v.data() + n0, n);
+      if (inputGrad) {
+        if (!sameDgrad) readDoubles(wDgrad, n0 * k, nb * k, wdBlock.data());
+        productInto<double>(dYb, sameDgrad ? Wb : MatrixView(wdBlock.data(), nb, k), dX.v.data(), k, n0 > 0);
+      }
+      productInto<double>(dYb.transpose(), X, dW.data(), k);
+      upperProductInto(adY.map().middleCols(n0, nb).transpose(), adY.exponent, aX.map(), aX.exponent, boundW.data(), k,
+                       false);
+      for (std::int64_t i = 0; i < nb * k; ++i) boundW[std::size_t(i)] *= relW;
+      sink.block(weight + ".grad", {n0, 0, nb, k, k, dW.data(), boundW.data()});
+    }
+  };
+  weightBlocks();
   Mat ay = upperLinear(aX, aW);
-  if (b) addRows(ay, absColumnSums(viewOf(*b)));
-  out["output"] = checked(o.accumulationUnit, withLast(x.shape, W.rows()), o.outputDtype, linear(X, W, bias),
-                          std::move(ay), X.cols(), roundings(stages, o.outputDtype));
-  out["input.grad"] = checked(o.accumulationUnit, x.shape, c, matmul(dY, Wd), upperMatmul(adY, dgradMagnitude),
-                              W.rows(), roundings(stages, c));
-  out[weight + ".grad"] = checked(o.accumulationUnit, wFprop.shape, c, transposeMatmul(dY, X),
-                                  upperTransposeMatmul(adY, aX), X.rows(), wgradRoundings(o, weight + ".grad"));
+  if (b) {
+    addRows(y, b->values);
+    addRows(ay, absColumnSums(viewOf(*b)));
+  }
+  std::map<std::string, Checked> whole;
+  whole["output"] = checked(o.accumulationUnit, withLast(x.shape, n), o.outputDtype, std::move(y), std::move(ay), k,
+                            roundings(stages, o.outputDtype));
+  if (inputGrad)
+    whole["input.grad"] = checked(o.accumulationUnit, x.shape, c, std::move(dX),
+                                  upperMatmul(adY, sameDgrad ? aW : aWd), n, roundings(stages, c));
   if (b) {
     Mat db{1, dY.cols(), columnSums(dY)}, adb{1, dY.cols(), absColumnSums(dY)};
-    out["bias.grad"] = checked(o.accumulationUnit, b->shape, c, std::move(db), std::move(adb), dY.rows(),
-                               roundings(stages, c));
+    whole["bias.grad"] = checked(o.accumulationUnit, b->shape, c, std::move(db), std::move(adb), tokens,
+                                 roundings(stages, c));
   }
+  return whole;
 }
 
 // A column layer's input gradient under disable_grad_reduce: for each TP rank t, dY over its
 // output rows times those rows of W, one GEMM rounded once, stacked (T, …, K).
-Checked partialDgrads(const ReferenceOptions& o, const HostTensor& x, const HostTensor& wDgrad, const HostTensor& dy,
+Checked partialDgrads(const ReferenceOptions& o, const HostTensor& x, const StoredTensor& wDgrad, const HostTensor& dy,
                       const TensorPlacement& weight) {
-  const MatrixView W = viewOf(wDgrad), dY = viewOf(dy);
+  const MatrixView dY = viewOf(dy);
+  const std::int64_t k = wDgrad.shape[1];
   std::vector<std::int64_t> shape = x.shape;
   shape.insert(shape.begin(), o.tp);
   Checked all{HostTensor{shape, o.computeDtype, {}}, {}};
   for (int t = 0; t < o.tp; ++t) {
     const std::vector<std::int64_t> rows = ownedIndices(weight, t);
-    const Eigen::Map<const Eigen::Array<std::int64_t, Eigen::Dynamic, 1>> owned(rows.data(), std::int64_t(rows.size()));
-    const Mat dYt = evaluate(dY(Eigen::all, owned)), Wt = evaluate(W(owned, Eigen::all));
     const std::int64_t n = std::int64_t(rows.size());
+    const Eigen::Map<const Eigen::Array<std::int64_t, Eigen::Dynamic, 1>> owned(rows.data(), n);
+    Mat Wt{n, k, freshVector<double>(n * k)};
+    for (std::int64_t i = 0; i < n; ++i) readDoubles(wDgrad, rows[std::size_t(i)] * k, k, Wt.v.data() + i * k);
+    const Mat dYt = evaluate(dY(Eigen::all, owned));
     const Checked part = checked(o.accumulationUnit, x.shape, o.computeDtype, matmul(dYt, Wt),
                                  upperMatmul(upperAbs(dYt), upperAbs(Wt)), n, roundings(1, o.computeDtype));
     all.value.values.insert(all.value.values.end(), part.value.values.begin(), part.value.values.end());
@@ -476,6 +516,10 @@ double geluGrad(double x) { return normalCdf(x) + x * normalPdf(x); }
 
 void sendWhole(std::map<std::string, Checked>& results, ReferenceSink& sink) {
   for (const auto& [name, c] : results) sink.result(name, c.value.shape, c.value.dtype);
+  sendBlocks(results, sink);
+}
+
+void sendBlocks(std::map<std::string, Checked>& results, ReferenceSink& sink) {
   for (auto& [name, c] : results) {
     const std::int64_t cols = c.value.shape.empty() ? 1 : c.value.shape.back();
     const std::int64_t rows = cols == 0 ? 0 : c.value.numel() / cols;
@@ -547,16 +591,23 @@ std::map<std::string, Checked> denseReference(const ReferenceOptions& o, const I
   return std::move(dense.out);
 }
 
-std::map<std::string, Checked> linearReference(const ReferenceOptions& o, const InputMap& in) {
-  std::map<std::string, Checked> out;
-  const HostTensor x = needHost(in, "input"), w = needHost(in, "weight"), dy = needHost(in, "grad_output");
-  const std::optional<HostTensor> b = in.count("bias") ? std::optional(needHost(in, "bias")) : std::nullopt;
-  HostTensor fpropMxfp8, dgradMxfp8;
-  const HostTensor& wDgrad = gemmOperand(o, w, "weight", 0, dgradMxfp8);
-  linearLayer(o, x, gemmOperand(o, w, "weight", 1, fpropMxfp8), wDgrad, b ? &*b : nullptr, dy, "weight", out);
-  if (o.disableGradReduce)
-    out["input.grad"] = partialDgrads(o, x, wDgrad, dy, placementNamed(o.placements, "weight"));
-  return out;
+void linearReference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& sink) {
+  std::map<std::string, Checked> whole;
+  {  // the operands in double, gone before the results are checked
+    const HostTensor x = needHost(in, "input"), dy = needHost(in, "grad_output");
+    const std::optional<HostTensor> b = in.count("bias") ? std::optional(needHost(in, "bias")) : std::nullopt;
+    const StoredTensor& w = need(in, "weight");
+    StoredTensor fpropMxfp8, dgradMxfp8;
+    const bool quantized = o.weightFormat != WeightFormat::kNative;
+    if (quantized) mxfp8Copies(o, w, "weight", fpropMxfp8, dgradMxfp8);
+    const StoredTensor &wFprop = quantized ? fpropMxfp8 : w, &wDgrad = quantized ? dgradMxfp8 : w;
+    whole = linearLayer(o, x, wFprop, wDgrad, b ? &*b : nullptr, dy, "weight", !o.disableGradReduce, sink);
+    if (o.disableGradReduce) {
+      whole["input.grad"] = partialDgrads(o, x, wDgrad, dy, placementNamed(o.placements, "weight"));
+      sink.result("input.grad", whole.at("input.grad").value.shape, o.computeDtype);
+    }
+  }
+  sendBlocks(whole, sink);
 }
 
 std::map<std::string, Checked> embeddingReference(const ReferenceOptions& o, const InputMap& in) {
@@ -597,12 +648,8 @@ void mlpReference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& 
   const bool quantized = o.weightFormat != WeightFormat::kNative;
   StoredTensor w1fMxfp8, w1dMxfp8, w2fMxfp8, w2dMxfp8;
   if (quantized) {
-    const HostTensor w1Host = hostOf(w1), w2Host = hostOf(w2);
-    HostTensor copy;
-    w1fMxfp8 = storedOf(gemmOperand(o, w1Host, "fc1.weight", 1, copy));
-    w1dMxfp8 = storedOf(gemmOperand(o, w1Host, "fc1.weight", 0, copy));
-    w2fMxfp8 = storedOf(gemmOperand(o, w2Host, "fc2.weight", 1, copy));
-    w2dMxfp8 = storedOf(gemmOperand(o, w2Host, "fc2.weight", 0, copy));
+    mxfp8Copies(o, w1, "fc1.weight", w1fMxfp8, w1dMxfp8);
+    mxfp8Copies(o, w2, "fc2.weight", w2fMxfp8, w2dMxfp8);
   }
   const StoredTensor &w1f = quantized ? w1fMxfp8 : w1, &w1d = quantized ? w1dMxfp8 : w1;
   const StoredTensor &w2f = quantized ? w2fMxfp8 : w2, &w2d = quantized ? w2dMxfp8 : w2;
@@ -658,7 +705,7 @@ void mlpReference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& 
   // alone.
   const std::int64_t fBlock = std::min<std::int64_t>(
       std::max<std::int64_t>(f, 1),
-      std::max<std::int64_t>(256, o.mlpBlockElements / std::max<std::int64_t>(tokens, 1) / 256 * 256));
+      std::max<std::int64_t>(256, o.blockElements / std::max<std::int64_t>(tokens, 1) / 256 * 256));
   auto zeros = [](std::int64_t rows, std::int64_t cols) {
     return Mat{rows, cols, freshVector<double>(rows * cols)};
   };
@@ -757,33 +804,61 @@ void mlpReference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& 
   sink.block("fc2.bias.grad", {0, 0, 1, h, h, db2.value.values.data(), db2.bound.data()});
 }
 
+namespace {
+
+// A result of `shape`, zero, with its bound.
+Checked zeroResult(std::vector<std::int64_t> shape, DType dtype) {
+  std::int64_t n = 1;
+  for (std::int64_t d : shape) n *= d;
+  return Checked{HostTensor{std::move(shape), dtype, std::vector<double>(std::size_t(n), 0.0)},
+                 std::vector<double>(std::size_t(n), 0.0)};
+}
+
+// One expert's linear, as linearLayer sends it, put in place in the grouped layer's results: the
+// rows of output and input.grad go to its tokens' rows, its weight's gradient and bias.grad to the
+// expert's own (`bias`.grad).
+class ExpertSink final : public ReferenceSink {
+ public:
+  ExpertSink(std::map<std::string, Checked>& out, const std::vector<std::int64_t>& tokens, std::string bias)
+      : out_(out), tokens_(tokens), bias_(std::move(bias)) {}
+
+  void result(const std::string& name, const std::vector<std::int64_t>& shape, DType dtype) override {
+    if (!byToken(name)) out_[ownName(name)] = zeroResult(shape, dtype);
+  }
+  void block(const std::string& name, const ReferenceBlock& b) override {
+    Checked& whole = out_.at(ownName(name));
+    const std::int64_t cols = whole.value.shape.back();
+    for (std::int64_t r = 0; r < b.rows; ++r) {
+      const std::int64_t row = byToken(name) ? tokens_[std::size_t(b.row + r)] : b.row + r;
+      std::copy_n(b.value + r * b.ld, b.cols, whole.value.values.begin() + row * cols + b.col);
+      std::copy_n(b.bound + r * b.ld, b.cols, whole.bound.begin() + row * cols + b.col);
+    }
+  }
+
+ private:
+  static bool byToken(const std::string& name) { return name == "output" || name == "input.grad"; }
+  std::string ownName(const std::string& name) const { return name == "bias.grad" ? bias_ + ".grad" : name; }
+
+  std::map<std::string, Checked>& out_;
+  const std::vector<std::int64_t>& tokens_;
+  const std::string bias_;
+};
+
+}  // namespace
+
 std::map<std::string, Checked> groupedReference(const ReferenceOptions& o, const InputMap& in, std::int64_t experts) {
   const HostTensor x = needHost(in, "input"), ids = needHost(in, "expert_ids"), dy = needHost(in, "grad_output");
   const std::int64_t M = x.shape[0], K = x.shape[1], N = dy.shape[1];
-  // Each token's rows as one linear of its expert, then back in token order.
+  // Each expert's tokens' rows as one linear of its expert (ExpertSink puts them back in token order).
   auto rowsOf = [](const HostTensor& t, const std::vector<std::int64_t>& rows) {
     const std::int64_t width = t.shape[1];
     HostTensor part{{std::int64_t(rows.size()), width}, t.dtype, {}};
     for (std::int64_t r : rows) part.values.insert(part.values.end(), t.values.begin() + r * width, t.values.begin() + (r + 1) * width);
     return part;
   };
-  auto scatter = [](const Checked& part, const std::vector<std::int64_t>& rows, Checked& whole) {
-    const std::int64_t width = whole.value.shape[1];
-    for (std::size_t i = 0; i < rows.size(); ++i)
-      for (std::int64_t j = 0; j < width; ++j) {
-        whole.value.values[std::size_t(rows[i] * width + j)] = part.value.values[i * std::size_t(width) + std::size_t(j)];
-        whole.bound[std::size_t(rows[i] * width + j)] = part.bound[i * std::size_t(width) + std::size_t(j)];
-      }
-  };
-  auto zeros = [](std::vector<std::int64_t> shape, DType dtype) {
-    std::int64_t n = 1;
-    for (std::int64_t d : shape) n *= d;
-    return Checked{HostTensor{std::move(shape), dtype, std::vector<double>(std::size_t(n), 0.0)},
-                   std::vector<double>(std::size_t(n), 0.0)};
-  };
   std::map<std::string, Checked> out;
-  out["output"] = zeros({M, N}, o.outputDtype);
-  out["input.grad"] = zeros({M, K}, o.computeDtype);
+  out["output"] = zeroResult({M, N}, o.outputDtype);
+  out["input.grad"] = zeroResult({M, K}, o.computeDtype);
   for (std::int64_t e = 0; e < experts; ++e) {
     const std::string weight = detail::concat("weight", e), bias = detail::concat("bias", e);
     const std::optional<HostTensor> b = in.count(bias) ? std::optional(needHost(in, bias)) : std::nullopt;
@@ -791,17 +866,15 @@ std::map<std::string, Checked> groupedReference(const ReferenceOptions& o, const
     for (std::int64_t i = 0; i < M; ++i)
       if (std::int64_t(ids.values[std::size_t(i)]) == e) rows.push_back(i);
     if (rows.empty()) {  // an expert without tokens gets no gradient
-      out[weight + ".grad"] = zeros({N, K}, o.computeDtype);
-      if (b) out[bias + ".grad"] = zeros({N}, o.computeDtype);
+      out[weight + ".grad"] = zeroResult({N, K}, o.computeDtype);
+      if (b) out[bias + ".grad"] = zeroResult({N}, o.computeDtype);
       continue;
     }
-    std::map<std::string, Checked> part;
-    const HostTensor w = needHost(in, weight);
-    linearLayer(o, rowsOf(x, rows), w, w, b ? &*b : nullptr, rowsOf(dy, rows), weight, part);
-    scatter(part.at("output"), rows, out["output"]);
-    scatter(part.at("input.grad"), rows, out["input.grad"]);
-    out[weight + ".grad"] = std::move(part.at(weight + ".grad"));
-    if (b) out[bias + ".grad"] = std::move(part.at("bias.grad"));
+    ExpertSink sink(out, rows, bias);
+    const StoredTensor& w = need(in, weight);
+    std::map<std::string, Checked> whole =
+        linearLayer(o, rowsOf(x, rows), w, w, b ? &*b : nullptr, rowsOf(dy, rows), weight, true, sink);
+    sendBlocks(whole, sink);
   }
   return out;
 }

@@ -52,9 +52,11 @@ struct ReferenceOptions {
   // Column with disable_grad_reduce: input.grad is each TP rank's own partial dY_t·W_t (its output
   // rows, as the weight's placement gives them), stacked (T, …, K), with no reduction among them.
   bool disableGradReduce = false;
-  // The MLP takes F in blocks of a multiple of 256 columns, about this many elements of each (tokens,
-  // F) intermediate; values change only by double rounding with it, bounds by their float rounding.
-  std::int64_t mlpBlockElements = std::int64_t(1) << 21;
+  // The references that take their weights a block at a time (a multiple of 256 of F or of the
+  // weight's rows) make blocks of about this many elements: the MLP of each (tokens, F)
+  // intermediate, a linear of its weight. With it the MLP's values change only by double rounding
+  // and its bounds by their float rounding; a linear's results change no bit.
+  std::int64_t blockElements = std::int64_t(1) << 21;
 };
 
 // A rectangle of one result's reference, the result seen as a (numel / last dim, last dim) matrix:
@@ -76,8 +78,10 @@ class ReferenceSink {
   virtual void block(const std::string& name, const ReferenceBlock& block) = 0;
 };
 
-// Sends each of `results` whole, as one block (which the sink may change).
+// Sends each of `results` whole, as one block (which the sink may change): announced first, or
+// (sendBlocks) announced already.
 void sendWhole(std::map<std::string, Checked>& results, ReferenceSink& sink);
+void sendBlocks(std::map<std::string, Checked>& results, ReferenceSink& sink);
 
 // The layer kind's reference (options.layer), with what every kind shares added to its bounds:
 // gradual underflow, the GTP_remat reduce-scatter's on weight gradients included. The streamed form
@@ -89,9 +93,10 @@ std::map<std::string, Checked> denseReference(const ReferenceOptions& options, c
 // (input, weight, bias, grad_output; with MXFP8 weights or disable_grad_reduce the placement of
 // "weight"); embeddingReference: the lookup (ids input, weight, grad_output); mlpReference: fc1,
 // exact GeLU, fc2 (with MXFP8 weights the placements of "fc1.weight" and "fc2.weight").
-std::map<std::string, Checked> linearReference(const ReferenceOptions& options, const InputMap& inputs);
+// linearReference sends its weight gradient a block of rows at a time, mlpReference its weight
+// gradients a block of F at a time (ReferenceOptions::blockElements).
+void linearReference(const ReferenceOptions& options, const InputMap& inputs, ReferenceSink& sink);
 std::map<std::string, Checked> embeddingReference(const ReferenceOptions& options, const InputMap& inputs);
-// mlpReference sends its weight gradients a block of F at a time.
 void mlpReference(const ReferenceOptions& options, const InputMap& inputs, ReferenceSink& sink);
 // The experts' grouped linear: token i (input, grad_output rows) goes through expert
 // expert_ids[i]'s weight<e> and bias<e>.

@@ -94,7 +94,7 @@ class EmbeddingKind final : public LayerKind {
   }
   // The table's gradient is a scatter-add, not a product: no packed copies of the table
   // (heaptrack of vocab 8192 x 512: about 40 bytes an element of the table at the peak).
-  double referenceBytesPerParameter() const override { return 40; }
+  double referenceBytesPerParameter(const RunConfig&) const override { return 40; }
   std::unique_ptr<LayerModules> build(const LayerContext& lc, const ModelParallelConfig& mp,
                                       const RunConfig& c) const override {
     return std::make_unique<EmbeddingModules>(lc, mp, c);

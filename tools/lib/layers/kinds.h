@@ -15,6 +15,12 @@ const LayerKind& mlpLayerKind();        // mlp.cc: fc1 column, exact GeLU, fc2 r
 const LayerKind& groupedColumnLayerKind();  // grouped.cc: the experts' GroupedParallelLinear, column mode
 const LayerKind& groupedRowLayerKind();     // grouped.cc: the same in row mode
 
+// Bytes an element of an MXFP8 weight (--weight-format mxfp8) that the reference's making of its
+// two quantized copies holds at its peak (mxfp8Weight: the weight in double, its TP ranks' shards
+// quantized, put together), besides the first copy (measured on columns of 8M and 32M parameters,
+// fp32 and bf16).
+constexpr double kMxfp8ReferenceBytes = 28;
+
 // The initializer a run's layers are built with: never called, as initialization is off (the run
 // copies its tensors in).
 InitMethod uninitialized();

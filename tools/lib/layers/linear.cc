@@ -89,6 +89,25 @@ class LinearKind : public LayerKind {
     return t;
   }
   const std::vector<GtpWeightSpec>& gtpWeights() const override { return gtpWeights_; }
+  // The reference holds |W| in float and takes W a block of rows at a time (linearReference); MXFP8
+  // weights first make their two copies in the run's dtype, the second while the first is held.
+  double referenceBytesPerParameter(const RunConfig& c) const override {
+    return c.weightFormat == WeightFormat::kNative ? 4 : kMxfp8ReferenceBytes + double(dtypeSize(c.dtype));
+  }
+  // A block's rows of W (and of its dgrad copy under MXFP8) and of dW and its bound in double, W's
+  // rows packed for the products, and the bound's float product. Under MXFP8 the making of the
+  // copies is over before the blocks start, which go with the two copies and |W| of each (8 + 2d
+  // bytes an element, d the dtype's): the larger of the two counts.
+  double referenceIntermediates(const RunConfig& c, const ShapeMap& shapes) const override {
+    const auto w = shapes.find("weight");
+    if (w == shapes.end() || w->second.size() != 2) return 0;
+    const std::int64_t k = std::max<std::int64_t>(w->second[1], 1);
+    const std::int64_t rows = std::max<std::int64_t>(256, ReferenceOptions().blockElements / k / 256 * 256);
+    const double block = double(std::min(w->second[0], rows) * k);
+    if (c.weightFormat == WeightFormat::kNative) return 4.5 * block;
+    const double making = kMxfp8ReferenceBytes + double(dtypeSize(c.dtype)), held = 8 + 2 * double(dtypeSize(c.dtype));
+    return std::max(0.0, 5.5 * block - (making - held) / 8 * double(w->second[0] * k));
+  }
   std::int64_t longestSum(const RunConfig& c) const override {
     return std::max({c.inFeatures + 1, c.outFeatures, c.seq * c.batch});
   }
@@ -97,8 +116,7 @@ class LinearKind : public LayerKind {
     return std::make_unique<LinearModules<Linear>>(lc, mp, c);
   }
   void reference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& sink) const override {
-    std::map<std::string, Checked> results = linearReference(o, in);
-    sendWhole(results, sink);
+    linearReference(o, in, sink);
   }
   // Column: the input whole unless sequence-parallel, the output split unless gathered. Row: the
   // input split only when it comes parallel, the output whole unless sequence-parallel.

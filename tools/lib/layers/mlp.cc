@@ -121,16 +121,27 @@ class MlpKind final : public LayerKind {
   }
   // The reference holds its (tokens, F) matrices for a block of F at a time, and the block's rows of
   // W1 and dW1 and columns of W2 and dW2 in double, the gradients' bounds, |W1| and |W2| in float
-  // (mlpReference).
-  double referenceIntermediates(const RunConfig&, const ShapeMap& shapes) const override {
+  // (mlpReference); under MXFP8 the blocks of the dgrads' copies and their magnitudes as well. A
+  // weight's block is also packed for the products, in double and in float (at most 32 MiB each),
+  // and its gradient's bound is made in a float product first (measured where the weights are the
+  // run: a few tokens, so that a block is all of F).
+  double referenceIntermediates(const RunConfig& c, const ShapeMap& shapes) const override {
     double tokens = 0;
     const double h = hiddenElements(shapes, tokens);
-    const double block = std::min(h, std::max(double(ReferenceOptions().mlpBlockElements), 256 * tokens));
+    const double block = std::min(h, std::max(double(ReferenceOptions().blockElements), 256 * tokens));
     const auto in = shapes.find("input");
     const double features = in == shapes.end() || in->second.empty() ? 0 : double(in->second.back());
-    return 11 * block + 7 * features * (tokens > 0 ? block / tokens : 0);
+    const double weightBlock = features * (tokens > 0 ? block / tokens : 0);
+    const double perWeightElement = c.weightFormat == WeightFormat::kNative ? 7.5 : 10.5;
+    const double packed = std::min(weightBlock, double(1 << 22)) + std::min(weightBlock / 2, double(1 << 22));
+    return 11 * block + perWeightElement * weightBlock + packed;
   }
-  double referenceBytesPerParameter() const override { return 0; }
+  // Nothing whole but, under MXFP8, the weights' quantized copies, made one weight at a time (each
+  // half the parameters): fc1's two copies are held while fc2's are made.
+  double referenceBytesPerParameter(const RunConfig& c) const override {
+    const double d = double(dtypeSize(c.dtype));
+    return c.weightFormat == WeightFormat::kNative ? 0 : (kMxfp8ReferenceBytes + d) / 2 + d;
+  }
   std::unique_ptr<LayerModules> build(const LayerContext& lc, const ModelParallelConfig& mp,
                                       const RunConfig& c) const override {
     return std::make_unique<MlpModules>(lc, mp, c);
