@@ -157,6 +157,14 @@ TEST_P(MemoryEstimate, CoversTheMeasuredPeakWithin30Percent) {
   std::printf("%s\n", figures.c_str());
 }
 
+// A test's name from its shape's and its rank count: "column_mxfp8_T2".
+std::string shapeAndRanks(const ::testing::TestParamInfo<std::tuple<Shape, int>>& info) {
+  std::string name = std::get<0>(info.param).name;
+  for (char& ch : name)
+    if (ch == ' ') ch = '_';
+  return name + "_T" + std::to_string(std::get<1>(info.param));
+}
+
 INSTANTIATE_TEST_SUITE_P(Row, MemoryEstimate, ::testing::Combine(::testing::Values(kRow), ::testing::Values(1, 4, 16, 64)),
                          [](const auto& info) { return "T" + std::to_string(std::get<1>(info.param)); });
 INSTANTIATE_TEST_SUITE_P(RowUnverified, MemoryEstimate,
@@ -170,12 +178,7 @@ INSTANTIATE_TEST_SUITE_P(WideColumnGtp, MemoryEstimate,
 INSTANTIATE_TEST_SUITE_P(WeightsAreTheRun, MemoryEstimate,
                          ::testing::Combine(::testing::Values(kWideMlp, kWideMlpMxfp8, kWideColumnMxfp8),
                                             ::testing::Values(2)),
-                         [](const auto& info) {
-                           std::string name = std::get<0>(info.param).name;
-                           for (char& ch : name)
-                             if (ch == ' ') ch = '_';
-                           return name + "_T" + std::to_string(std::get<1>(info.param));
-                         });
+                         shapeAndRanks);
 // The peers' whole wgrads at the reduce-scatter, where the peak is steady from run to run (G = 2
 // and, at T = 1, G = 4 vary by a peer's wgrad).
 INSTANTIATE_TEST_SUITE_P(GtpWeightsG3, MemoryEstimate,
@@ -188,12 +191,7 @@ INSTANTIATE_TEST_SUITE_P(EachKind, MemoryEstimate,
                          ::testing::Combine(::testing::Values(kColumn, kSequenceParallelRow, kEmbedding, kGroupedColumn,
                                                              kGroupedRow, kEmbeddingBf16, kColumnBf16Fused),
                                             ::testing::Values(4)),
-                         [](const auto& info) {
-                           std::string name = std::get<0>(info.param).name;
-                           for (char& ch : name)
-                             if (ch == ' ') ch = '_';
-                           return name + "_T" + std::to_string(std::get<1>(info.param));
-                         });
+                         shapeAndRanks);
 INSTANTIATE_TEST_SUITE_P(SequenceParallelMlp, MemoryEstimate,
                          ::testing::Combine(::testing::Values(kMlp), ::testing::Values(8, 64)),
                          [](const auto& info) { return "T" + std::to_string(std::get<1>(info.param)); });

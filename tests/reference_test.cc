@@ -11,6 +11,7 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <map>
 #include <random>
@@ -82,20 +83,55 @@ TEST(Reference, MagnitudeProductKeepsInfinityAndNan) {
   }
 }
 
+// fp32 normals of `shape`, held in double as the reference reads them.
+HostTensor randomTensor(std::vector<std::int64_t> shape, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal;
+  std::int64_t n = 1;
+  for (std::int64_t d : shape) n *= d;
+  std::vector<double> v(static_cast<std::size_t>(n));
+  for (double& x : v) x = normal(rng);
+  return HostTensor{std::move(shape), DType::kFloat32, std::move(v)};
+}
+
+// Each result the loops sum, with its sum of |terms| for the tolerance.
+struct LoopSums {
+  std::map<std::string, std::vector<double>> want, scale;
+  void result(const std::string& name, std::size_t n) {
+    want[name].assign(n, 0.0);
+    scale[name].assign(n, 0.0);
+  }
+  void add(const std::string& name, std::int64_t i, double term) {
+    want[name][std::size_t(i)] += term;
+    scale[name][std::size_t(i)] += std::fabs(term);
+  }
+};
+
+// Each result of the reference in one block and in three against the loops' sums, to 1e-13 of their
+// sum of |terms|; `bounds` checks element i's bounds in one block (a) and in three (b).
+void expectLoopSums(const LoopSums& sums, const std::map<std::string, Checked>& one,
+                    const std::map<std::string, Checked>& three,
+                    const std::function<void(const std::string&, std::size_t, const Checked&, const Checked&)>& bounds) {
+  ASSERT_EQ(one.size(), sums.want.size());
+  for (const auto& [name, values] : sums.want) {
+    const Checked &a = one.at(name), &b = three.at(name);
+    ASSERT_EQ(a.value.values.size(), values.size()) << name;
+    ASSERT_EQ(b.value.values.size(), values.size()) << name;
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      const double tolerance = 1e-13 * sums.scale.at(name)[i] + 1e-300;
+      ASSERT_NEAR(a.value.values[i], values[i], tolerance) << name << " element " << i << ", one block";
+      ASSERT_NEAR(b.value.values[i], values[i], tolerance) << name << " element " << i << ", three blocks";
+      bounds(name, i, a, b);
+    }
+  }
+}
+
 // An MLP small enough for loops: 6 tokens, h = 5, F = 700. In blocks of 256 columns of F (256, 256,
 // 188) and in one block, the reference's values are the loops' in double, and its bounds agree to
 // their float rounding (each block rounds its own operands up, with F factors of its own depth).
 TEST(Reference, MlpInBlocksOfFMatchesLoopsOverTheWhole) {
   const std::int64_t tokens = 6, h = 5, f = 700;
   std::mt19937_64 rng(11);
-  std::normal_distribution<float> normal;
-  auto random = [&](std::vector<std::int64_t> shape) {
-    std::int64_t n = 1;
-    for (std::int64_t d : shape) n *= d;
-    std::vector<double> v(static_cast<std::size_t>(n));
-    for (double& x : v) x = normal(rng);
-    return HostTensor{std::move(shape), DType::kFloat32, std::move(v)};
-  };
+  auto random = [&rng](std::vector<std::int64_t> shape) { return randomTensor(std::move(shape), rng); };
   const TensorMap in = {{"input", random({2, 3, h})},     {"grad_output", random({2, 3, h})},
                         {"fc1.weight", random({f, h})},   {"fc1.bias", random({f})},
                         {"fc2.weight", random({h, f})},   {"fc2.bias", random({h})}};
@@ -103,18 +139,11 @@ TEST(Reference, MlpInBlocksOfFMatchesLoopsOverTheWhole) {
   const std::vector<double> &w1 = in.at("fc1.weight").values, &b1 = in.at("fc1.bias").values;
   const std::vector<double> &w2 = in.at("fc2.weight").values, &b2 = in.at("fc2.bias").values;
 
-  // The loops, with each result's sum of |terms| for the tolerance.
-  std::map<std::string, std::vector<double>> want, scale;
-  auto result = [&](const std::string& name, std::size_t n) {
-    want[name].assign(n, 0.0);
-    scale[name].assign(n, 0.0);
-  };
-  result("output", tokens * h), result("input.grad", tokens * h), result("fc1.weight.grad", f * h);
-  result("fc1.bias.grad", f), result("fc2.weight.grad", h * f), result("fc2.bias.grad", h);
-  auto add = [&](const std::string& name, std::int64_t i, double term) {
-    want[name][std::size_t(i)] += term;
-    scale[name][std::size_t(i)] += std::fabs(term);
-  };
+  // The loops.
+  LoopSums sums;
+  sums.result("output", tokens * h), sums.result("input.grad", tokens * h), sums.result("fc1.weight.grad", f * h);
+  sums.result("fc1.bias.grad", f), sums.result("fc2.weight.grad", h * f), sums.result("fc2.bias.grad", h);
+  auto add = [&sums](const std::string& name, std::int64_t i, double term) { sums.add(name, i, term); };
   for (std::int64_t t = 0; t < tokens; ++t) {
     std::vector<double> a(static_cast<std::size_t>(f)), dh(static_cast<std::size_t>(f));
     for (std::int64_t j = 0; j < f; ++j) {
@@ -142,20 +171,11 @@ TEST(Reference, MlpInBlocksOfFMatchesLoopsOverTheWhole) {
   whole.layer = layerKind("mlp");
   ReferenceOptions blocks = whole;
   blocks.blockElements = tokens * 256;
-  const std::map<std::string, Checked> one = denseReference(whole, storedOf(in)), three = denseReference(blocks, storedOf(in));
-  ASSERT_EQ(one.size(), want.size());
-  for (const auto& [name, values] : want) {
-    const Checked &a = one.at(name), &b = three.at(name);
-    ASSERT_EQ(a.value.values.size(), values.size()) << name;
-    ASSERT_EQ(b.value.values.size(), values.size()) << name;
-    for (std::size_t i = 0; i < values.size(); ++i) {
-      const double tolerance = 1e-13 * scale[name][i] + 1e-300;
-      ASSERT_NEAR(a.value.values[i], values[i], tolerance) << name << " element " << i << ", one block";
-      ASSERT_NEAR(b.value.values[i], values[i], tolerance) << name << " element " << i << ", three blocks";
-      ASSERT_GT(a.bound[i], 0.0) << name << " element " << i;
-      ASSERT_NEAR(b.bound[i] / a.bound[i], 1.0, 1e-4) << name << " element " << i;
-    }
-  }
+  expectLoopSums(sums, denseReference(whole, storedOf(in)), denseReference(blocks, storedOf(in)),
+                 [](const std::string& name, std::size_t i, const Checked& a, const Checked& b) {
+                   ASSERT_GT(a.bound[i], 0.0) << name << " element " << i;
+                   ASSERT_NEAR(b.bound[i] / a.bound[i], 1.0, 1e-4) << name << " element " << i;
+                 });
 }
 
 // A column layer small enough for loops: 6 tokens, K = 5, N = 700 output features. In blocks of 256
@@ -165,14 +185,7 @@ TEST(Reference, MlpInBlocksOfFMatchesLoopsOverTheWhole) {
 TEST(Reference, LinearInBlocksOfWeightRowsMatchesLoopsAndTheWholeBitForBit) {
   const std::int64_t tokens = 6, k = 5, n = 700;
   std::mt19937_64 rng(13);
-  std::normal_distribution<float> normal;
-  auto random = [&](std::vector<std::int64_t> shape) {
-    std::int64_t count = 1;
-    for (std::int64_t d : shape) count *= d;
-    std::vector<double> v(static_cast<std::size_t>(count));
-    for (double& x : v) x = normal(rng);
-    return HostTensor{std::move(shape), DType::kFloat32, std::move(v)};
-  };
+  auto random = [&rng](std::vector<std::int64_t> shape) { return randomTensor(std::move(shape), rng); };
   const TensorMap in = {{"input", random({2, 3, k})},
                         {"weight", random({n, k})},
                         {"bias", random({n})},
@@ -180,16 +193,10 @@ TEST(Reference, LinearInBlocksOfWeightRowsMatchesLoopsAndTheWholeBitForBit) {
   const std::vector<double> &x = in.at("input").values, &w = in.at("weight").values, &b = in.at("bias").values;
   const std::vector<double>& dy = in.at("grad_output").values;
 
-  std::map<std::string, std::vector<double>> want, scale;
-  auto result = [&](const std::string& name, std::size_t count) {
-    want[name].assign(count, 0.0);
-    scale[name].assign(count, 0.0);
-  };
-  result("output", tokens * n), result("input.grad", tokens * k), result("weight.grad", n * k), result("bias.grad", n);
-  auto add = [&](const std::string& name, std::int64_t i, double term) {
-    want[name][std::size_t(i)] += term;
-    scale[name][std::size_t(i)] += std::fabs(term);
-  };
+  LoopSums sums;
+  sums.result("output", tokens * n), sums.result("input.grad", tokens * k), sums.result("weight.grad", n * k);
+  sums.result("bias.grad", n);
+  auto add = [&sums](const std::string& name, std::int64_t i, double term) { sums.add(name, i, term); };
   for (std::int64_t t = 0; t < tokens; ++t)
     for (std::int64_t j = 0; j < n; ++j) {
       add("output", t * n + j, b[std::size_t(j)]);
@@ -205,24 +212,14 @@ TEST(Reference, LinearInBlocksOfWeightRowsMatchesLoopsAndTheWholeBitForBit) {
   whole.layer = layerKind("column");
   ReferenceOptions blocks = whole;
   blocks.blockElements = k * 256;
-  const std::map<std::string, Checked> one = denseReference(whole, storedOf(in)), three = denseReference(blocks, storedOf(in));
-  ASSERT_EQ(one.size(), want.size());
   const bool packed = sim::bestGemmKernel() != sim::GemmKernel::kEigen;
-  for (const auto& [name, values] : want) {
-    const Checked &a = one.at(name), &c = three.at(name);
-    ASSERT_EQ(a.value.values.size(), values.size()) << name;
-    ASSERT_EQ(c.value.values.size(), values.size()) << name;
-    for (std::size_t i = 0; i < values.size(); ++i) {
-      const double tolerance = 1e-13 * scale[name][i] + 1e-300;
-      ASSERT_NEAR(a.value.values[i], values[i], tolerance) << name << " element " << i << ", one block";
-      ASSERT_NEAR(c.value.values[i], values[i], tolerance) << name << " element " << i << ", three blocks";
-      ASSERT_GE(a.bound[i], 0x1p-24 * scale[name][i]) << name << " element " << i;
-      if (packed) {
-        ASSERT_EQ(c.value.values[i], a.value.values[i]) << name << " element " << i;
-        ASSERT_EQ(c.bound[i], a.bound[i]) << name << " element " << i;
-      }
-    }
-  }
+  expectLoopSums(sums, denseReference(whole, storedOf(in)), denseReference(blocks, storedOf(in)),
+                 [&](const std::string& name, std::size_t i, const Checked& a, const Checked& c) {
+                   ASSERT_GE(a.bound[i], 0x1p-24 * sums.scale.at(name)[i]) << name << " element " << i;
+                   if (!packed) return;
+                   ASSERT_EQ(c.value.values[i], a.value.values[i]) << name << " element " << i;
+                   ASSERT_EQ(c.bound[i], a.bound[i]) << name << " element " << i;
+                 });
 }
 
 }  // namespace
