@@ -146,10 +146,9 @@ class LayerKind {
   // beyond its results, in elements (the memory estimate's terms; 0 for a single GEMM).
   virtual double stepIntermediates(const RunConfig&, const ShapeMap&) const { return 0; }
   virtual double referenceIntermediates(const RunConfig&, const ShapeMap&) const { return 0; }
-  // Bytes the reference holds per parameter element: the parameter in double, the values and bounds
-  // of its gradients whole, the magnitudes behind them and the parameter's own (46, measured); or
-  // less where it takes the weights and sends their gradients a block at a time (the blocks are its
-  // intermediates).
+  // Bytes the reference holds per parameter element: the values and bounds of its gradients whole,
+  // the magnitudes behind them and the parameter's own (46, measured); or less where it sends the
+  // gradients a block at a time (the blocks are its intermediates).
   virtual double referenceBytesPerParameter(const RunConfig&) const { return 46; }
   // Bytes the reference holds per element of the input and of grad_output: each in double, the
   // values and bounds of the results of their shapes, the magnitudes behind them, and the GEMMs'
