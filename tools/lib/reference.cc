@@ -438,8 +438,7 @@ std::map<std::string, Checked> linearLayer(const ReferenceOptions& o, const Host
   sink.result(weight + ".grad", wFprop.shape, c);
   if (b) sink.result("bias.grad", b->shape, c);
 
-  const std::int64_t block = std::min<std::int64_t>(
-      std::max<std::int64_t>(n, 1), std::max<std::int64_t>(256, o.blockElements / std::max<std::int64_t>(k, 1) / 256 * 256));
+  const std::int64_t block = linearBlockRows(o, n, k);
   const double relW = relativeBound(o.accumulationUnit, tokens, wgradRoundings(o, weight + ".grad"));
   Mat y{tokens, n, freshVector<double>(tokens * n)}, dX{tokens, k, freshVector<double>(inputGrad ? tokens * k : 0)};
   // The pass over the weight's blocks, whose buffers are gone before the products over the whole |W|.
@@ -589,6 +588,11 @@ std::map<std::string, Checked> denseReference(const ReferenceOptions& o, const I
   DenseSink dense;
   streamReference(o, in, dense);
   return std::move(dense.out);
+}
+
+std::int64_t linearBlockRows(const ReferenceOptions& o, std::int64_t n, std::int64_t k) {
+  return std::min<std::int64_t>(std::max<std::int64_t>(n, 1),
+                                std::max<std::int64_t>(256, o.blockElements / std::max<std::int64_t>(k, 1) / 256 * 256));
 }
 
 void linearReference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& sink) {

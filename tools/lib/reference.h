@@ -96,6 +96,9 @@ std::map<std::string, Checked> denseReference(const ReferenceOptions& options, c
 // linearReference sends its weight gradient a block of rows at a time, mlpReference its weight
 // gradients a block of F at a time (ReferenceOptions::blockElements).
 void linearReference(const ReferenceOptions& options, const InputMap& inputs, ReferenceSink& sink);
+// The rows of a linear's (N, K) weight in each of linearReference's blocks: a multiple of 256, about
+// blockElements elements, all N where that is fewer.
+std::int64_t linearBlockRows(const ReferenceOptions& options, std::int64_t n, std::int64_t k);
 std::map<std::string, Checked> embeddingReference(const ReferenceOptions& options, const InputMap& inputs);
 void mlpReference(const ReferenceOptions& options, const InputMap& inputs, ReferenceSink& sink);
 // The experts' grouped linear: token i (input, grad_output rows) goes through expert

@@ -101,12 +101,11 @@ class LinearKind : public LayerKind {
   double referenceIntermediates(const RunConfig& c, const ShapeMap& shapes) const override {
     const auto w = shapes.find("weight");
     if (w == shapes.end() || w->second.size() != 2) return 0;
-    const std::int64_t k = std::max<std::int64_t>(w->second[1], 1);
-    const std::int64_t rows = std::max<std::int64_t>(256, ReferenceOptions().blockElements / k / 256 * 256);
-    const double block = double(std::min(w->second[0], rows) * k);
+    const std::int64_t n = w->second[0], k = w->second[1];
+    const double block = double(linearBlockRows(ReferenceOptions(), n, k) * k);
     if (c.weightFormat == WeightFormat::kNative) return 4.5 * block;
     const double making = kMxfp8ReferenceBytes + double(dtypeSize(c.dtype)), held = 8 + 2 * double(dtypeSize(c.dtype));
-    return std::max(0.0, 5.5 * block - (making - held) / 8 * double(w->second[0] * k));
+    return std::max(0.0, 5.5 * block - (making - held) / 8 * double(n * k));
   }
   std::int64_t longestSum(const RunConfig& c) const override {
     return std::max({c.inFeatures + 1, c.outFeatures, c.seq * c.batch});
