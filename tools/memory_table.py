@@ -71,6 +71,10 @@ CASES = [
     "--tp 1 --gtp-remat 2",
     "--layer column --batch 24 --seq 4 --in-features 4096 --out-features 8208 --verify none --pad-for-alignment 0 "
     "--tp 2 --gtp-remat 8",
+    # The same on one thread, where the peers reach the reduce-scatter one after another, verified too.
+    "--layer column --batch 24 --seq 4 --in-features 4096 --out-features 8208 --verify none --pad-for-alignment 0 "
+    "--tp 2 --gtp-remat 4 --threads 1",
+    "--layer column --batch 4 --seq 16 --in-features 4096 --out-features 8192 --tp 2 --gtp-remat 4 --threads 1",
     # Weights that are nearly all of a verified run.
     "--layer mlp --batch 2 --seq 16 --in-features 1024 --ffn-hidden 4096 --tp 2",
     "--layer mlp --batch 2 --seq 16 --in-features 1024 --ffn-hidden 4096 --tp 2 --weight-format mxfp8",

@@ -54,11 +54,13 @@ std::optional<double> readNumber(const std::string& file) {
 //   shards     (14 + 4m)Wp + tWg: each parameter's shard and gradient as backend tensors and the
 //              gradient as the run keeps it (4 bytes each), the shard while it is cut (2, measured),
 //              main_grad (m: 1 under --grad-accumulation-fusion or GTP_remat), and under GTP_remat
-//              t = 7.5 + 3 min(G, 5, 6/T) bytes an element of Wg, the largest weight it shards (as held):
-//              the gathered weight its group shares and the peers' whole TP-local wgrads, which the
-//              reduce-scatter of one weight at a time frees as it adds them up (measured where the
-//              weight is the run: at T = 1 the peak grows with G, from T = 2 it stops at G = 3, and
-//              varies by up to a peer's wgrad from run to run)
+//              t bytes an element of Wg, the largest weight it shards (as held): the gathered weight
+//              its group shares and the peers' whole TP-local wgrads, which the reduce-scatter of one
+//              weight at a time frees as it adds them up (measured where the weight is the run):
+//              t = 7 + 6/T on one thread, where the peak is the same from run to run, and
+//              7.5 + 3 min(G, 5, 6/T) on more, where it varies with how many peers wait at the
+//              reduce-scatter with theirs held (at T = 1 it grows with G, from T = 2 it stops at
+//              G = 3), as far down as the one thread's on a loaded machine
 //   step       8S: the kind's other per-rank intermediates (LayerKind::stepIntermediates, in doubles)
 //   packing    per thread that runs ranks, the gemms' packed operands (sim/gemm_driver.h), each at
 //              most 32 MiB: 8 bytes an element of the rank's largest left operand (its input or
@@ -117,14 +119,17 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   const double whole = heldWhole(share.input, x) + heldWhole(share.output, y);
   const double copies = 13 * T * (share.input * x + share.output * y) + 8 * whole;
   const bool mainGrad = c.gradAccumulationFusion || c.gtpRemat > 1;
-  const double gtpTransient = G > 1 ? (7.5 + 3 * std::min({G, 5.0, 6 / T})) * largestGtp : 0;
+  const double threads = std::min(T * G, c.threads > 0 ? double(c.threads)
+                                                       : std::max(1.0, double(std::thread::hardware_concurrency())));
+  // On one thread the peers reach the reduce-scatter one after another; on more, how many wait
+  // there with their wgrads held depends on the schedule, and the term covers the most measured.
+  const double gtpBytes = threads == 1 ? 7 + 6 / T : 7.5 + 3 * std::min({G, 5.0, 6 / T});
+  const double gtpTransient = G > 1 ? gtpBytes * largestGtp : 0;
   const double shards = (14 + (mainGrad ? 4 : 0)) * held + gtpTransient;
   const double step = 8 * c.layer->stepIntermediates(c, shapes);
   const double hidden = c.layer->stepIntermediates(c, shapes) / 2 / (T * G);
   const double xs = seen(share.input, x), ys = seen(share.output, y);
   const double packedLimit = 32.0 * (1 << 20);
-  const double threads = std::min(T * G, c.threads > 0 ? double(c.threads)
-                                                       : std::max(1.0, double(std::thread::hardware_concurrency())));
   const double packing = threads * (std::min(8 * std::max({xs, ys, hidden}), packedLimit) +
                                     std::min(std::max({4 * held / T, 8 * xs, 8 * hidden}), packedLimit));
   // input.grad is (T, s, b, K): kept, and in the reference
