@@ -126,6 +126,17 @@ const Shape kWideMlpMxfp8{"mlp weights mxfp8", {"--layer", "mlp", "--batch", "2"
 const Shape kWideColumnMxfp8{"column mxfp8", {"--layer", "column", "--batch", "2", "--seq", "16", "--in-features",
                                               "2048", "--out-features", "4096", "--weight-format", "mxfp8"}};
 
+// A table that is nearly all of the run, verified: the reference reads it in place and takes its
+// gradient a block of rows at a time, so the run holds the peak, where the ranks' backend gradients
+// are scatter-adds that touch few rows (at 14 bytes a table element, as for the linear kinds, and
+// with packed operands, T = 8 read 1.44), and under GTP_remat the peers' gathered tables (on one
+// thread: at 2 its reduce-scatter's peak varies as the column's does).
+const Shape kEmbeddingTable{"embedding table", {"--layer", "embedding", "--vocab", "65536", "--out-features", "512",
+                                                "--batch", "4", "--seq", "256"}};
+const Shape kEmbeddingTableGtp{"embedding table G=4", {"--layer", "embedding", "--vocab", "65536", "--out-features",
+                                                       "512", "--batch", "4", "--seq", "256", "--gtp-remat", "4"},
+                               "1"};
+
 // GTP_remat on a column whose weight is nearly all of the run, unverified: the peak is the weight
 // gradients' reduce-scatter, where a group's peers hold their whole TP-local wgrads beside the sum.
 // On two threads at T = 1, whose peak is steady (1124-1157 MiB at G = 3), and on one thread, where
@@ -195,6 +206,12 @@ INSTANTIATE_TEST_SUITE_P(GtpWeightsG3, MemoryEstimate,
 INSTANTIATE_TEST_SUITE_P(GtpWeightsOneThread, MemoryEstimate,
                          ::testing::Combine(::testing::Values(kGtpWeightsG3OneThread, kGtpWeightsG4OneThread),
                                             ::testing::Values(1, 2, 4)),
+                         shapeAndRanks);
+INSTANTIATE_TEST_SUITE_P(EmbeddingTable, MemoryEstimate,
+                         ::testing::Combine(::testing::Values(kEmbeddingTable), ::testing::Values(1, 8)),
+                         shapeAndRanks);
+INSTANTIATE_TEST_SUITE_P(EmbeddingTableGtp, MemoryEstimate,
+                         ::testing::Combine(::testing::Values(kEmbeddingTableGtp), ::testing::Values(2)),
                          shapeAndRanks);
 INSTANTIATE_TEST_SUITE_P(EachKind, MemoryEstimate,
                          ::testing::Combine(::testing::Values(kColumn, kSequenceParallelRow, kEmbedding, kGroupedColumn,

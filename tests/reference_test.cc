@@ -222,5 +222,39 @@ TEST(Reference, LinearInBlocksOfWeightRowsMatchesLoopsAndTheWholeBitForBit) {
                  });
 }
 
+// An embedding small enough for loops: a table of 700 rows of h = 5, six tokens whose ids repeat and
+// lie on the blocks' edges. In blocks of 256 rows of the table (256, 256, 188) and in one block, the
+// reference's values are the loops' (each row of the gradient its tokens' rows in token order), and
+// the blocks change no bit of a value or a bound.
+TEST(Reference, EmbeddingInBlocksOfTableRowsMatchesLoopsAndTheWholeBitForBit) {
+  const std::int64_t tokens = 6, h = 5, vocab = 700;
+  std::mt19937_64 rng(17);
+  const std::vector<double> ids = {0, 256, 255, 699, 256, 511};
+  const TensorMap in = {{"input", HostTensor{{2, 3}, DType::kInt64, ids}},
+                        {"weight", randomTensor({vocab, h}, rng)},
+                        {"grad_output", randomTensor({2, 3, h}, rng)}};
+  const std::vector<double> &w = in.at("weight").values, &dy = in.at("grad_output").values;
+
+  LoopSums sums;
+  sums.result("output", tokens * h), sums.result("weight.grad", vocab * h);
+  for (std::int64_t t = 0; t < tokens; ++t)
+    for (std::int64_t j = 0; j < h; ++j) {
+      const std::int64_t row = std::int64_t(ids[std::size_t(t)]);
+      sums.add("output", t * h + j, w[std::size_t(row * h + j)]);
+      sums.add("weight.grad", row * h + j, dy[std::size_t(t * h + j)]);
+    }
+
+  ReferenceOptions whole;
+  whole.layer = layerKind("embedding");
+  ReferenceOptions blocks = whole;
+  blocks.blockElements = h * 256;
+  expectLoopSums(sums, denseReference(whole, storedOf(in)), denseReference(blocks, storedOf(in)),
+                 [&](const std::string& name, std::size_t i, const Checked& a, const Checked& c) {
+                   ASSERT_GE(a.bound[i], 0x1p-24 * sums.scale.at(name)[i]) << name << " element " << i;
+                   ASSERT_EQ(c.value.values[i], a.value.values[i]) << name << " element " << i;
+                   ASSERT_EQ(c.bound[i], a.bound[i]) << name << " element " << i;
+                 });
+}
+
 }  // namespace
 }  // namespace tpsim::tools

@@ -79,8 +79,15 @@ CASES = [
     "--layer mlp --batch 2 --seq 16 --in-features 1024 --ffn-hidden 4096 --tp 2",
     "--layer mlp --batch 2 --seq 16 --in-features 1024 --ffn-hidden 4096 --tp 2 --weight-format mxfp8",
     "--layer column --batch 2 --seq 16 --in-features 2048 --out-features 4096 --tp 2 --weight-format mxfp8",
+    # Embedding tables that are nearly all of a verified run.
+    "--layer embedding --vocab 65536 --out-features 512 --batch 4 --seq 256 --tp 1",
+    "--layer embedding --vocab 65536 --out-features 512 --batch 4 --seq 256 --tp 8",
+    "--layer embedding --vocab 65536 --out-features 512 --batch 4 --seq 256 --tp 2 --gtp-remat 4 --threads 1",
 ]
 LARGE = [
+    # Llama-3-8B's embedding table.
+    "--layer embedding --vocab 128256 --out-features 4096 --batch 1 --seq 1024 --sequence-parallel "
+    "--reduce-scatter-embeddings --tp 8",
     # Llama-3-8B's MLP, then Llama-3-70B's.
     "--layer mlp --batch 1 --seq 1024 --in-features 4096 --ffn-hidden 14336 --sequence-parallel --tp 8",
     "--layer mlp --batch 2 --seq 4096 --in-features 4096 --ffn-hidden 14336 --sequence-parallel --tp 8 --gtp-remat 2",

@@ -146,6 +146,19 @@ class LayerKind {
   // beyond its results, in elements (the memory estimate's terms; 0 for a single GEMM).
   virtual double stepIntermediates(const RunConfig&, const ShapeMap&) const { return 0; }
   virtual double referenceIntermediates(const RunConfig&, const ShapeMap&) const { return 0; }
+  // Bytes the run holds per element of each rank's input and grad_output: them, their results and
+  // the holes freed conversions leave between them (13, measured on the linear kinds).
+  virtual double runBytesPerActivation(const RunConfig&) const { return 13; }
+  // Bytes the run holds per parameter element, main_grad aside, with `threads` threads running the
+  // ranks: each rank's shard and gradient as backend tensors, the gradient as the run keeps it, and
+  // the shards the threads are cutting (14, measured on the linear kinds).
+  virtual double runBytesPerParameter(const RunConfig&, double threads) const {
+    (void)threads;
+    return 14;
+  }
+  // Whether its step and its reference multiply matrices: the packed operands each thread keeps
+  // and the reference's float magnitude products.
+  virtual bool packsOperands() const { return true; }
   // Bytes the reference holds per parameter element: the values and bounds of its gradients whole,
   // the magnitudes behind them and the parameter's own (46, measured); or less where it sends the
   // gradients a block at a time (the blocks are its intermediates).

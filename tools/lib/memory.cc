@@ -42,7 +42,8 @@ std::optional<double> readNumber(const std::string& file) {
 //              through the run and the verification
 // then the larger of the run's working set and the verification's (the run hands what its ranks
 // freed back to the system before it verifies):
-//   copies     13T(fX·X + fY·Y) (+ 3T·n), with f the rank's share of the tensor
+//   copies     cT(fX·X + fY·Y) (+ 3T·n), c = LayerKind::runBytesPerActivation (13; the embedding's
+//              16 where TP is on), with f the rank's share of the tensor
 //              (LayerKind::rankShare; the G peers split the batch): each rank's input and
 //              input.grad, grad_output and output as backend tensors (4 bytes an element),
 //              input.grad and output as the run keeps them (4), and the holes that freed conversions
@@ -51,8 +52,11 @@ std::optional<double> readNumber(const std::string& file) {
 //              one gathered copy its group shares, or a reduce-scatter's sum and the ranks'
 //              partials not yet added to it (backends/collectives.h, allGatherShared and
 //              reduceScatterConsuming), whatever the number of ranks
-//   shards     (14 + 4m)Wp + tWg: each parameter's shard and gradient as backend tensors and the
-//              gradient as the run keeps it (4 bytes each), the shard while it is cut (2, measured),
+//   shards     (r + 4m)Wp + tWg: r = LayerKind::runBytesPerParameter, 14 for the linear kinds: each
+//              parameter's shard and gradient as backend tensors and the gradient as the run keeps
+//              it (4 bytes each), the shard while it is cut (2, measured); the embedding's
+//              (2 + G')d + 8P/(TG), d its dtype's bytes, G' = G under GTP_remat (else 0), P the
+//              threads (its backend gradient is a scatter-add that touches few rows),
 //              main_grad (m: 1 under --grad-accumulation-fusion or GTP_remat), and under GTP_remat
 //              t bytes an element of Wg, the largest weight it shards (as held): the gathered weight
 //              its group shares and the peers' whole TP-local wgrads, which the reduce-scatter of one
@@ -62,7 +66,8 @@ std::optional<double> readNumber(const std::string& file) {
 //              reduce-scatter with theirs held (at T = 1 it grows with G, from T = 2 it stops at
 //              G = 3), as far down as the one thread's on a loaded machine
 //   step       8S: the kind's other per-rank intermediates (LayerKind::stepIntermediates, in doubles)
-//   packing    per thread that runs ranks, the gemms' packed operands (sim/gemm_driver.h), each at
+//   packing    per thread that runs ranks (none for the embedding, which multiplies nothing), the
+//              gemms' packed operands (sim/gemm_driver.h), each at
 //              most 32 MiB: 8 bytes an element of the rank's largest left operand (its input or
 //              output, as gathered, or its (tokens, F/T) intermediate) and of its largest right one
 //              (its input or intermediate), or 4 of its weight as gathered if that is more; measured
@@ -76,8 +81,9 @@ std::optional<double> readNumber(const std::string& file) {
 //              parameters' part p (LayerKind::referenceBytesPerParameter); the rows verify reads at a
 //              time; what the kind's reference holds at once besides
 //              (LayerKind::referenceIntermediates, in doubles); on cores without AVX512-BF16, the
-//              bounds' products pack their two operands as floats, 2 bytes an element more than
-//              bf16 pairs (a and p were measured with bf16), at most 32 MiB more (measured)
+//              bounds' products (the embedding has none) pack their two operands as floats, 2 bytes
+//              an element more than bf16 pairs (a and p were measured with bf16), at most 32 MiB more
+//              (measured)
 // and 5% of all that, at most 16 MiB: freed blocks the heap's arenas keep resident, between live ones
 // and below their trim thresholds (measured).
 double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode verify) {
@@ -117,7 +123,7 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   auto seen = [&](double f, double n) { return (f < 1 && sequenceSplit ? n : f * n) / G; };
   auto heldWhole = [&](double f, double n) { return f < 1 && sequenceSplit ? n : 0; };
   const double whole = heldWhole(share.input, x) + heldWhole(share.output, y);
-  const double copies = 13 * T * (share.input * x + share.output * y) + 8 * whole;
+  const double copies = c.layer->runBytesPerActivation(c) * T * (share.input * x + share.output * y) + 8 * whole;
   const bool mainGrad = c.gradAccumulationFusion || c.gtpRemat > 1;
   const double threads = std::min(T * G, c.threads > 0 ? double(c.threads)
                                                        : std::max(1.0, double(std::thread::hardware_concurrency())));
@@ -125,19 +131,23 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   // there with their wgrads held depends on the schedule, and the term covers the most measured.
   const double gtpBytes = threads == 1 ? 7 + 6 / T : 7.5 + 3 * std::min({G, 5.0, 6 / T});
   const double gtpTransient = G > 1 ? gtpBytes * largestGtp : 0;
-  const double shards = (14 + (mainGrad ? 4 : 0)) * held + gtpTransient;
+  const double shards = (c.layer->runBytesPerParameter(c, threads) + (mainGrad ? 4 : 0)) * held + gtpTransient;
   const double step = 8 * c.layer->stepIntermediates(c, shapes);
   const double hidden = c.layer->stepIntermediates(c, shapes) / 2 / (T * G);
   const double xs = seen(share.input, x), ys = seen(share.output, y);
   const double packedLimit = 32.0 * (1 << 20);
-  const double packing = threads * (std::min(8 * std::max({xs, ys, hidden}), packedLimit) +
-                                    std::min(std::max({4 * held / T, 8 * xs, 8 * hidden}), packedLimit));
+  const double packing = !c.layer->packsOperands()
+                             ? 0
+                             : threads * (std::min(8 * std::max({xs, ys, hidden}), packedLimit) +
+                                          std::min(std::max({4 * held / T, 8 * xs, 8 * hidden}), packedLimit));
   // input.grad is (T, s, b, K): kept, and in the reference
   const double stacked = c.disableGradReduce ? 24 * T * x : 0;
   const double activationBytes = double(dtypeSize(c.dtype));
   const double gradBytes = double(dtypeSize(c.gradAccumulationFusion ? c.mainGradDtype : c.dtype));
   const double kept = activationBytes * T * (share.input * x + share.output * y) + gradBytes * held;
-  const double floatMagnitudePacking = sim::upperGemmBf16Runs() ? 0 : 4 * std::min(double(1 << 23), std::max({x, y, w}));
+  const double floatMagnitudePacking = sim::upperGemmBf16Runs() || !c.layer->packsOperands()
+                                           ? 0
+                                           : 4 * std::min(double(1 << 23), std::max({x, y, w}));
   const double reference = verify == VerifyMode::kNone
                                ? 0
                                : kept + c.layer->referenceBytesPerActivation() * (x + y) +

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <numeric>
 #include <optional>
 #include <thread>
 #include <type_traits>
@@ -86,8 +87,6 @@ Mat evaluate(const Eigen::MatrixBase<Expr>& e) {
   Eigen::Map<Matrix>(m.v.data(), m.rows, m.cols).noalias() = e;
   return m;
 }
-
-Mat asMat(const HostTensor& t) { return evaluate(viewOf(t)); }
 
 Mat absMat(MatrixView m) { return evaluate(m.cwiseAbs()); }
 
@@ -438,7 +437,7 @@ std::map<std::string, Checked> linearLayer(const ReferenceOptions& o, const Host
   sink.result(weight + ".grad", wFprop.shape, c);
   if (b) sink.result("bias.grad", b->shape, c);
 
-  const std::int64_t block = linearBlockRows(o, n, k);
+  const std::int64_t block = weightBlockRows(o, n, k);
   const double relW = relativeBound(o.accumulationUnit, tokens, wgradRoundings(o, weight + ".grad"));
   Mat y{tokens, n, freshVector<double>(tokens * n)}, dX{tokens, k, freshVector<double>(inputGrad ? tokens * k : 0)};
   // The pass over the weight's blocks, whose buffers are gone before the products over the whole |W|.
@@ -590,7 +589,7 @@ std::map<std::string, Checked> denseReference(const ReferenceOptions& o, const I
   return std::move(dense.out);
 }
 
-std::int64_t linearBlockRows(const ReferenceOptions& o, std::int64_t n, std::int64_t k) {
+std::int64_t weightBlockRows(const ReferenceOptions& o, std::int64_t n, std::int64_t k) {
   return std::min<std::int64_t>(std::max<std::int64_t>(n, 1),
                                 std::max<std::int64_t>(256, o.blockElements / std::max<std::int64_t>(k, 1) / 256 * 256));
 }
@@ -614,28 +613,56 @@ void linearReference(const ReferenceOptions& o, const InputMap& in, ReferenceSin
   sendBlocks(whole, sink);
 }
 
-std::map<std::string, Checked> embeddingReference(const ReferenceOptions& o, const InputMap& in) {
-  std::map<std::string, Checked> out;
+void embeddingReference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& sink) {
+  const StoredTensor& w = need(in, "weight");
   const HostTensor ids = needHost(in, "input");  // (b, s)
-  const Mat W = asMat(needHost(in, "weight"));
-  const std::int64_t h = W.cols;
-  HostTensor e{{ids.shape[0], ids.shape[1], h}, need(in, "weight").dtype, {}};
-  for (double id : ids.values)
-    e.values.insert(e.values.end(), W.v.begin() + std::int64_t(id) * h, W.v.begin() + (std::int64_t(id) + 1) * h);
-  if (o.reduceScatterEmbeddings) e = swap01(e);  // (s, b, h)
+  const std::int64_t vocab = w.shape[0], h = w.shape[1], tokens = ids.numel();
+  const std::vector<std::int64_t> outputShape =
+      o.reduceScatterEmbeddings ? std::vector<std::int64_t>{ids.shape[1], ids.shape[0], h}
+                                : std::vector<std::int64_t>{ids.shape[0], ids.shape[1], h};
+  sink.result("output", outputShape, w.dtype);
+  sink.result("weight.grad", w.shape, w.dtype);
+  {  // the looked-up rows: exact, but for the reduction's roundings
+    HostTensor e{{ids.shape[0], ids.shape[1], h}, w.dtype, freshVector<double>(tokens * h)};
+    for (std::int64_t i = 0; i < tokens; ++i)
+      readDoubles(w, std::int64_t(ids.values[std::size_t(i)]) * h, h, e.values.data() + i * h);
+    if (o.reduceScatterEmbeddings) e = swap01(e);  // (s, b, h)
+    Mat eMat{tokens, h, std::move(e.values)};
+    Mat magnitude = absMat(eMat);
+    std::map<std::string, Checked> output;
+    output["output"] = checked(o.accumulationUnit, outputShape, w.dtype, std::move(eMat), std::move(magnitude), 0,
+                               roundings(1 + o.tp, w.dtype));
+    sendBlocks(output, sink);
+  }
+  // The table's gradient, a scatter-add of grad_output's rows, a block of the table's rows at a time:
+  // each row's tokens in token order, as one pass over the tokens adds them.
   HostTensor dy = needHost(in, "grad_output");
   if (o.reduceScatterEmbeddings) dy = swap01(dy);  // back to (b, s, h)
-  Mat dW{W.rows, h, std::vector<double>(W.v.size(), 0.0)}, adW = dW;
-  for (std::size_t i = 0; i < ids.values.size(); ++i)
-    for (std::int64_t j = 0; j < h; ++j) {
-      dW.v[std::int64_t(ids.values[i]) * h + j] += dy.values[i * h + j];
-      adW.v[std::int64_t(ids.values[i]) * h + j] += std::fabs(dy.values[i * h + j]);
+  std::vector<std::int64_t> byId(std::size_t(tokens), 0);
+  std::iota(byId.begin(), byId.end(), std::int64_t(0));
+  std::stable_sort(byId.begin(), byId.end(), [&](std::int64_t a, std::int64_t b) {
+    return ids.values[std::size_t(a)] < ids.values[std::size_t(b)];
+  });
+  const std::int64_t block = weightBlockRows(o, vocab, h);
+  const double relW = relativeBound(o.accumulationUnit, tokens, wgradRoundings(o, "weight.grad"));
+  std::vector<double> dW = freshVector<double>(std::min(vocab, block) * h),
+                      boundW = freshVector<double>(std::min(vocab, block) * h);
+  auto token = byId.begin();
+  for (std::int64_t v0 = 0; v0 < vocab; v0 += block) {
+    const std::int64_t nb = std::min(block, vocab - v0);
+    std::fill_n(dW.begin(), nb * h, 0.0);
+    std::fill_n(boundW.begin(), nb * h, 0.0);
+    for (; token != byId.end() && ids.values[std::size_t(*token)] < double(v0 + nb); ++token) {
+      const std::int64_t row = std::int64_t(ids.values[std::size_t(*token)]) - v0;
+      const double* g = dy.values.data() + *token * h;
+      for (std::int64_t j = 0; j < h; ++j) {
+        dW[std::size_t(row * h + j)] += g[j];
+        boundW[std::size_t(row * h + j)] += std::fabs(g[j]);
+      }
     }
-  const Mat eMat = asMat(e);
-  out["output"] = checked(o.accumulationUnit, e.shape, e.dtype, eMat, absMat(eMat), 0, roundings(1 + o.tp, e.dtype));
-  out["weight.grad"] = checked(o.accumulationUnit, need(in, "weight").shape, e.dtype, dW, adW,
-                               std::int64_t(ids.values.size()), wgradRoundings(o, "weight.grad"));
-  return out;
+    for (std::int64_t i = 0; i < nb * h; ++i) boundW[std::size_t(i)] *= relW;
+    sink.block("weight.grad", {v0, 0, nb, h, h, dW.data(), boundW.data()});
+  }
 }
 
 void mlpReference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& sink) {

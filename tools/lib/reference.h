@@ -93,13 +93,13 @@ std::map<std::string, Checked> denseReference(const ReferenceOptions& options, c
 // (input, weight, bias, grad_output; with MXFP8 weights or disable_grad_reduce the placement of
 // "weight"); embeddingReference: the lookup (ids input, weight, grad_output); mlpReference: fc1,
 // exact GeLU, fc2 (with MXFP8 weights the placements of "fc1.weight" and "fc2.weight").
-// linearReference sends its weight gradient a block of rows at a time, mlpReference its weight
-// gradients a block of F at a time (ReferenceOptions::blockElements).
+// linearReference and embeddingReference send their weight gradients a block of rows at a time,
+// mlpReference its weight gradients a block of F at a time (ReferenceOptions::blockElements).
 void linearReference(const ReferenceOptions& options, const InputMap& inputs, ReferenceSink& sink);
-// The rows of a linear's (N, K) weight in each of linearReference's blocks: a multiple of 256, about
-// blockElements elements, all N where that is fewer.
-std::int64_t linearBlockRows(const ReferenceOptions& options, std::int64_t n, std::int64_t k);
-std::map<std::string, Checked> embeddingReference(const ReferenceOptions& options, const InputMap& inputs);
+// The rows of an (N, K) weight in each block of linearReference and embeddingReference: a multiple
+// of 256, about blockElements elements, all N where that is fewer.
+std::int64_t weightBlockRows(const ReferenceOptions& options, std::int64_t n, std::int64_t k);
+void embeddingReference(const ReferenceOptions& options, const InputMap& inputs, ReferenceSink& sink);
 void mlpReference(const ReferenceOptions& options, const InputMap& inputs, ReferenceSink& sink);
 // The experts' grouped linear: token i (input, grad_output rows) goes through expert
 // expert_ids[i]'s weight<e> and bias<e>.

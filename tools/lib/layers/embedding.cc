@@ -92,16 +92,36 @@ class EmbeddingKind final : public LayerKind {
   RankShare rankShare(const RunConfig& c) const override {
     return {1.0, c.reduceScatterEmbeddings ? 1.0 / double(c.tp) : 1.0};
   }
-  // The table's gradient is a scatter-add, not a product: no packed copies of the table
-  // (heaptrack of vocab 8192 x 512: about 40 bytes an element of the table at the peak).
-  double referenceBytesPerParameter(const RunConfig&) const override { return 40; }
+  // 16 bytes an element of a rank's grad_output and output where TP is on (measured at T = 2-8 on
+  // outputs of 8-17M elements), the linear kinds' 13 at T = 1.
+  double runBytesPerActivation(const RunConfig& c) const override { return c.tp > 1 ? 16 : 13; }
+  // The shard and the gradient as the run keeps it, in the table's dtype (the backend gradient, a
+  // scatter-add into zeros, touches only the rows looked up), and on each thread a shard being cut
+  // and its backend copy, 8 bytes an element of a rank's share; under GTP_remat, beside the term
+  // measured on the linear kinds, G more elements of the dtype (the gradient, its reduce-scatter's
+  // padded send buffer, written whole, and the peers' gathered tables). Measured at T = 1-8, G = 1,
+  // 2 and 4, one thread and two, on tables of 16-66M elements, fp32 and bf16.
+  double runBytesPerParameter(const RunConfig& c, double threads) const override {
+    const double elements = 2 + (c.gtpRemat > 1 ? c.gtpRemat : 0);
+    return double(dtypeSize(c.dtype)) * elements + 8 * threads / double(c.tp * c.gtpRemat);
+  }
+  // A lookup: no products, in the run or in the reference.
+  bool packsOperands() const override { return false; }
+  // The table's gradient is a scatter-add, not a product: the reference reads the table in place
+  // and holds a block of the gradient's rows and their bounds in double (embeddingReference).
+  double referenceBytesPerParameter(const RunConfig&) const override { return 0; }
+  double referenceIntermediates(const RunConfig&, const ShapeMap& shapes) const override {
+    const auto w = shapes.find("weight");
+    if (w == shapes.end() || w->second.size() != 2) return 0;
+    const std::int64_t v = w->second[0], h = w->second[1];
+    return 2 * double(weightBlockRows(ReferenceOptions(), v, h) * h);
+  }
   std::unique_ptr<LayerModules> build(const LayerContext& lc, const ModelParallelConfig& mp,
                                       const RunConfig& c) const override {
     return std::make_unique<EmbeddingModules>(lc, mp, c);
   }
   void reference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& sink) const override {
-    std::map<std::string, Checked> results = embeddingReference(o, in);
-    sendWhole(results, sink);
+    embeddingReference(o, in, sink);
   }
 };
 
