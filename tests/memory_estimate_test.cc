@@ -89,7 +89,7 @@ const Shape kLongMlp{"long mlp", {"--layer", "mlp", "--sequence-parallel", "--ba
 const Shape kWideColumn{"column", {"--layer", "column", "--batch", "2", "--seq", "16", "--in-features", "2048",
                                    "--out-features", "4096"}};
 // One of each kind whose reference holds the peak, each by its own coefficients: the linear kinds'
-// and the grouped experts' bytes an activation element, the embedding's dense gradients.
+// and the grouped experts' bytes an activation element, the embedding's blocks of its gradient.
 const Shape kColumn{"column", {"--layer", "column", "--batch", "4", "--seq", "256", "--in-features", "1024",
                                "--out-features", "1024"}};
 const Shape kSequenceParallelRow{"row SP", {"--layer", "row", "--batch", "4", "--seq", "256", "--in-features", "1024",
@@ -136,6 +136,22 @@ const Shape kEmbeddingTable{"embedding table", {"--layer", "embedding", "--vocab
 const Shape kEmbeddingTableGtp{"embedding table G=4", {"--layer", "embedding", "--vocab", "65536", "--out-features",
                                                        "512", "--batch", "4", "--seq", "256", "--gtp-remat", "4"},
                                "1"};
+
+// An embedding whose output is the run, unverified: each rank makes its whole output, a partial
+// lookup, before the reduce-scatter leaves it its share (0.60 where the estimate counted the share
+// alone), and in bf16 every copy is of 2-byte elements (2.09 at fp32's bytes).
+std::vector<std::string> embeddingOutputFlags() {
+  return {"--layer", "embedding", "--vocab", "1024", "--out-features", "4096", "--batch", "4", "--seq", "512",
+          "--verify", "none"};
+}
+std::vector<std::string> withFlags(std::vector<std::string> flags, const std::vector<std::string>& more) {
+  flags.insert(flags.end(), more.begin(), more.end());
+  return flags;
+}
+const Shape kEmbeddingOutputReduceScattered{
+    "embedding output reduce-scattered",
+    withFlags(embeddingOutputFlags(), {"--reduce-scatter-embeddings", "--sequence-parallel"})};
+const Shape kEmbeddingOutputBf16{"embedding output bf16", withFlags(embeddingOutputFlags(), {"--dtype", "bf16"})};
 
 // GTP_remat on a column whose weight is nearly all of the run, unverified: the peak is the weight
 // gradients' reduce-scatter, where a group's peers hold their whole TP-local wgrads beside the sum.
@@ -212,6 +228,12 @@ INSTANTIATE_TEST_SUITE_P(EmbeddingTable, MemoryEstimate,
                          shapeAndRanks);
 INSTANTIATE_TEST_SUITE_P(EmbeddingTableGtp, MemoryEstimate,
                          ::testing::Combine(::testing::Values(kEmbeddingTableGtp), ::testing::Values(2)),
+                         shapeAndRanks);
+INSTANTIATE_TEST_SUITE_P(EmbeddingOutputReduceScattered, MemoryEstimate,
+                         ::testing::Combine(::testing::Values(kEmbeddingOutputReduceScattered), ::testing::Values(4)),
+                         shapeAndRanks);
+INSTANTIATE_TEST_SUITE_P(EmbeddingOutputBf16, MemoryEstimate,
+                         ::testing::Combine(::testing::Values(kEmbeddingOutputBf16), ::testing::Values(2)),
                          shapeAndRanks);
 INSTANTIATE_TEST_SUITE_P(EachKind, MemoryEstimate,
                          ::testing::Combine(::testing::Values(kColumn, kSequenceParallelRow, kEmbedding, kGroupedColumn,

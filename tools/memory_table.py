@@ -83,6 +83,10 @@ CASES = [
     "--layer embedding --vocab 65536 --out-features 512 --batch 4 --seq 256 --tp 1",
     "--layer embedding --vocab 65536 --out-features 512 --batch 4 --seq 256 --tp 8",
     "--layer embedding --vocab 65536 --out-features 512 --batch 4 --seq 256 --tp 2 --gtp-remat 4 --threads 1",
+    # Embedding outputs that are nearly all of the run.
+    "--layer embedding --vocab 1024 --out-features 4096 --batch 4 --seq 512 --verify none --tp 4 "
+    "--reduce-scatter-embeddings --sequence-parallel",
+    "--layer embedding --vocab 1024 --out-features 4096 --batch 4 --seq 512 --verify none --tp 2 --dtype bf16",
 ]
 LARGE = [
     # Llama-3-8B's embedding table.

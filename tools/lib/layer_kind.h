@@ -169,9 +169,10 @@ class LayerKind {
   virtual double referenceBytesPerActivation() const { return 42; }
   // What one rank holds of the run's input and of its gradient, and of grad_output and the output,
   // as a fraction of the whole: 1 where TP replicates it (the default, the most a rank can hold),
-  // 1/T where TP splits it (the memory estimate's rank copies).
+  // 1/T where TP splits it (the memory estimate's rank copies); and what a rank makes of the output
+  // as its partial sum before a reduce-scatter leaves it its share (the embedding's lookup: all).
   struct RankShare {
-    double input = 1, output = 1;
+    double input = 1, output = 1, partialOutput = 0;
   };
   virtual RankShare rankShare(const RunConfig&) const { return {}; }
 

@@ -42,8 +42,10 @@ std::optional<double> readNumber(const std::string& file) {
 //              through the run and the verification
 // then the larger of the run's working set and the verification's (the run hands what its ranks
 // freed back to the system before it verifies):
-//   copies     cT(fX·X + fY·Y) (+ 3T·n), c = LayerKind::runBytesPerActivation (13; the embedding's
-//              16 where TP is on), with f the rank's share of the tensor
+//   copies     cT(fX·X + fY·Y) (+ 3T·n) + 2.5d·T(fP − fY)Y, c = LayerKind::runBytesPerActivation
+//              (13; the embedding's 4d where TP is on, 3.5d at T = 1, d the dtype's bytes), with f the
+//              rank's share of the tensor and fP of the output it makes as a partial sum before a
+//              reduce-scatter cuts it to fY
 //              (LayerKind::rankShare; the G peers split the batch): each rank's input and
 //              input.grad, grad_output and output as backend tensors (4 bytes an element),
 //              input.grad and output as the run keeps them (4), and the holes that freed conversions
@@ -123,7 +125,12 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   auto seen = [&](double f, double n) { return (f < 1 && sequenceSplit ? n : f * n) / G; };
   auto heldWhole = [&](double f, double n) { return f < 1 && sequenceSplit ? n : 0; };
   const double whole = heldWhole(share.input, x) + heldWhole(share.output, y);
-  const double copies = c.layer->runBytesPerActivation(c) * T * (share.input * x + share.output * y) + 8 * whole;
+  const double activationBytes = double(dtypeSize(c.dtype));
+  // a rank's partial output, which a reduce-scatter cuts to its share: 2.5 elements of the dtype
+  // (measured on the embedding at T = 2-8)
+  const double partial = 2.5 * activationBytes * T * std::max(0.0, share.partialOutput - share.output) * y;
+  const double copies =
+      c.layer->runBytesPerActivation(c) * T * (share.input * x + share.output * y) + 8 * whole + partial;
   const bool mainGrad = c.gradAccumulationFusion || c.gtpRemat > 1;
   const double threads = std::min(T * G, c.threads > 0 ? double(c.threads)
                                                        : std::max(1.0, double(std::thread::hardware_concurrency())));
@@ -142,7 +149,6 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
                                           std::min(std::max({4 * held / T, 8 * xs, 8 * hidden}), packedLimit));
   // input.grad is (T, s, b, K): kept, and in the reference
   const double stacked = c.disableGradReduce ? 24 * T * x : 0;
-  const double activationBytes = double(dtypeSize(c.dtype));
   const double gradBytes = double(dtypeSize(c.gradAccumulationFusion ? c.mainGradDtype : c.dtype));
   const double kept = activationBytes * T * (share.input * x + share.output * y) + gradBytes * held;
   const double floatMagnitudePacking = sim::upperGemmBf16Runs() || !c.layer->packsOperands()

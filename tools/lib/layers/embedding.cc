@@ -88,13 +88,16 @@ class EmbeddingKind final : public LayerKind {
   DType gtpWireDtype(const RunConfig& c) const override { return c.dtype; }
   // A repeated id sums up to b·s gradient rows.
   std::int64_t longestSum(const RunConfig& c) const override { return c.seq * c.batch; }
-  // Every rank holds the token ids, and the output whole unless reduce-scattered.
+  // Every rank holds the token ids, and the output whole unless reduce-scattered; it makes the
+  // output whole either way, its partial lookup.
   RankShare rankShare(const RunConfig& c) const override {
-    return {1.0, c.reduceScatterEmbeddings ? 1.0 / double(c.tp) : 1.0};
+    return {1.0, c.reduceScatterEmbeddings ? 1.0 / double(c.tp) : 1.0, 1.0};
   }
-  // 16 bytes an element of a rank's grad_output and output where TP is on (measured at T = 2-8 on
-  // outputs of 8-17M elements), the linear kinds' 13 at T = 1.
-  double runBytesPerActivation(const RunConfig& c) const override { return c.tp > 1 ? 16 : 13; }
+  // 4 elements of the dtype an element of a rank's grad_output and output where TP is on, 3.5 at
+  // T = 1 (measured at T = 1-8 on outputs of 8-17M elements, fp32 and bf16).
+  double runBytesPerActivation(const RunConfig& c) const override {
+    return (c.tp > 1 ? 4 : 3.5) * double(dtypeSize(c.dtype));
+  }
   // The shard and the gradient as the run keeps it, in the table's dtype (the backend gradient, a
   // scatter-add into zeros, touches only the rows looked up), and on each thread a shard being cut
   // and its backend copy, 8 bytes an element of a rank's share; under GTP_remat, beside the term
