@@ -88,6 +88,10 @@ const Shape kLongMlp{"long mlp", {"--layer", "mlp", "--sequence-parallel", "--ba
                   "1"};
 const Shape kWideColumn{"column", {"--layer", "column", "--batch", "2", "--seq", "16", "--in-features", "2048",
                                    "--out-features", "4096"}};
+// A column whose weight is nearly all of the run, unverified, at T = 1: its one rank cuts the whole
+// weight at once (0.99 with the 2 bytes an element fitted on runs of more ranks).
+const Shape kColumnWeights{"column weights", {"--layer", "column", "--batch", "2", "--seq", "16", "--in-features",
+                                              "4096", "--out-features", "8192", "--verify", "none"}};
 // One of each kind whose reference holds the peak, each by its own coefficients: the linear kinds'
 // and the grouped experts' bytes an activation element, the embedding's blocks of its gradient.
 const Shape kColumn{"column", {"--layer", "column", "--batch", "4", "--seq", "256", "--in-features", "1024",
@@ -207,6 +211,8 @@ INSTANTIATE_TEST_SUITE_P(RowUnverified, MemoryEstimate,
                          [](const auto& info) { return "T" + std::to_string(std::get<1>(info.param)); });
 INSTANTIATE_TEST_SUITE_P(WideColumn, MemoryEstimate, ::testing::Combine(::testing::Values(kWideColumn), ::testing::Values(2)),
                          [](const auto& info) { return "T" + std::to_string(std::get<1>(info.param)); });
+INSTANTIATE_TEST_SUITE_P(ColumnWeights, MemoryEstimate,
+                         ::testing::Combine(::testing::Values(kColumnWeights), ::testing::Values(1)), shapeAndRanks);
 INSTANTIATE_TEST_SUITE_P(WideColumnGtp, MemoryEstimate,
                          ::testing::Combine(::testing::Values(kWideColumnGtp), ::testing::Values(2)),
                          [](const auto& info) { return "T" + std::to_string(std::get<1>(info.param)); });

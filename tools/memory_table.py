@@ -71,7 +71,9 @@ CASES = [
     "--tp 1 --gtp-remat 2",
     "--layer column --batch 24 --seq 4 --in-features 4096 --out-features 8208 --verify none --pad-for-alignment 0 "
     "--tp 2 --gtp-remat 8",
-    # The same on one thread, where the peers reach the reduce-scatter one after another, verified too.
+    # A column whose weight is nearly all of the run, on its one rank.
+    "--layer column --batch 2 --seq 16 --in-features 4096 --out-features 8192 --verify none --tp 1",
+    # GTP_remat on one thread, where the peers reach the reduce-scatter one after another, verified too.
     "--layer column --batch 24 --seq 4 --in-features 4096 --out-features 8208 --verify none --pad-for-alignment 0 "
     "--tp 2 --gtp-remat 4 --threads 1",
     "--layer column --batch 4 --seq 16 --in-features 4096 --out-features 8192 --tp 2 --gtp-remat 4 --threads 1",

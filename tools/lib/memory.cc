@@ -56,7 +56,8 @@ std::optional<double> readNumber(const std::string& file) {
 //              reduceScatterConsuming), whatever the number of ranks
 //   shards     (r + 4m)Wp + tWg: r = LayerKind::runBytesPerParameter, 14 for the linear kinds: each
 //              parameter's shard and gradient as backend tensors and the gradient as the run keeps
-//              it (4 bytes each), the shard while it is cut (2, measured); the embedding's
+//              it (4 bytes each), the shard while it is cut (2, measured; the column's and row's
+//              max(2, 4.5P/T) without GTP_remat, P the threads, each cutting one rank's); the embedding's
 //              (2 + G')d + 8P/(TG), d its dtype's bytes, G' = G under GTP_remat (else 0), P the
 //              threads (its backend gradient is a scatter-add that touches few rows),
 //              main_grad (m: 1 under --grad-accumulation-fusion or GTP_remat), and under GTP_remat

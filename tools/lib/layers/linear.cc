@@ -89,6 +89,14 @@ class LinearKind : public LayerKind {
     return t;
   }
   const std::vector<GtpWeightSpec>& gtpWeights() const override { return gtpWeights_; }
+  // Each rank's shard and gradient as backend tensors and the gradient as the run keeps it (12), and
+  // the shards the threads cut at once, 4.5 bytes an element of a rank's share on each: the whole
+  // weight at T = 1, and at T = 2 on two threads (a column of 4096 x 8192 peaked at 650 MiB at both,
+  // 586 at T = 2 on one thread); at least the 2 fitted on the table's runs of more ranks. Under
+  // GTP_remat the peak is the weight gradients' reduce-scatter, long after the cutting: 2.
+  double runBytesPerParameter(const RunConfig& c, double threads) const override {
+    return 12 + (c.gtpRemat > 1 ? 2.0 : std::max(2.0, 4.5 * threads / double(c.tp)));
+  }
   // The reference holds |W| in float and takes W a block of rows at a time (linearReference); MXFP8
   // weights first make their two copies in the run's dtype, the second while the first is held.
   double referenceBytesPerParameter(const RunConfig& c) const override {
