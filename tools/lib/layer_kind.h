@@ -151,7 +151,8 @@ class LayerKind {
   virtual double runBytesPerActivation(const RunConfig&) const { return 13; }
   // Bytes the run holds per parameter element, main_grad aside, with `threads` threads running the
   // ranks: each rank's shard and gradient as backend tensors, the gradient as the run keeps it, and
-  // the shards the threads are cutting (14, measured on the linear kinds).
+  // the shards the threads are cutting (14, measured; the column and row, whose one weight is cut
+  // whole at T = 1, count the threads cutting).
   virtual double runBytesPerParameter(const RunConfig&, double threads) const {
     (void)threads;
     return 14;
