@@ -91,8 +91,10 @@ CASES = [
     "--layer embedding --vocab 1024 --out-features 4096 --batch 4 --seq 512 --verify none --tp 2 --dtype bf16",
 ]
 LARGE = [
-    # Llama-3-8B's embedding table.
+    # Llama-3-8B's embedding table, then Llama-3-70B's.
     "--layer embedding --vocab 128256 --out-features 4096 --batch 1 --seq 1024 --sequence-parallel "
+    "--reduce-scatter-embeddings --tp 8",
+    "--layer embedding --vocab 128256 --out-features 8192 --batch 1 --seq 1024 --sequence-parallel "
     "--reduce-scatter-embeddings --tp 8",
     # Llama-3-8B's MLP, then Llama-3-70B's.
     "--layer mlp --batch 1 --seq 1024 --in-features 4096 --ffn-hidden 14336 --sequence-parallel --tp 8",
