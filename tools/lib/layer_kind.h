@@ -149,6 +149,9 @@ class LayerKind {
   // Bytes the run holds per element of each rank's input and grad_output: them, their results and
   // the holes freed conversions leave between them (13, measured on the linear kinds).
   virtual double runBytesPerActivation(const RunConfig&) const { return 13; }
+  // Bytes the run holds per element of the input and grad_output once, whatever the ranks (0; the
+  // grouped experts', measured).
+  virtual double runBytesPerActivationOnce(const RunConfig&) const { return 0; }
   // Bytes the run holds per parameter element, main_grad aside, with `threads` threads running the
   // ranks: each rank's shard and gradient as backend tensors, the gradient as the run keeps it, and
   // the shards the threads are cutting (14, measured; the column and row, whose one weight is cut
@@ -160,6 +163,9 @@ class LayerKind {
   // Whether its step and its reference multiply matrices: the packed operands each thread keeps
   // and the reference's float magnitude products.
   virtual bool packsOperands() const { return true; }
+  // The share of the parameters that one of its GEMMs packs as its weight (1: the MLP's two weights
+  // counted as one, as fitted; the grouped experts': one expert's).
+  virtual double gemmWeightShare(const RunConfig&) const { return 1; }
   // Bytes the reference holds per parameter element: the values and bounds of its gradients whole,
   // the magnitudes behind them and the parameter's own (46, measured); or less where it sends the
   // gradients a block at a time (the blocks are its intermediates).
@@ -167,7 +173,7 @@ class LayerKind {
   // Bytes the reference holds per element of the input and of grad_output: each in double, the
   // values and bounds of the results of their shapes, the magnitudes behind them, and the GEMMs'
   // packed copies (42, measured).
-  virtual double referenceBytesPerActivation() const { return 42; }
+  virtual double referenceBytesPerActivation(const RunConfig&) const { return 42; }
   // What one rank holds of the run's input and of its gradient, and of grad_output and the output,
   // as a fraction of the whole: 1 where TP replicates it (the default, the most a rank can hold),
   // 1/T where TP splits it (the memory estimate's rank copies); and what a rank makes of the output

@@ -42,7 +42,8 @@ std::optional<double> readNumber(const std::string& file) {
 //              through the run and the verification
 // then the larger of the run's working set and the verification's (the run hands what its ranks
 // freed back to the system before it verifies):
-//   copies     cT(fX·X + fY·Y) (+ 3T·n) + 2.5d·T(fP − fY)Y, c = LayerKind::runBytesPerActivation
+//   copies     cT(fX·X + fY·Y) + o(X + Y) (+ 3T·n) + 2.5d·T(fP − fY)Y, c = LayerKind::runBytesPerActivation
+//              and o = LayerKind::runBytesPerActivationOnce (0; the grouped experts' fitted)
 //              (13; the embedding's 4d where TP is on, 3.5d at T = 1, d the dtype's bytes), with f the
 //              rank's share of the tensor and fP of the output it makes as a partial sum before a
 //              reduce-scatter cuts it to fY
@@ -73,7 +74,8 @@ std::optional<double> readNumber(const std::string& file) {
 //              gemms' packed operands (sim/gemm_driver.h), each at
 //              most 32 MiB: 8 bytes an element of the rank's largest left operand (its input or
 //              output, as gathered, or its (tokens, F/T) intermediate) and of its largest right one
-//              (its input or intermediate), or 4 of its weight as gathered if that is more; measured
+//              (its input or intermediate), or 4 of its weight as gathered if that is more (one
+//              expert's: LayerKind::gemmWeightShare); measured
 // or
 //   kept       d·T(fX·X + fY·Y) + g·Wp: the results as the ranks left them, which verify reads in
 //              place, d bytes an element of the run's dtype and g of the wgrads' (main_grad's under
@@ -130,8 +132,8 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   // a rank's partial output, which a reduce-scatter cuts to its share: 2.5 elements of the dtype
   // (measured on the embedding at T = 2-8)
   const double partial = 2.5 * activationBytes * T * std::max(0.0, share.partialOutput - share.output) * y;
-  const double copies =
-      c.layer->runBytesPerActivation(c) * T * (share.input * x + share.output * y) + 8 * whole + partial;
+  const double copies = c.layer->runBytesPerActivation(c) * T * (share.input * x + share.output * y) +
+                        c.layer->runBytesPerActivationOnce(c) * (x + y) + 8 * whole + partial;
   const bool mainGrad = c.gradAccumulationFusion || c.gtpRemat > 1;
   const double threads = std::min(T * G, c.threads > 0 ? double(c.threads)
                                                        : std::max(1.0, double(std::thread::hardware_concurrency())));
@@ -144,10 +146,11 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   const double hidden = c.layer->stepIntermediates(c, shapes) / 2 / (T * G);
   const double xs = seen(share.input, x), ys = seen(share.output, y);
   const double packedLimit = 32.0 * (1 << 20);
+  const double packedWeight = 4 * held * c.layer->gemmWeightShare(c) / T;
   const double packing = !c.layer->packsOperands()
                              ? 0
                              : threads * (std::min(8 * std::max({xs, ys, hidden}), packedLimit) +
-                                          std::min(std::max({4 * held / T, 8 * xs, 8 * hidden}), packedLimit));
+                                          std::min(std::max({packedWeight, 8 * xs, 8 * hidden}), packedLimit));
   // input.grad is (T, s, b, K): kept, and in the reference
   const double stacked = c.disableGradReduce ? 24 * T * x : 0;
   const double gradBytes = double(dtypeSize(c.gradAccumulationFusion ? c.mainGradDtype : c.dtype));
@@ -157,7 +160,7 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
                                            : 4 * std::min(double(1 << 23), std::max({x, y, w}));
   const double reference = verify == VerifyMode::kNone
                                ? 0
-                               : kept + c.layer->referenceBytesPerActivation() * (x + y) +
+                               : kept + c.layer->referenceBytesPerActivation(c) * (x + y) +
                                      c.layer->referenceBytesPerParameter(c) * w +
                                      16 * std::min(double(1 << 20), std::max({x, y, w})) +
                                      8 * c.layer->referenceIntermediates(c, shapes) + floatMagnitudePacking;

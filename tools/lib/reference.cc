@@ -837,59 +837,68 @@ void mlpReference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& 
 
 namespace {
 
-// A result of `shape`, zero, with its bound.
-Checked zeroResult(std::vector<std::int64_t> shape, DType dtype) {
-  std::int64_t n = 1;
-  for (std::int64_t d : shape) n *= d;
-  return Checked{HostTensor{std::move(shape), dtype, std::vector<double>(std::size_t(n), 0.0)},
-                 std::vector<double>(std::size_t(n), 0.0)};
-}
-
-// One expert's linear, as linearLayer sends it, put in place in the grouped layer's results: the
-// rows of output and input.grad go to its tokens' rows, its weight's gradient and bias.grad to the
-// expert's own (`bias`.grad).
+// One expert's linear, as linearLayer sends it, passed on as the layer's: each row of output and
+// input.grad as a block of its own, at its token's row; the expert's bias.grad as its own (`bias`.grad).
 class ExpertSink final : public ReferenceSink {
  public:
-  ExpertSink(std::map<std::string, Checked>& out, const std::vector<std::int64_t>& tokens, std::string bias)
-      : out_(out), tokens_(tokens), bias_(std::move(bias)) {}
+  ExpertSink(ReferenceSink& next, const std::vector<std::int64_t>& tokens, std::string bias)
+      : next_(next), tokens_(tokens), bias_(std::move(bias)) {}
 
+  // The layer announced its output and input.grad.
   void result(const std::string& name, const std::vector<std::int64_t>& shape, DType dtype) override {
-    if (!byToken(name)) out_[ownName(name)] = zeroResult(shape, dtype);
+    if (!byToken(name)) next_.result(ownName(name), shape, dtype);
   }
   void block(const std::string& name, const ReferenceBlock& b) override {
-    Checked& whole = out_.at(ownName(name));
-    const std::int64_t cols = whole.value.shape.back();
-    for (std::int64_t r = 0; r < b.rows; ++r) {
-      const std::int64_t row = byToken(name) ? tokens_[std::size_t(b.row + r)] : b.row + r;
-      std::copy_n(b.value + r * b.ld, b.cols, whole.value.values.begin() + row * cols + b.col);
-      std::copy_n(b.bound + r * b.ld, b.cols, whole.bound.begin() + row * cols + b.col);
-    }
+    if (!byToken(name)) return next_.block(ownName(name), b);
+    for (std::int64_t r = 0; r < b.rows; ++r)
+      next_.block(name, {tokens_[std::size_t(b.row + r)], b.col, 1, b.cols, b.ld, b.value + r * b.ld,
+                         b.bound + r * b.ld});
   }
 
  private:
   static bool byToken(const std::string& name) { return name == "output" || name == "input.grad"; }
   std::string ownName(const std::string& name) const { return name == "bias.grad" ? bias_ + ".grad" : name; }
 
-  std::map<std::string, Checked>& out_;
+  ReferenceSink& next_;
   const std::vector<std::int64_t>& tokens_;
   const std::string bias_;
 };
 
+// A result of zeros, announced and sent a block of `blockRows` rows at a time.
+void sendZeros(const std::string& name, const std::vector<std::int64_t>& shape, DType dtype, std::int64_t blockRows,
+               ReferenceSink& sink) {
+  sink.result(name, shape, dtype);
+  const std::int64_t cols = shape.empty() ? 1 : shape.back();
+  std::int64_t rows = 1;
+  for (std::int64_t d : shape) rows *= d;
+  rows = cols == 0 ? 0 : rows / cols;
+  std::vector<double> value, bound;
+  for (std::int64_t r0 = 0; r0 < rows; r0 += blockRows) {
+    const std::int64_t n = std::min(blockRows, rows - r0);
+    value.assign(std::size_t(n * cols), 0.0);  // again for each block: the sink may change them
+    bound.assign(std::size_t(n * cols), 0.0);
+    sink.block(name, {r0, 0, n, cols, cols, value.data(), bound.data()});
+  }
+}
+
 }  // namespace
 
-std::map<std::string, Checked> groupedReference(const ReferenceOptions& o, const InputMap& in, std::int64_t experts) {
-  const HostTensor x = needHost(in, "input"), ids = needHost(in, "expert_ids"), dy = needHost(in, "grad_output");
+void groupedReference(const ReferenceOptions& o, const InputMap& in, std::int64_t experts, ReferenceSink& sink) {
+  const StoredTensor &x = need(in, "input"), &dy = need(in, "grad_output");
+  const HostTensor ids = needHost(in, "expert_ids");
   const std::int64_t M = x.shape[0], K = x.shape[1], N = dy.shape[1];
-  // Each expert's tokens' rows as one linear of its expert (ExpertSink puts them back in token order).
-  auto rowsOf = [](const HostTensor& t, const std::vector<std::int64_t>& rows) {
+  // Each expert's tokens' rows, read in place, as one linear of its expert (ExpertSink puts them
+  // back in token order).
+  auto rowsOf = [](const StoredTensor& t, const std::vector<std::int64_t>& rows) {
     const std::int64_t width = t.shape[1];
-    HostTensor part{{std::int64_t(rows.size()), width}, t.dtype, {}};
-    for (std::int64_t r : rows) part.values.insert(part.values.end(), t.values.begin() + r * width, t.values.begin() + (r + 1) * width);
+    const std::int64_t n = std::int64_t(rows.size());
+    HostTensor part{{n, width}, t.dtype, freshVector<double>(n * width)};
+    for (std::int64_t i = 0; i < n; ++i)
+      readDoubles(t, rows[std::size_t(i)] * width, width, part.values.data() + i * width);
     return part;
   };
-  std::map<std::string, Checked> out;
-  out["output"] = zeroResult({M, N}, o.outputDtype);
-  out["input.grad"] = zeroResult({M, K}, o.computeDtype);
+  sink.result("output", {M, N}, o.outputDtype);
+  sink.result("input.grad", {M, K}, o.computeDtype);
   for (std::int64_t e = 0; e < experts; ++e) {
     const std::string weight = detail::concat("weight", e), bias = detail::concat("bias", e);
     const std::optional<HostTensor> b = in.count(bias) ? std::optional(needHost(in, bias)) : std::nullopt;
@@ -897,17 +906,16 @@ std::map<std::string, Checked> groupedReference(const ReferenceOptions& o, const
     for (std::int64_t i = 0; i < M; ++i)
       if (std::int64_t(ids.values[std::size_t(i)]) == e) rows.push_back(i);
     if (rows.empty()) {  // an expert without tokens gets no gradient
-      out[weight + ".grad"] = zeroResult({N, K}, o.computeDtype);
-      if (b) out[bias + ".grad"] = zeroResult({N}, o.computeDtype);
+      sendZeros(weight + ".grad", {N, K}, o.computeDtype, weightBlockRows(o, N, K), sink);
+      if (b) sendZeros(bias + ".grad", {N}, o.computeDtype, 1, sink);
       continue;
     }
-    ExpertSink sink(out, rows, bias);
+    ExpertSink expert(sink, rows, bias);
     const StoredTensor& w = need(in, weight);
     std::map<std::string, Checked> whole =
-        linearLayer(o, rowsOf(x, rows), w, w, b ? &*b : nullptr, rowsOf(dy, rows), weight, true, sink);
-    sendBlocks(whole, sink);
+        linearLayer(o, rowsOf(x, rows), w, w, b ? &*b : nullptr, rowsOf(dy, rows), weight, true, expert);
+    sendBlocks(whole, expert);
   }
-  return out;
 }
 
 MagnitudeGemm bestMagnitudeGemm() {

@@ -102,9 +102,10 @@ std::int64_t weightBlockRows(const ReferenceOptions& options, std::int64_t n, st
 void embeddingReference(const ReferenceOptions& options, const InputMap& inputs, ReferenceSink& sink);
 void mlpReference(const ReferenceOptions& options, const InputMap& inputs, ReferenceSink& sink);
 // The experts' grouped linear: token i (input, grad_output rows) goes through expert
-// expert_ids[i]'s weight<e> and bias<e>.
-std::map<std::string, Checked> groupedReference(const ReferenceOptions& options, const InputMap& inputs,
-                                                std::int64_t experts);
+// expert_ids[i]'s weight<e> and bias<e>, one expert at a time, each expert's weight gradient sent a
+// block of rows at a time as linearReference sends it; output and input.grad are sent whole.
+void groupedReference(const ReferenceOptions& options, const InputMap& inputs, std::int64_t experts,
+                      ReferenceSink& sink);
 
 // deq(Q(w)) of an MXFP8 weight as the ranks quantize it: w (N, K) unsharded, cut over the TP ranks
 // as `placement` says, each rank's TP-local weight quantized on its own with blocks of 32 along

@@ -138,11 +138,25 @@ class GroupedKind final : public LayerKind {
   // each rank's partial sum, whole.
   RankShare rankShare(const RunConfig& c) const override {
     const double split = 1.0 / double(c.tp);
-    return mode_ == GroupedParallelMode::kColumn ? RankShare{1.0, split} : RankShare{split, 1.0};
+    return column() ? RankShare{1.0, split} : RankShare{split, 1.0};
   }
-  // The reference's GEMMs are one expert's at a time: it packs and bounds one expert's operands, not
-  // the whole input's (32, measured).
-  double referenceBytesPerActivation() const override { return 32; }
+  // Fitted on 256 runs of E = 1-8 experts at T = 1-8, activations or weights nearly all of the run,
+  // each mode on its own (docs/memory.md): bytes an activation element held once and on each rank,
+  // and a parameter's bytes, part of them only while the threads run a rank's experts.
+  double runBytesPerActivation(const RunConfig&) const override { return column() ? 4 : 6; }
+  double runBytesPerActivationOnce(const RunConfig&) const override { return column() ? 10 : 12; }
+  double runBytesPerParameter(const RunConfig& c, double threads) const override {
+    return 3 + (column() ? 13 : 11) * threads / double(c.tp);
+  }
+  double gemmWeightShare(const RunConfig& c) const override { return 1.0 / double(c.experts); }
+  // The reference takes one expert at a time, as linearReference takes its weight: the expert's
+  // tokens' rows in double, their results and magnitudes (50 bytes an element of them), |W| in float
+  // for that expert alone, and its weight in blocks of rows (linearLayer).
+  double referenceBytesPerActivation(const RunConfig& c) const override { return 50.0 / double(c.experts); }
+  double referenceBytesPerParameter(const RunConfig& c) const override { return 4.0 / double(c.experts); }
+  double referenceIntermediates(const RunConfig& c, const ShapeMap&) const override {
+    return 4.5 * double(weightBlockRows(ReferenceOptions(), c.outFeatures, c.inFeatures) * c.inFeatures);
+  }
   // The experts' weights and biases are saved as one key each, expert i at index i of its leading axis.
   CheckpointSlot checkpointSlot(const std::string& parameter) const override {
     const std::size_t digits = parameter.find_first_of("0123456789");
@@ -166,11 +180,12 @@ class GroupedKind final : public LayerKind {
   void reference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& sink) const override {
     std::int64_t experts = 0;
     while (in.count(detail::concat("weight", experts))) ++experts;
-    std::map<std::string, Checked> results = groupedReference(o, in, experts);
-    sendWhole(results, sink);
+    groupedReference(o, in, experts, sink);
   }
 
  private:
+  bool column() const { return mode_ == GroupedParallelMode::kColumn; }
+
   const char* name_;
   GroupedParallelMode mode_;
   std::vector<SizeSpec> sizes_;
