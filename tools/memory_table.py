@@ -89,6 +89,15 @@ CASES = [
     "--layer embedding --vocab 1024 --out-features 4096 --batch 4 --seq 512 --verify none --tp 4 "
     "--reduce-scatter-embeddings --sequence-parallel",
     "--layer embedding --vocab 1024 --out-features 4096 --batch 4 --seq 512 --verify none --tp 2 --dtype bf16",
+    # Grouped experts: one expert; weights that are nearly all of the run, alone, under GTP_remat
+    # (which gathers every expert's at once) and in bf16 with fusion; an output four times the input.
+    "--layer grouped-row --tokens 4096 --experts 1 --in-features 1024 --out-features 512 --tp 4",
+    "--layer grouped-column --tokens 64 --experts 8 --in-features 2048 --out-features 2048 --tp 4",
+    "--layer grouped-column --tokens 64 --experts 8 --in-features 2048 --out-features 2048 --tp 2 --gtp-remat 2 "
+    "--threads 1",
+    "--layer grouped-column --tokens 64 --experts 8 --in-features 2048 --out-features 2048 --tp 1 --gtp-remat 2 "
+    "--grad-accumulation-fusion --dtype bf16",
+    "--layer grouped-row --tokens 1024 --experts 2 --in-features 1024 --out-features 4096 --tp 4",
 ]
 LARGE = [
     # Llama-3-8B's embedding table, then Llama-3-70B's.

@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <utility>
@@ -149,9 +150,19 @@ class LayerKind {
   // Bytes the run holds per element of each rank's input and grad_output: them, their results and
   // the holes freed conversions leave between them (13, measured on the linear kinds).
   virtual double runBytesPerActivation(const RunConfig&) const { return 13; }
-  // Bytes the run holds per element of the input and grad_output once, whatever the ranks (0; the
-  // grouped experts', measured).
-  virtual double runBytesPerActivationOnce(const RunConfig&) const { return 0; }
+  // Bytes an element of a rank's share of the input and of grad_output that the rank holds only
+  // while it runs, beyond runBytesPerActivation: ranks that never wait on each other (the grouped
+  // experts without GTP_remat) run one a thread, from start to end, and only the threads' ranks hold
+  // them at once ({0, 0}: the other kinds' ranks meet at collectives and all hold their working sets).
+  struct RunningBytes {
+    double input = 0, output = 0;
+  };
+  virtual RunningBytes runningBytesPerActivation(const RunConfig&) const { return {}; }
+  // Under GTP_remat, bytes an element of the weights it shards that its gathers and its wgrads'
+  // reduce-scatter hold at once where they batch every weight (the grouped experts: one all-gather
+  // and one reduce-scatter for all E, each rank with its own copies); none where they take one
+  // weight at a time (memory.cc's term on the largest).
+  virtual std::optional<double> gtpBatchedBytes(const RunConfig&) const { return std::nullopt; }
   // Bytes the run holds per parameter element, main_grad aside, with `threads` threads running the
   // ranks: each rank's shard and gradient as backend tensors, the gradient as the run keeps it, and
   // the shards the threads are cutting (14, measured; the column and row, whose one weight is cut

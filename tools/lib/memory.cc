@@ -42,8 +42,9 @@ std::optional<double> readNumber(const std::string& file) {
 //              through the run and the verification
 // then the larger of the run's working set and the verification's (the run hands what its ranks
 // freed back to the system before it verifies):
-//   copies     cT(fX·X + fY·Y) + o(X + Y) (+ 3T·n) + 2.5d·T(fP − fY)Y, c = LayerKind::runBytesPerActivation
-//              and o = LayerKind::runBytesPerActivationOnce (0; the grouped experts' fitted)
+//   copies     cT(fX·X + fY·Y) + R(oX·fX·X + oY·fY·Y) (+ 3T·n) + 2.5d·T(fP − fY)Y, c =
+//              LayerKind::runBytesPerActivation, (oX, oY) = LayerKind::runningBytesPerActivation
+//              ((0, 0); the grouped experts', fitted) and R the threads, the ranks running at once
 //              (13; the embedding's 4d where TP is on, 3.5d at T = 1, d the dtype's bytes), with f the
 //              rank's share of the tensor and fP of the output it makes as a partial sum before a
 //              reduce-scatter cuts it to fY
@@ -62,7 +63,8 @@ std::optional<double> readNumber(const std::string& file) {
 //              (2 + G')d + 8P/(TG), d its dtype's bytes, G' = G under GTP_remat (else 0), P the
 //              threads (its backend gradient is a scatter-add that touches few rows),
 //              main_grad (m: 1 under --grad-accumulation-fusion or GTP_remat), and under GTP_remat
-//              t bytes an element of Wg, the largest weight it shards (as held): the gathered weight
+//              t bytes an element of Wg, the largest weight it shards (as held; where the kind
+//              batches them all, LayerKind::gtpBatchedBytes an element of all of them): the gathered weight
 //              its group shares and the peers' whole TP-local wgrads, which the reduce-scatter of one
 //              weight at a time frees as it adds them up (measured where the weight is the run):
 //              t = 7 + 6/T on one thread, where the peak is the same from run to run, and
@@ -98,7 +100,7 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   // each weight it shards, in every copy the ranks make.
   // largestGtp: the largest of the weights GTP_remat shards, as held; their reduce-scatters run one
   // weight at a time.
-  double w = 0, held = 0, largestGtp = 0;
+  double w = 0, held = 0, largestGtp = 0, allGtp = 0;
   for (const TensorSpec& t : c.layer->tensors(c)) {
     if (t.role != TensorRole::kParameter) continue;
     const double n = numel(shapes, t.name);
@@ -114,7 +116,7 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
       padded += padRows * (n / double(rows));
     }
     held += padded;
-    if (gtp != nullptr) largestGtp = std::max(largestGtp, padded);
+    if (gtp != nullptr) largestGtp = std::max(largestGtp, padded), allGtp += padded;
   }
   // The CUDA runtime and NCCL, where the build links them, hold 1.75 MiB more from the start.
   const double program = (TPSIM_HAVE_GPU ? 11.25 : 9.5) * (1 << 20) + 48.0 * 1024 * T * G;
@@ -132,15 +134,19 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   // a rank's partial output, which a reduce-scatter cuts to its share: 2.5 elements of the dtype
   // (measured on the embedding at T = 2-8)
   const double partial = 2.5 * activationBytes * T * std::max(0.0, share.partialOutput - share.output) * y;
-  const double copies = c.layer->runBytesPerActivation(c) * T * (share.input * x + share.output * y) +
-                        c.layer->runBytesPerActivationOnce(c) * (x + y) + 8 * whole + partial;
   const bool mainGrad = c.gradAccumulationFusion || c.gtpRemat > 1;
   const double threads = std::min(T * G, c.threads > 0 ? double(c.threads)
                                                        : std::max(1.0, double(std::thread::hardware_concurrency())));
+  const double running = threads;
+  const LayerKind::RunningBytes runningBytes = c.layer->runningBytesPerActivation(c);
+  const double copies = c.layer->runBytesPerActivation(c) * T * (share.input * x + share.output * y) +
+                        running * (runningBytes.input * share.input * x + runningBytes.output * share.output * y) +
+                        8 * whole + partial;
   // On one thread the peers reach the reduce-scatter one after another; on more, how many wait
   // there with their wgrads held depends on the schedule, and the term covers the most measured.
   const double gtpBytes = threads == 1 ? 7 + 6 / T : 7.5 + 3 * std::min({G, 5.0, 6 / T});
-  const double gtpTransient = G > 1 ? gtpBytes * largestGtp : 0;
+  const std::optional<double> gtpBatched = c.layer->gtpBatchedBytes(c);
+  const double gtpTransient = G == 1 ? 0 : gtpBatched ? *gtpBatched * allGtp : gtpBytes * largestGtp;
   const double shards = (c.layer->runBytesPerParameter(c, threads) + (mainGrad ? 4 : 0)) * held + gtpTransient;
   const double step = 8 * c.layer->stepIntermediates(c, shapes);
   const double hidden = c.layer->stepIntermediates(c, shapes) / 2 / (T * G);

@@ -437,7 +437,7 @@ std::map<std::string, Checked> linearLayer(const ReferenceOptions& o, const Host
   sink.result(weight + ".grad", wFprop.shape, c);
   if (b) sink.result("bias.grad", b->shape, c);
 
-  const std::int64_t block = weightBlockRows(o, n, k);
+  const std::int64_t block = blockRows(o, n, k);
   const double relW = relativeBound(o.accumulationUnit, tokens, wgradRoundings(o, weight + ".grad"));
   Mat y{tokens, n, freshVector<double>(tokens * n)}, dX{tokens, k, freshVector<double>(inputGrad ? tokens * k : 0)};
   // The pass over the weight's blocks, whose buffers are gone before the products over the whole |W|.
@@ -589,7 +589,7 @@ std::map<std::string, Checked> denseReference(const ReferenceOptions& o, const I
   return std::move(dense.out);
 }
 
-std::int64_t weightBlockRows(const ReferenceOptions& o, std::int64_t n, std::int64_t k) {
+std::int64_t blockRows(const ReferenceOptions& o, std::int64_t n, std::int64_t k) {
   return std::min<std::int64_t>(std::max<std::int64_t>(n, 1),
                                 std::max<std::int64_t>(256, o.blockElements / std::max<std::int64_t>(k, 1) / 256 * 256));
 }
@@ -643,7 +643,7 @@ void embeddingReference(const ReferenceOptions& o, const InputMap& in, Reference
   std::stable_sort(byId.begin(), byId.end(), [&](std::int64_t a, std::int64_t b) {
     return ids.values[std::size_t(a)] < ids.values[std::size_t(b)];
   });
-  const std::int64_t block = weightBlockRows(o, vocab, h);
+  const std::int64_t block = blockRows(o, vocab, h);
   const double relW = relativeBound(o.accumulationUnit, tokens, wgradRoundings(o, "weight.grad"));
   std::vector<double> dW = freshVector<double>(std::min(vocab, block) * h),
                       boundW = freshVector<double>(std::min(vocab, block) * h);
@@ -734,9 +734,7 @@ void mlpReference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& 
   // weight gradients' rows and columns of a block are sent once it is done, and the results that
   // sum over F (y, dX) add the blocks' products, in block order. The blocks depend on the shapes
   // alone.
-  const std::int64_t fBlock = std::min<std::int64_t>(
-      std::max<std::int64_t>(f, 1),
-      std::max<std::int64_t>(256, o.blockElements / std::max<std::int64_t>(tokens, 1) / 256 * 256));
+  const std::int64_t fBlock = blockRows(o, f, tokens);
   auto zeros = [](std::int64_t rows, std::int64_t cols) {
     return Mat{rows, cols, freshVector<double>(rows * cols)};
   };
@@ -906,7 +904,7 @@ void groupedReference(const ReferenceOptions& o, const InputMap& in, std::int64_
     for (std::int64_t i = 0; i < M; ++i)
       if (std::int64_t(ids.values[std::size_t(i)]) == e) rows.push_back(i);
     if (rows.empty()) {  // an expert without tokens gets no gradient
-      sendZeros(weight + ".grad", {N, K}, o.computeDtype, weightBlockRows(o, N, K), sink);
+      sendZeros(weight + ".grad", {N, K}, o.computeDtype, blockRows(o, N, K), sink);
       if (b) sendZeros(bias + ".grad", {N}, o.computeDtype, 1, sink);
       continue;
     }

@@ -96,9 +96,10 @@ std::map<std::string, Checked> denseReference(const ReferenceOptions& options, c
 // linearReference and embeddingReference send their weight gradients a block of rows at a time,
 // mlpReference its weight gradients a block of F at a time (ReferenceOptions::blockElements).
 void linearReference(const ReferenceOptions& options, const InputMap& inputs, ReferenceSink& sink);
-// The rows of an (N, K) weight in each block of linearReference and embeddingReference: a multiple
-// of 256, about blockElements elements, all N where that is fewer.
-std::int64_t weightBlockRows(const ReferenceOptions& options, std::int64_t n, std::int64_t k);
+// The rows in each block of an (n, k) matrix that a reference takes a block of rows at a time: a
+// multiple of 256, about blockElements elements, all n where that is fewer. A linear's and the
+// embedding's weight (n, k), the MLP's F of its (tokens, F) intermediates (n = F, k = tokens).
+std::int64_t blockRows(const ReferenceOptions& options, std::int64_t n, std::int64_t k);
 void embeddingReference(const ReferenceOptions& options, const InputMap& inputs, ReferenceSink& sink);
 void mlpReference(const ReferenceOptions& options, const InputMap& inputs, ReferenceSink& sink);
 // The experts' grouped linear: token i (input, grad_output rows) goes through expert

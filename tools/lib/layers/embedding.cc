@@ -117,7 +117,7 @@ class EmbeddingKind final : public LayerKind {
     const auto w = shapes.find("weight");
     if (w == shapes.end() || w->second.size() != 2) return 0;
     const std::int64_t v = w->second[0], h = w->second[1];
-    return 2 * double(weightBlockRows(ReferenceOptions(), v, h) * h);
+    return 2 * double(blockRows(ReferenceOptions(), v, h) * h);
   }
   std::unique_ptr<LayerModules> build(const LayerContext& lc, const ModelParallelConfig& mp,
                                       const RunConfig& c) const override {

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <optional>
 
 #include "backends/errors.h"
 #include "core/checkpoint.h"
@@ -140,22 +141,38 @@ class GroupedKind final : public LayerKind {
     const double split = 1.0 / double(c.tp);
     return column() ? RankShare{1.0, split} : RankShare{split, 1.0};
   }
-  // Fitted on 256 runs of E = 1-8 experts at T = 1-8, activations or weights nearly all of the run,
-  // each mode on its own (docs/memory.md): bytes an activation element held once and on each rank,
-  // and a parameter's bytes, part of them only while the threads run a rank's experts.
-  double runBytesPerActivation(const RunConfig&) const override { return column() ? 4 : 6; }
-  double runBytesPerActivationOnce(const RunConfig&) const override { return column() ? 10 : 12; }
+  // Fitted in fp32 on 256 runs of E = 1-8 experts at T = 1-8, activations or weights nearly all of
+  // the run (docs/memory.md), and counted in the run's dtype, d bytes an element, as its tensors are
+  // (a parameter's working set under GTP_remat in the wire dtype: parameterBytes). Without GTP_remat
+  // the ranks never wait on each other, so a thread runs one from start to end: each rank keeps d
+  // bytes an element of its share of the input and grad_output (its results) and d a parameter,
+  // and while it runs holds its working set besides: the tokens sorted by expert and back (each
+  // mode's own bytes an element of its share of the input and grad_output) and 2.5d an element of
+  // its parameters' shards.
+  double runBytesPerActivation(const RunConfig& c) const override { return double(dtypeSize(c.dtype)); }
+  RunningBytes runningBytesPerActivation(const RunConfig& c) const override {
+    const double d = double(dtypeSize(c.dtype));
+    return column() ? RunningBytes{1.5 * d, 5 * d} : RunningBytes{3 * d, 4 * d};
+  }
   double runBytesPerParameter(const RunConfig& c, double threads) const override {
-    return 3 + (column() ? 13 : 11) * threads / double(c.tp);
+    const double d = parameterBytes(c);
+    return d + 2.5 * d * threads / double(c.tp * c.gtpRemat);
+  }
+  // Each rank packs its experts' shards, gathers them all, and copies each expert's out, then for
+  // the wgrads a send buffer of them all, each expert's logical wgrad and what it receives: 1.25 +
+  // 2.5G elements of the wire dtype's, measured in fp32 at G = 2 and 4, T = 1 and 2, on one thread
+  // and two (in bf16 with an fp32 wire the run took as many bytes a parameter as in fp32).
+  std::optional<double> gtpBatchedBytes(const RunConfig& c) const override {
+    return (1.25 + 2.5 * double(c.gtpRemat)) * parameterBytes(c);
   }
   double gemmWeightShare(const RunConfig& c) const override { return 1.0 / double(c.experts); }
   // The reference takes one expert at a time, as linearReference takes its weight: the expert's
-  // tokens' rows in double, their results and magnitudes (50 bytes an element of them), |W| in float
+  // tokens' rows in double, their results and magnitudes (52 bytes an element of them), |W| in float
   // for that expert alone, and its weight in blocks of rows (linearLayer).
-  double referenceBytesPerActivation(const RunConfig& c) const override { return 50.0 / double(c.experts); }
+  double referenceBytesPerActivation(const RunConfig& c) const override { return 52.0 / double(c.experts); }
   double referenceBytesPerParameter(const RunConfig& c) const override { return 4.0 / double(c.experts); }
   double referenceIntermediates(const RunConfig& c, const ShapeMap&) const override {
-    return 4.5 * double(weightBlockRows(ReferenceOptions(), c.outFeatures, c.inFeatures) * c.inFeatures);
+    return 4.5 * double(blockRows(ReferenceOptions(), c.outFeatures, c.inFeatures) * c.inFeatures);
   }
   // The experts' weights and biases are saved as one key each, expert i at index i of its leading axis.
   CheckpointSlot checkpointSlot(const std::string& parameter) const override {
@@ -185,6 +202,10 @@ class GroupedKind final : public LayerKind {
 
  private:
   bool column() const { return mode_ == GroupedParallelMode::kColumn; }
+  // A parameter element's bytes in the run's working set: under GTP_remat its wire dtype's.
+  double parameterBytes(const RunConfig& c) const {
+    return double(dtypeSize(c.gtpRemat > 1 ? gtpWireDtype(c) : c.dtype));
+  }
 
   const char* name_;
   GroupedParallelMode mode_;

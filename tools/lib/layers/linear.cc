@@ -110,7 +110,7 @@ class LinearKind : public LayerKind {
     const auto w = shapes.find("weight");
     if (w == shapes.end() || w->second.size() != 2) return 0;
     const std::int64_t n = w->second[0], k = w->second[1];
-    const double block = double(weightBlockRows(ReferenceOptions(), n, k) * k);
+    const double block = double(blockRows(ReferenceOptions(), n, k) * k);
     if (c.weightFormat == WeightFormat::kNative) return 4.5 * block;
     const double making = kMxfp8ReferenceBytes + double(dtypeSize(c.dtype)), held = 8 + 2 * double(dtypeSize(c.dtype));
     return std::max(0.0, 5.5 * block - (making - held) / 8 * double(n * k));

@@ -128,7 +128,8 @@ class MlpKind final : public LayerKind {
   double referenceIntermediates(const RunConfig& c, const ShapeMap& shapes) const override {
     double tokens = 0;
     const double h = hiddenElements(shapes, tokens);
-    const double block = std::min(h, std::max(double(ReferenceOptions().blockElements), 256 * tokens));
+    const double f = tokens > 0 ? h / tokens : 0;
+    const double block = tokens * double(blockRows(ReferenceOptions(), std::int64_t(f), std::int64_t(tokens)));
     const auto in = shapes.find("input");
     const double features = in == shapes.end() || in->second.empty() ? 0 : double(in->second.back());
     const double weightBlock = features * (tokens > 0 ? block / tokens : 0);
