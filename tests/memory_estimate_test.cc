@@ -113,7 +113,7 @@ const Shape kGroupedOneExpert{"grouped one expert", {"--layer", "grouped-row", "
 const Shape kGroupedWeights{"grouped weights", {"--layer", "grouped-column", "--tokens", "64", "--experts", "8",
                                                 "--in-features", "2048", "--out-features", "2048"}};
 // GTP_remat gathers all eight experts' weights at once and reduce-scatters all their wgrads at once
-// (0.65 where the estimate counted one weight's, as for the other kinds), on one thread.
+// (0.46 with one weight's counted, as for the other kinds), on one thread.
 const Shape kGroupedWeightsGtp{"grouped weights G=2", {"--layer", "grouped-column", "--tokens", "64", "--experts",
                                                        "8", "--in-features", "2048", "--out-features", "2048",
                                                        "--gtp-remat", "2", "--verify", "none"},
