@@ -256,5 +256,60 @@ TEST(Reference, EmbeddingInBlocksOfTableRowsMatchesLoopsAndTheWholeBitForBit) {
                  });
 }
 
+// The grouped experts small enough for loops: six tokens of k = 5 over three experts of n = 700, the
+// last without tokens. In blocks of 256 weight rows and in one block, the reference's values are the
+// loops' (each token through its expert's weight and bias; each expert's gradients its own tokens'),
+// the expert without tokens gets zero gradients, and the blocks change no bit of a value or a bound.
+// An id outside [0, E) is refused.
+TEST(Reference, GroupedExpertsInBlocksOfWeightRowsMatchLoopsAndTheWholeBitForBit) {
+  const std::int64_t tokens = 6, k = 5, n = 700, experts = 3;
+  std::mt19937_64 rng(19);
+  const std::vector<double> ids = {1, 0, 1, 1, 0, 0};
+  TensorMap in = {{"input", randomTensor({tokens, k}, rng)},
+                  {"expert_ids", HostTensor{{tokens}, DType::kInt64, ids}},
+                  {"grad_output", randomTensor({tokens, n}, rng)}};
+  for (std::int64_t e = 0; e < experts; ++e) {
+    in["weight" + std::to_string(e)] = randomTensor({n, k}, rng);
+    in["bias" + std::to_string(e)] = randomTensor({n}, rng);
+  }
+  const std::vector<double> &x = in.at("input").values, &dy = in.at("grad_output").values;
+
+  LoopSums sums;
+  sums.result("output", tokens * n), sums.result("input.grad", tokens * k);
+  for (std::int64_t e = 0; e < experts; ++e) {
+    sums.result("weight" + std::to_string(e) + ".grad", n * k);
+    sums.result("bias" + std::to_string(e) + ".grad", n);
+  }
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const std::string e = std::to_string(std::int64_t(ids[std::size_t(t)]));
+    const std::vector<double> &w = in.at("weight" + e).values, &b = in.at("bias" + e).values;
+    for (std::int64_t j = 0; j < n; ++j) {
+      sums.add("output", t * n + j, b[std::size_t(j)]);
+      sums.add("bias" + e + ".grad", j, dy[std::size_t(t * n + j)]);
+      for (std::int64_t i = 0; i < k; ++i) {
+        sums.add("output", t * n + j, x[std::size_t(t * k + i)] * w[std::size_t(j * k + i)]);
+        sums.add("input.grad", t * k + i, dy[std::size_t(t * n + j)] * w[std::size_t(j * k + i)]);
+        sums.add("weight" + e + ".grad", j * k + i, dy[std::size_t(t * n + j)] * x[std::size_t(t * k + i)]);
+      }
+    }
+  }
+
+  ReferenceOptions whole;
+  whole.layer = layerKind("grouped-column");
+  ReferenceOptions blocks = whole;
+  blocks.blockElements = k * 256;
+  const bool packed = sim::bestGemmKernel() != sim::GemmKernel::kEigen;
+  expectLoopSums(sums, denseReference(whole, storedOf(in)), denseReference(blocks, storedOf(in)),
+                 [&](const std::string& name, std::size_t i, const Checked& a, const Checked& c) {
+                   ASSERT_GE(a.bound[i], 0x1p-24 * sums.scale.at(name)[i]) << name << " element " << i;
+                   if (!packed) return;
+                   ASSERT_EQ(c.value.values[i], a.value.values[i]) << name << " element " << i;
+                   ASSERT_EQ(c.bound[i], a.bound[i]) << name << " element " << i;
+                 });
+
+  in.at("expert_ids").values[3] = 3;
+  EXPECT_THROW(denseReference(whole, storedOf(in)), std::exception);
+}
+
 }  // namespace
 }  // namespace tpsim::tools

@@ -862,17 +862,17 @@ class ExpertSink final : public ReferenceSink {
   const std::string bias_;
 };
 
-// A result of zeros, announced and sent a block of `blockRows` rows at a time.
-void sendZeros(const std::string& name, const std::vector<std::int64_t>& shape, DType dtype, std::int64_t blockRows,
-               ReferenceSink& sink) {
+// A result of zeros, announced and sent `rowsPerBlock` rows at a time.
+void sendZeros(const std::string& name, const std::vector<std::int64_t>& shape, DType dtype,
+               std::int64_t rowsPerBlock, ReferenceSink& sink) {
   sink.result(name, shape, dtype);
   const std::int64_t cols = shape.empty() ? 1 : shape.back();
   std::int64_t rows = 1;
   for (std::int64_t d : shape) rows *= d;
   rows = cols == 0 ? 0 : rows / cols;
   std::vector<double> value, bound;
-  for (std::int64_t r0 = 0; r0 < rows; r0 += blockRows) {
-    const std::int64_t n = std::min(blockRows, rows - r0);
+  for (std::int64_t r0 = 0; r0 < rows; r0 += rowsPerBlock) {
+    const std::int64_t n = std::min(rowsPerBlock, rows - r0);
     value.assign(std::size_t(n * cols), 0.0);  // again for each block: the sink may change them
     bound.assign(std::size_t(n * cols), 0.0);
     sink.block(name, {r0, 0, n, cols, cols, value.data(), bound.data()});
@@ -895,14 +895,19 @@ void groupedReference(const ReferenceOptions& o, const InputMap& in, std::int64_
       readDoubles(t, rows[std::size_t(i)] * width, width, part.values.data() + i * width);
     return part;
   };
+  std::vector<std::vector<std::int64_t>> tokensOf(static_cast<std::size_t>(experts));  // in token order
+  for (std::int64_t i = 0; i < M; ++i) {
+    const double id = ids.values[std::size_t(i)];
+    TPSIM_CHECK(id >= 0 && id < double(experts), "groupedReference: expert_ids[", i, "] must be in [0, ", experts,
+                "), got ", id);
+    tokensOf[std::size_t(id)].push_back(i);
+  }
   sink.result("output", {M, N}, o.outputDtype);
   sink.result("input.grad", {M, K}, o.computeDtype);
   for (std::int64_t e = 0; e < experts; ++e) {
     const std::string weight = detail::concat("weight", e), bias = detail::concat("bias", e);
     const std::optional<HostTensor> b = in.count(bias) ? std::optional(needHost(in, bias)) : std::nullopt;
-    std::vector<std::int64_t> rows;
-    for (std::int64_t i = 0; i < M; ++i)
-      if (std::int64_t(ids.values[std::size_t(i)]) == e) rows.push_back(i);
+    const std::vector<std::int64_t>& rows = tokensOf[std::size_t(e)];
     if (rows.empty()) {  // an expert without tokens gets no gradient
       sendZeros(weight + ".grad", {N, K}, o.computeDtype, blockRows(o, N, K), sink);
       if (b) sendZeros(bias + ".grad", {N}, o.computeDtype, 1, sink);
