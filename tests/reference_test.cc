@@ -125,6 +125,24 @@ void expectLoopSums(const LoopSums& sums, const std::map<std::string, Checked>& 
   }
 }
 
+// A linear kind's reference (its weights (n, k)) whole and in blocks of 256 weight rows against the
+// loops; where the packed kernels run, the blocks change no bit of a value or a bound.
+void expectWeightRowBlocksMatchLoops(const LoopSums& sums, const std::string& kind, const TensorMap& in,
+                                     std::int64_t k) {
+  ReferenceOptions whole;
+  whole.layer = layerKind(kind);
+  ReferenceOptions blocks = whole;
+  blocks.blockElements = k * 256;
+  const bool packed = sim::bestGemmKernel() != sim::GemmKernel::kEigen;
+  expectLoopSums(sums, denseReference(whole, storedOf(in)), denseReference(blocks, storedOf(in)),
+                 [&](const std::string& name, std::size_t i, const Checked& a, const Checked& c) {
+                   ASSERT_GE(a.bound[i], 0x1p-24 * sums.scale.at(name)[i]) << name << " element " << i;
+                   if (!packed) return;
+                   ASSERT_EQ(c.value.values[i], a.value.values[i]) << name << " element " << i;
+                   ASSERT_EQ(c.bound[i], a.bound[i]) << name << " element " << i;
+                 });
+}
+
 // An MLP small enough for loops: 6 tokens, h = 5, F = 700. In blocks of 256 columns of F (256, 256,
 // 188) and in one block, the reference's values are the loops' in double, and its bounds agree to
 // their float rounding (each block rounds its own operands up, with F factors of its own depth).
@@ -208,18 +226,7 @@ TEST(Reference, LinearInBlocksOfWeightRowsMatchesLoopsAndTheWholeBitForBit) {
       }
     }
 
-  ReferenceOptions whole;
-  whole.layer = layerKind("column");
-  ReferenceOptions blocks = whole;
-  blocks.blockElements = k * 256;
-  const bool packed = sim::bestGemmKernel() != sim::GemmKernel::kEigen;
-  expectLoopSums(sums, denseReference(whole, storedOf(in)), denseReference(blocks, storedOf(in)),
-                 [&](const std::string& name, std::size_t i, const Checked& a, const Checked& c) {
-                   ASSERT_GE(a.bound[i], 0x1p-24 * sums.scale.at(name)[i]) << name << " element " << i;
-                   if (!packed) return;
-                   ASSERT_EQ(c.value.values[i], a.value.values[i]) << name << " element " << i;
-                   ASSERT_EQ(c.bound[i], a.bound[i]) << name << " element " << i;
-                 });
+  expectWeightRowBlocksMatchLoops(sums, "column", in, k);
 }
 
 // An embedding small enough for loops: a table of 700 rows of h = 5, six tokens whose ids repeat and
@@ -294,21 +301,12 @@ TEST(Reference, GroupedExpertsInBlocksOfWeightRowsMatchLoopsAndTheWholeBitForBit
     }
   }
 
-  ReferenceOptions whole;
-  whole.layer = layerKind("grouped-column");
-  ReferenceOptions blocks = whole;
-  blocks.blockElements = k * 256;
-  const bool packed = sim::bestGemmKernel() != sim::GemmKernel::kEigen;
-  expectLoopSums(sums, denseReference(whole, storedOf(in)), denseReference(blocks, storedOf(in)),
-                 [&](const std::string& name, std::size_t i, const Checked& a, const Checked& c) {
-                   ASSERT_GE(a.bound[i], 0x1p-24 * sums.scale.at(name)[i]) << name << " element " << i;
-                   if (!packed) return;
-                   ASSERT_EQ(c.value.values[i], a.value.values[i]) << name << " element " << i;
-                   ASSERT_EQ(c.bound[i], a.bound[i]) << name << " element " << i;
-                 });
+  expectWeightRowBlocksMatchLoops(sums, "grouped-column", in, k);
 
   in.at("expert_ids").values[3] = 3;
-  EXPECT_THROW(denseReference(whole, storedOf(in)), std::exception);
+  ReferenceOptions options;
+  options.layer = layerKind("grouped-column");
+  EXPECT_THROW(denseReference(options, storedOf(in)), std::exception);
 }
 
 }  // namespace
