@@ -53,6 +53,14 @@ void putString(std::string& out, const std::string& s) {
   out += s;
 }
 
+// `body` behind its key, in body's own memory where it has room (a string grown by appends has).
+std::string keyed(const std::string& key, std::string body) {
+  std::string header;
+  putString(header, key);
+  body.insert(0, header);
+  return body;
+}
+
 std::string getString(const std::string& in, std::size_t& at) {
   std::uint32_t size = 0;
   TPSIM_INTERNAL_ASSERT(at + sizeof size <= in.size(), "a peer's message is truncated");
@@ -128,13 +136,15 @@ struct Session::Impl {
 
   void received(int source, int tag, std::string payload) {
     std::size_t at = 0;
+    // A part keeps the payload's memory, the key cut off in place: a results part is most of a run.
+    std::string key;
+    if (tag == kPart) {
+      key = getString(payload, at);
+      payload.erase(0, at);
+    }
     std::lock_guard<std::mutex> lock(mu);
     switch (tag) {
-      case kPart: {
-        std::string key = getString(payload, at);
-        parts[key][source] = payload.substr(at);
-        break;
-      }
+      case kPart: parts[key][source] = std::move(payload); break;
       case kFailed: {
         const std::string runKey = getString(payload, at);
         FailNotice notice;
@@ -333,10 +343,7 @@ class Spread final : public world::Transport {
       fullKey = s.active.key + "/" + key;
       s.awaited[fullKey] = processes;
     }
-    std::string payload;
-    putString(payload, fullKey);
-    payload += part;
-    s.send(processes, kPart, std::move(payload));
+    s.send(processes, kPart, keyed(fullKey, std::move(part)));
   }
 
   void failed(CollectiveFailure kind, const std::string& message, int rank, const std::string& rankError) override {
@@ -415,10 +422,7 @@ std::string Session::broadcast(std::string fromProcess0, std::chrono::millisecon
   if (s.process == 0) {
     std::vector<int> others;
     for (int p = 1; p < s.processes; ++p) others.push_back(p);
-    std::string payload;
-    putString(payload, key);
-    payload += fromProcess0;
-    s.send(others, kPart, std::move(payload));
+    s.send(others, kPart, keyed(key, fromProcess0));
     return fromProcess0;
   }
   const auto deadline = Clock::now() + timeout;
@@ -443,10 +447,7 @@ std::vector<std::string> Session::gather(std::string mine, std::chrono::millisec
   Impl& s = *impl_;
   const std::string key = detail::concat("g", s.nextGather++);
   if (s.process != 0) {
-    std::string payload;
-    putString(payload, key);
-    payload += mine;
-    s.send({0}, kPart, std::move(payload));
+    s.send({0}, kPart, keyed(key, std::move(mine)));
     return {};
   }
   const auto deadline = Clock::now() + timeout;

@@ -26,7 +26,12 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       case 0: {
         const RunArgs a = parseRunArgs(args);
         if (a.help.empty() && a.loadDir.empty()) {
-          (void)bytesText(estimateRunBytes(a.config, tensorShapes(a.config), a.verify));
+          const ShapeMap shapes = tensorShapes(a.config);
+          (void)bytesText(estimateRunBytes(a.config, shapes, a.verify));
+          // And a process's share of the world spread over an MPI job, holding the inputs whole or not.
+          const int ranks = a.config.tp * a.config.gtpRemat;
+          for (int p = 2; p <= 4; ++p)
+            if (ranks % p == 0) (void)bytesText(estimateRunBytes(a.config, shapes, a.verify, {p != 3, p, p == 2}));
           (void)a.config.str();
           (void)commandLine(a.config);
         }

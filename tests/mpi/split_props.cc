@@ -73,7 +73,8 @@ std::string layerCase(std::uint64_t seed, int processes, int size) {
                             seed, size);
   c.threads = 1;
   const tools::TensorMap inputs = props::realInputs(c);
-  const tools::RunResult result = tools::runSharded(c, tools::storedOf(inputs), {}, nullptr, false);
+  const tools::RunResult result =
+      tools::runSharded(c, tools::storedOf(inputs), {}, nullptr, tools::KeptResults::kSharded);
   std::uint64_t h = 1469598103934665603ull;
   for (const auto& [name, sharded] : result.sharded) {
     hashInto(h, name);

@@ -76,13 +76,13 @@ ShapeMap loadShapes(const RunConfig& c, const std::string& dir, bool withParams)
   return m;
 }
 
-InputMap load(const RunConfig& c, const std::string& dir, bool withParams) {
-  InputMap m;
+// Each file in turn, handed to `take` as it is read.
+void load(const RunConfig& c, const std::string& dir, bool withParams,
+          const std::function<void(const std::string&, StoredTensor)>& take) {
   for (const InputFile& f : inputFiles(c, dir, withParams)) {
     const NpyArray a = readNpy(f.path);
-    m[f.name] = storedOf(hostTensorOf(a.dtype, a.shape, a.data.data(), f.ids ? DType::kInt64 : c.dtype, f.path));
+    take(f.name, storedOf(hostTensorOf(a.dtype, a.shape, a.data.data(), f.ids ? DType::kInt64 : c.dtype, f.path)));
   }
-  return m;
 }
 
 // --save DIR or --save-checkpoint DIR, before the run: an existing directory, or one created now.
@@ -379,7 +379,11 @@ int runMain(const std::vector<std::string>& args) {
   // Before anything else is allocated: a run that cannot fit is refused, not killed by the kernel.
   ShapeMap shapes = loadDir.empty() ? tensorShapes(c) : loadShapes(c, loadDir, !index);
   for (const auto& [name, shape] : paramShapes) shapes[name] = shape;
-  checkMemory(c, shapes, verifyMode, parsed.maxMemory, loadDir);
+  // Spread over processes, only process 0 verifies and saves: a process that does neither holds no
+  // whole input, only its ranks' shards, cut from one tensor at a time; and when process 0 does
+  // neither, no rank keeps its results (docs/distributed.md, "Memory").
+  const bool resultsRead = verifyMode != VerifyMode::kNone || !saveDir.empty();
+  checkMemory(c, shapes, verifyMode, parsed.maxMemory, loadDir, resultsRead);
   checkFileUses(c, parsed, index ? &*index : nullptr);
   std::optional<CheckpointReader> reader;
   InputMap params;
@@ -392,9 +396,28 @@ int runMain(const std::vector<std::string>& args) {
   if (!saveCheckpoint.empty()) prepareSaveDir("save-checkpoint", saveCheckpoint);
   progress.above([&] { std::printf("# tpsim run: %s\n", c.str().c_str()); });
   progress.phase(loadDir.empty() ? "generate" : "load");
-  InputMap inputs = loadDir.empty() ? generateInputs(c) : load(c, loadDir, !reader);
-  for (auto& [name, t] : params) inputs[name] = std::move(t);
-  checkInputs(c, inputs, sources);
+  const bool whole = jobProcesses() == 1 || (jobProcess() == 0 && resultsRead);
+  HeaderMap headers;
+  for (const TensorSpec& t : c.layer->tensors(c))
+    headers[t.name] = {shapes.at(t.name), t.idRange.empty() ? c.dtype : DType::kInt64};
+  const RunConfig sized = checkInputHeaders(c, headers, sources);
+  InputMap inputs;
+  InputShards shards;
+  const std::vector<TensorPlacement> placements = whole ? std::vector<TensorPlacement>{} : placementsOf(sized);
+  const auto take = [&](const std::string& name, StoredTensor t) {
+    checkInputValues(sized, name, t, sources);
+    if (whole) inputs[name] = std::move(t);
+    else addShards(sized, placements, name, t, shards);
+  };
+  if (loadDir.empty()) generateInputs(c, take);
+  else load(c, loadDir, !reader, take);
+  for (auto& [name, t] : params) take(name, std::move(t));
+  params.clear();
+#if defined(__GLIBC__)
+  // The whole tensors' memory, free now below the shards, goes back to the system (keepFreedMemory
+  // would keep it resident beside the run's).
+  if (!whole) malloc_trim(0);
+#endif
   // Once the sizes are checked, the layer's `_extra_state` entries, before the world runs: a
   // checkpoint without them is bad input, not a rank's failure.
   if (reader)
@@ -402,12 +425,15 @@ int runMain(const std::vector<std::string>& args) {
   progress.above([&] {
     std::printf("# inputs (%s%s%s):", loadDir.empty() ? "generated" : terminalText(loadDir).c_str(),
                 reader ? "; parameters from checkpoint " : "", reader ? terminalText(loadCheckpoint).c_str() : "");
-    for (const auto& [name, t] : inputs) std::printf(" %s %s", name.c_str(), shapeText(t.shape).c_str());
+    for (const auto& [name, header] : headers) std::printf(" %s %s", name.c_str(), shapeText(header.shape).c_str());
     std::printf("\n");
   });
   CheckpointWriter writer(c.layer->name());
-  const RunResult result = runSharded(
-      c, inputs, {reader ? &*reader : nullptr, saveCheckpoint.empty() ? nullptr : &writer}, &progress, false);
+  const CheckpointHooks hooks{reader ? &*reader : nullptr, saveCheckpoint.empty() ? nullptr : &writer};
+  // One process keeps them all the same: its estimate's terms were measured with them kept.
+  const KeptResults kept = resultsRead || jobProcesses() == 1 ? KeptResults::kSharded : KeptResults::kNone;
+  const RunResult result = whole ? runSharded(c, inputs, hooks, &progress, kept)
+                                 : runSharded(c, std::move(shards), hooks, &progress, kept);
   if (jobProcess() != 0) return 0;  // process 0 verifies, writes and reports (docs/distributed.md)
   std::size_t collectives = 0, splits = 0;
   for (const auto& events : result.trace)

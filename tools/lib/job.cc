@@ -114,6 +114,8 @@ void joinJob() {
 }
 int jobProcess() { return session() ? session()->process() : 0; }
 int jobProcesses() { return session() ? session()->processes() : 1; }
+int jobLocalProcesses() { return session() ? session()->localProcesses() : 1; }
+bool jobRuns(int rank, int size) { return mpi::processOf(rank, size, jobProcesses()) == jobProcess(); }
 mpi::Session* jobSession() { return session().get(); }
 
 int leaveJob(int code) {
@@ -165,8 +167,9 @@ void gatherRanks(std::vector<std::map<std::string, StoredTensor>>& results, std:
                  std::vector<RankRecord>& records, CheckpointWriter* checkpoint, std::chrono::milliseconds timeout) {
   if (jobProcesses() == 1) return;
   const int size = int(results.size());
+  // Process 0 keeps its own; each other process sends its ranks' and lets them go as it packs them.
   std::string mine;
-  for (int r = 0; r < size; ++r) {
+  for (int r = 0; r < size && jobProcess() != 0; ++r) {
     if (mpi::processOf(r, size, jobProcesses()) != jobProcess()) continue;
     wire::put(mine, std::uint64_t(results[std::size_t(r)].size()));
     for (const auto& [name, t] : results[std::size_t(r)]) {
@@ -176,6 +179,7 @@ void gatherRanks(std::vector<std::map<std::string, StoredTensor>>& results, std:
       for (std::int64_t d : t.shape) wire::put(mine, d);
       wire::putString(mine, std::string(t.bytes.begin(), t.bytes.end()));
     }
+    results[std::size_t(r)].clear();
     wire::put(mine, std::uint64_t(trace[std::size_t(r)].size()));
     for (const TraceEvent& e : trace[std::size_t(r)]) {
       wire::putString(mine, e.op);
@@ -186,8 +190,8 @@ void gatherRanks(std::vector<std::map<std::string, StoredTensor>>& results, std:
     }
     if (!records.empty()) putRecord(mine, records[std::size_t(r)]);
   }
-  if (checkpoint) wire::putString(mine, checkpoint->packed());
-  const std::vector<std::string> parts = session()->gather(std::move(mine), timeout);
+  if (checkpoint && jobProcess() != 0) wire::putString(mine, checkpoint->packed());
+  std::vector<std::string> parts = session()->gather(std::move(mine), timeout);
   for (int p = 1; p < int(parts.size()); ++p) {
     wire::Reader in(parts[std::size_t(p)], "a process's gathered results");
     for (int r = 0; r < size; ++r) {
@@ -214,6 +218,7 @@ void gatherRanks(std::vector<std::map<std::string, StoredTensor>>& results, std:
       if (!records.empty()) records[std::size_t(r)] = getRecord(in);
     }
     if (checkpoint) checkpoint->addPacked(in.getString());
+    std::string().swap(parts[std::size_t(p)]);  // unpacked
   }
 }
 
@@ -223,6 +228,8 @@ void joinJob() {}
 void checkJobPlacement(const std::string&, int) {}
 int jobProcess() { return 0; }
 int jobProcesses() { return 1; }
+int jobLocalProcesses() { return 1; }
+bool jobRuns(int, int) { return true; }
 mpi::Session* jobSession() { return nullptr; }
 int leaveJob(int code) { return code; }
 std::unique_ptr<World> makeJobWorld(const std::string& backend, const WorldOptions& options) {

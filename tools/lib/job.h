@@ -28,6 +28,10 @@ namespace tpsim::tools {
 void joinJob();
 int jobProcess();
 int jobProcesses();
+// The job's processes on this machine (MPI_COMM_TYPE_SHARED), this one included.
+int jobLocalProcesses();
+// Whether this process runs rank `rank` of a world of `size` ranks spread over the job (makeJobWorld).
+bool jobRuns(int rank, int size);
 // The job's session (backends/mpi/session.h); nullptr without a launcher or without MPI in the build.
 mpi::Session* jobSession();
 // Ends this process's part of the job with the command's exit code, returned (mpi::Session::finish).

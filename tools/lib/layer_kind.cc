@@ -61,12 +61,6 @@ std::string symbols(const std::vector<std::string>& dims) {
   return s + (dims.size() == 1 ? ",)" : ")");
 }
 
-const StoredTensor& need(const InputMap& m, const std::string& name) {
-  auto it = m.find(name);
-  TPSIM_CHECK(it != m.end(), "tpsim run: ", name, ".npy is missing");
-  return it->second;
-}
-
 }  // namespace
 
 const std::vector<const LayerKind*>& layerKinds() {
@@ -204,6 +198,12 @@ void drawNormals(std::mt19937_64& rng, double sigma, DType dtype, std::int64_t n
 }
 
 InputMap generateInputs(const RunConfig& c) {
+  InputMap m;
+  generateInputs(c, [&m](const std::string& name, StoredTensor t) { m[name] = std::move(t); });
+  return m;
+}
+
+void generateInputs(const RunConfig& c, const std::function<void(const std::string&, StoredTensor)>& take) {
   const ShapeMap shapes = tensorShapes(c);
   std::mt19937_64 rng(c.seed);
   const StopFlag* stop = currentStopFlag();
@@ -215,16 +215,16 @@ InputMap generateInputs(const RunConfig& c) {
   });
   std::optional<sim::HostPool> pool;
   if (large) pool.emplace(std::max(0, int(std::thread::hardware_concurrency()) - 1));
-  InputMap m;
   // The draws keep the kind's order, so a seed makes the same data.
   for (const TensorSpec& t : c.layer->tensors(c)) {
-    StoredTensor& out = m[t.name];
+    StoredTensor out;
     out.shape = shapes.at(t.name);
     out.dtype = t.idRange.empty() ? c.dtype : DType::kInt64;
     const std::size_t size = dtypeSize(out.dtype);
     resizeFresh(out.bytes, std::size_t(out.numel()) * size);
     if (t.idRange.empty()) {
       drawNormals(rng, t.sigma, out.dtype, out.numel(), out.bytes.data(), pool ? &*pool : nullptr);
+      take(t.name, std::move(out));
       continue;
     }
     // Token ids: few, in order, a chunk of 2^20 at a time between stop checks.
@@ -234,8 +234,8 @@ InputMap generateInputs(const RunConfig& c) {
       if (i % (std::int64_t(1) << 20) == 0) throwIfStopped(stop, "tpsim run");
       storeFromDouble(out.dtype, double(id(rng)), out.bytes.data() + std::size_t(i) * size);
     }
+    take(t.name, std::move(out));
   }
-  return m;
 }
 
 RunConfig withSizesOf(RunConfig c, const ShapeMap& shapes) {
@@ -272,27 +272,24 @@ void checkSizes(const RunConfig& c, const SizeSources& sources) {
                 sizeValue(c, w.symbol) / (w.tpCutsDim0 ? c.tp : 1), c.gtpRemat, "--gtp-remat (with --pad-for-alignment 0)");
 }
 
-void checkInputs(const RunConfig& c, const InputMap& in, const SizeSources& sources) {
+HeaderMap headersOf(const InputMap& in) {
+  HeaderMap m;
+  for (const auto& [name, t] : in) m[name] = {t.shape, t.dtype};
+  return m;
+}
+
+RunConfig checkInputHeaders(const RunConfig& c, const HeaderMap& in, const SizeSources& sources) {
   // Empty tensors are refused: the layers and the reference divide by these sizes.
   for (const auto& [name, t] : in)
     TPSIM_CHECK(std::all_of(t.shape.begin(), t.shape.end(), [](std::int64_t d) { return d >= 1; }), "tpsim run: ",
                 tensorText(c, name, sources), ": expected every dim >= 1, got shape ", shapeText(t.shape));
-  // Non-finite inputs would only surface as a result outside its bound.
-  for (const auto& [name, t] : in) {
-    std::int64_t bad = 0, first = -1;
-    const std::int64_t n = t.numel();
-    for (std::int64_t i = 0; i < n; ++i)
-      if (!std::isfinite(t.at(i)) && bad++ == 0) first = i;
-    TPSIM_CHECK(bad == 0, "tpsim run: ", tensorText(c, name, sources), ": expected finite values, got ", bad,
-                " NaN or Inf, the first at flat index ", first);
-  }
   const std::vector<TensorSpec> specs = c.layer->tensors(c);
-  for (const TensorSpec& t : specs) need(in, t.name);
+  for (const TensorSpec& t : specs) TPSIM_CHECK(in.count(t.name), "tpsim run: ", t.name, ".npy is missing");
   // The tensors the sizes are read from must be what they hold before their dims are believed.
   const std::vector<SizeSpec>& sizes = c.layer->sizes();
   for (const TensorSpec& t : specs) {
     if (std::none_of(sizes.begin(), sizes.end(), [&](const SizeSpec& s) { return s.tensor == t.name; })) continue;
-    const StoredTensor& x = in.at(t.name);
+    const TensorHeader& x = in.at(t.name);
     const bool rankOk = x.shape.size() == t.dims.size();
     if (t.idRange.empty())
       TPSIM_CHECK(rankOk && isFloating(x.dtype), "tpsim run: ", t.name, ".npy must be a float ", symbols(t.dims),
@@ -308,15 +305,32 @@ void checkInputs(const RunConfig& c, const InputMap& in, const SizeSources& sour
     const std::vector<std::int64_t> want = dimsOf(sized, t), got = in.at(t.name).shape;
     TPSIM_CHECK(got == want, "tpsim run: ", t.name, ".npy must have shape ", shapeText(want), ", got ", shapeText(got));
   }
-  for (const TensorSpec& t : specs) {
-    if (t.idRange.empty()) continue;
-    const StoredTensor& ids = in.at(t.name);
-    const std::int64_t range = sizeValue(sized, t.idRange);
-    for (std::int64_t i = 0; i < ids.numel(); ++i)
-      TPSIM_CHECK(ids.at(i) >= 0 && ids.at(i) < double(range), "tpsim run: ", t.name, ".npy holds id ",
-                  std::int64_t(ids.at(i)), " at flat position ", i, ", outside [0, ", t.idRange, "=", range, ")");
-  }
   checkSizes(sized, sources);
+  return sized;
+}
+
+void checkInputValues(const RunConfig& sized, const std::string& name, const StoredTensor& t,
+                      const SizeSources& sources) {
+  // Non-finite inputs would only surface as a result outside its bound.
+  std::int64_t bad = 0, first = -1;
+  const std::int64_t n = t.numel();
+  for (std::int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(t.at(i)) && bad++ == 0) first = i;
+  TPSIM_CHECK(bad == 0, "tpsim run: ", tensorText(sized, name, sources), ": expected finite values, got ", bad,
+              " NaN or Inf, the first at flat index ", first);
+  for (const TensorSpec& spec : sized.layer->tensors(sized)) {
+    if (spec.name != name || spec.idRange.empty()) continue;
+    const std::int64_t range = sizeValue(sized, spec.idRange);
+    for (std::int64_t i = 0; i < n; ++i)
+      TPSIM_CHECK(t.at(i) >= 0 && t.at(i) < double(range), "tpsim run: ", name, ".npy holds id ", std::int64_t(t.at(i)),
+                  " at flat position ", i, ", outside [0, ", spec.idRange, "=", range, ")");
+  }
+}
+
+void checkInputs(const RunConfig& c, const InputMap& in, const SizeSources& sources) {
+  const RunConfig sized = checkInputHeaders(c, headersOf(in), sources);
+  // In the kind's order, as a run that holds one tensor at a time meets them.
+  for (const TensorSpec& t : sized.layer->tensors(sized)) checkInputValues(sized, t.name, in.at(t.name), sources);
 }
 
 }  // namespace tpsim::tools

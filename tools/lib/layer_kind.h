@@ -166,7 +166,8 @@ class LayerKind {
   // Bytes the run holds per parameter element, main_grad aside, with `threads` threads running the
   // ranks: each rank's shard and gradient as backend tensors, the gradient as the run keeps it, and
   // the shards the threads are cutting (14, measured; the column and row, whose one weight is cut
-  // whole at T = 1, count the threads cutting).
+  // whole at T = 1, count the threads cutting). A process of a spread world counts its fraction 1/P
+  // of the bytes at P times its threads (estimateRunBytes), so a kind's threads' part is per thread.
   virtual double runBytesPerParameter(const RunConfig&, double threads) const {
     (void)threads;
     return 14;
@@ -229,6 +230,9 @@ ShapeMap tensorShapes(const RunConfig& config);
 // Seeded data with those shapes, drawn in the kind's order and rounded to the configured dtype.
 // Obeys the calling thread's stop flag (backends/stop.h).
 InputMap generateInputs(const RunConfig& config);
+// The same one tensor at a time: each is handed to `take` as soon as it is drawn, so a caller that
+// keeps only parts of them never holds more than one whole.
+void generateInputs(const RunConfig& config, const std::function<void(const std::string&, StoredTensor)>& take);
 // n draws of std::normal_distribution<double>(0, sigma) from rng, as libstdc++'s makes them (a new
 // distribution's first n: the polar method, each pair of uniforms inside the unit disc giving two
 // normals), each rounded to dtype and stored at out: bit for bit that loop, and rng left as it
@@ -250,9 +254,22 @@ struct SizeSources {
 // Checks the sizes against the kind's divisibility rules (sequence and batch splits, TP cuts,
 // GTP_remat's split of each weight's TP-local rows when --pad-for-alignment is 0).
 void checkSizes(const RunConfig& config, const SizeSources& sources);
-// Checks a run's tensors: every dim >= 1, finite values, each tensor present with the kind's rank,
-// dtype and the shape its sizes give, token ids in range, then checkSizes. Messages name the file,
-// or the checkpoint and key a parameter is read from (sources.checkpoint).
+// A tensor's shape and dtype without its values: what a file's header or the generator says of it.
+struct TensorHeader {
+  std::vector<std::int64_t> shape;
+  DType dtype = DType::kFloat32;
+};
+using HeaderMap = std::map<std::string, TensorHeader>;
+HeaderMap headersOf(const InputMap& inputs);
+// Checks a run's tensors: every dim >= 1, each tensor present with the kind's rank, dtype and the
+// shape its sizes give, then checkSizes (checkInputHeaders); then each tensor's values: finite, token
+// ids in range (checkInputValues, on the config with the sizes read from the headers, which
+// checkInputHeaders returns). Messages name the file, or the checkpoint and key a parameter is read
+// from (sources.checkpoint). A run that holds one whole tensor at a time checks the headers first,
+// then each tensor as it comes.
 void checkInputs(const RunConfig& config, const InputMap& inputs, const SizeSources& sources = {});
+RunConfig checkInputHeaders(const RunConfig& config, const HeaderMap& inputs, const SizeSources& sources = {});
+void checkInputValues(const RunConfig& sized, const std::string& name, const StoredTensor& tensor,
+                      const SizeSources& sources = {});
 
 }  // namespace tpsim::tools

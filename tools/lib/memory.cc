@@ -1,6 +1,7 @@
 #include "tools/lib/memory.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -9,6 +10,7 @@
 #include "backends/errors.h"
 #include "core/gtp.h"
 #include "sim/upper_gemm_bf16.h"
+#include "tools/lib/job.h"
 #include "tpsim_config.h"
 
 namespace tpsim::tools {
@@ -93,8 +95,10 @@ std::optional<double> readNumber(const std::string& file) {
 //              (measured)
 // and 5% of all that, at most 16 MiB: freed blocks the heap's arenas keep resident, between live ones
 // and below their trim thresholds (measured).
-double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode verify) {
+double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode verify, const RunScope& scope) {
   const double T = c.tp, G = c.gtpRemat;
+  // This process's ranks, and their share of the world's.
+  const double P = scope.processes, here = T * G / P, fraction = 1 / P;
   const double x = numel(shapes, "input"), y = numel(shapes, "grad_output");
   // W as the run's tensors hold it, and as the ranks hold it: GTP_remat pads the TP-local rows of
   // each weight it shards, in every copy the ranks make.
@@ -118,37 +122,60 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
     held += padded;
     if (gtp != nullptr) largestGtp = std::max(largestGtp, padded), allGtp += padded;
   }
-  // The CUDA runtime and NCCL, where the build links them, hold 1.75 MiB more from the start.
-  const double program = (TPSIM_HAVE_GPU ? 11.25 : 9.5) * (1 << 20) + 48.0 * 1024 * T * G;
-  double inputs = 0;
-  for (const TensorSpec& t : c.layer->tensors(c))
-    inputs += double(dtypeSize(t.idRange.empty() ? c.dtype : DType::kInt64)) * numel(shapes, t.name);
+  // The CUDA runtime and NCCL, where the build links them, hold 1.75 MiB more from the start; Open
+  // MPI's libraries and their threads, in a process of a job of several, 10 MiB (measured on a
+  // tiny run), and 10 MiB of what the spread runs of docs/distributed.md held beyond their terms.
+  const double program =
+      ((TPSIM_HAVE_GPU ? 11.25 : 9.5) + (P > 1 ? 20 : 0)) * (1 << 20) + 48.0 * 1024 * here;
   const LayerKind::RankShare share = c.layer->rankShare(c);
+  double inputs = 0, largestInput = 0, largestNumel = 0, inputShards = 0;
+  for (const TensorSpec& t : c.layer->tensors(c)) {
+    const double bytes = double(dtypeSize(t.idRange.empty() ? c.dtype : DType::kInt64)) * numel(shapes, t.name);
+    inputs += bytes;
+    largestInput = std::max(largestInput, bytes);
+    largestNumel = std::max(largestNumel, numel(shapes, t.name));
+    // A process that does not hold them whole keeps its ranks' shards, at T shares for the activations.
+    const double shards = t.role == TensorRole::kParameter ? bytes
+                          : t.name == "input"              ? T * share.input * bytes
+                                                            : T * share.output * bytes;
+    inputShards += fraction * shards;
+  }
   const bool sequenceSplit = c.sequenceParallel || c.reduceScatterEmbeddings;
   // The elements of tensor n that a rank's gemms see (a split along the sequence is gathered whole),
   // and what the run holds whole of a tensor split along the sequence.
   auto seen = [&](double f, double n) { return (f < 1 && sequenceSplit ? n : f * n) / G; };
   auto heldWhole = [&](double f, double n) { return f < 1 && sequenceSplit ? n : 0; };
-  const double whole = heldWhole(share.input, x) + heldWhole(share.output, y);
+  // Each TP group with ranks in this process holds its own gathered copy, of its peers' batch.
+  const double groupsHere = std::min(G, std::max(1.0, std::ceil(here / T)));
+  const double whole = (heldWhole(share.input, x) + heldWhole(share.output, y)) * groupsHere / G;
   const double activationBytes = double(dtypeSize(c.dtype));
   // a rank's partial output, which a reduce-scatter cuts to its share: 2.5 elements of the dtype
   // (measured on the embedding at T = 2-8)
   const double partial = 2.5 * activationBytes * T * std::max(0.0, share.partialOutput - share.output) * y;
   const bool mainGrad = c.gradAccumulationFusion || c.gtpRemat > 1;
-  const double threads = std::min(T * G, c.threads > 0 ? double(c.threads)
-                                                       : std::max(1.0, double(std::thread::hardware_concurrency())));
+  const double threads = std::min(here, c.threads > 0 ? double(c.threads)
+                                                      : std::max(1.0, double(std::thread::hardware_concurrency())));
   const double running = threads;
   const LayerKind::RunningBytes runningBytes = c.layer->runningBytesPerActivation(c);
-  const double copies = c.layer->runBytesPerActivation(c) * T * (share.input * x + share.output * y) +
+  const double copies = fraction * (c.layer->runBytesPerActivation(c) * T * (share.input * x + share.output * y) +
+                                    partial) +
                         running * (runningBytes.input * share.input * x + runningBytes.output * share.output * y) +
-                        8 * whole + partial;
+                        8 * whole;
   // On one thread the peers reach the reduce-scatter one after another; on more, how many wait
   // there with their wgrads held depends on the schedule, and the term covers the most measured.
   const double gtpBytes = threads == 1 ? 7 + 6 / T : 7.5 + 3 * std::min({G, 5.0, 6 / T});
   const std::optional<double> gtpBatched = c.layer->gtpBatchedBytes(c);
-  const double gtpTransient = G == 1 ? 0 : gtpBatched ? *gtpBatched * allGtp : gtpBytes * largestGtp;
-  const double shards = (c.layer->runBytesPerParameter(c, threads) + (mainGrad ? 4 : 0)) * held + gtpTransient;
-  const double step = 8 * c.layer->stepIntermediates(c, shapes);
+  // Per TP rank, one gathered weight and each peer's whole wgrad: a process holds those of its own
+  // TP ranks and peers.
+  const double peersHere = std::max(1.0, here / T);
+  const double gtpTransient = G == 1 ? 0
+                              : (gtpBatched ? *gtpBatched * allGtp : gtpBytes * largestGtp) *
+                                    (1 + peersHere) / (1 + G);
+  // The kinds' bytes a parameter grow with the threads, each cutting a rank's shard: this process's
+  // threads cut its ranks', the fraction of the whole that P times as many threads would.
+  const double shards =
+      fraction * (c.layer->runBytesPerParameter(c, threads * P) + (mainGrad ? 4 : 0)) * held + gtpTransient;
+  const double step = fraction * 8 * c.layer->stepIntermediates(c, shapes);
   const double hidden = c.layer->stepIntermediates(c, shapes) / 2 / (T * G);
   const double xs = seen(share.input, x), ys = seen(share.output, y);
   const double packedLimit = 32.0 * (1 << 20);
@@ -157,6 +184,19 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
                              ? 0
                              : threads * (std::min(8 * std::max({xs, ys, hidden}), packedLimit) +
                                           std::min(std::max({packedWeight, 8 * xs, 8 * hidden}), packedLimit));
+  // A collective of a group that spans processes moves every member's input to every process of
+  // the group, which holds them all and the result (docs/distributed.md): a TP group's largest is
+  // of an activation the ranks hold whole (an all-reduce), or gather or reduce-scatter whole (T
+  // inputs of its peers' batch), a GTP_remat group's of its weights (G shards, or G whole TP-local
+  // wgrads, of each TP rank here).
+  auto reducedWhole = [&](double f, double n) { return f >= 1 || sequenceSplit ? n : 0; };
+  const double tpExchange =
+      P > 1 && here < T
+          ? (T + 1) * activationBytes *
+                std::max({reducedWhole(share.input, x), reducedWhole(share.output, y), share.partialOutput * y}) / G
+          : 0;
+  const double gtpExchange =
+      P > 1 && G > 1 ? (G + 1) * double(dtypeSize(c.layer->gtpWireDtype(c))) * allGtp / T * std::min(T, here) : 0;
   // input.grad is (T, s, b, K): kept, and in the reference
   const double stacked = c.disableGradReduce ? 24 * T * x : 0;
   const double gradBytes = double(dtypeSize(c.gradAccumulationFusion ? c.mainGradDtype : c.dtype));
@@ -164,13 +204,26 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   const double floatMagnitudePacking = sim::upperGemmBf16Runs() || !c.layer->packsOperands()
                                            ? 0
                                            : 4 * std::min(double(1 << 23), std::max({x, y, w}));
-  const double reference = verify == VerifyMode::kNone
-                               ? 0
-                               : kept + c.layer->referenceBytesPerActivation(c) * (x + y) +
-                                     c.layer->referenceBytesPerParameter(c) * w +
-                                     16 * std::min(double(1 << 20), std::max({x, y, w})) +
-                                     8 * c.layer->referenceIntermediates(c, shapes) + floatMagnitudePacking;
-  const double live = inputs + stacked + std::max(copies + shards + step + packing, reference);
+  const bool verifies = verify != VerifyMode::kNone && scope.whole;
+  const double reference = !verifies ? 0
+                                     : kept + c.layer->referenceBytesPerActivation(c) * (x + y) +
+                                           c.layer->referenceBytesPerParameter(c) * w +
+                                           16 * std::min(double(1 << 20), std::max({x, y, w})) +
+                                           8 * c.layer->referenceIntermediates(c, shapes) + floatMagnitudePacking;
+  // Process 0 of a job gathers the other processes' results, each process's as one message it then
+  // unpacks.
+  const double gathered = P > 1 && scope.whole ? kept * (2 - fraction) : 0;
+  // The results as the ranks keep them are part of the copies and shards terms; the ranks of a
+  // spread world whose results nothing reads keep none (runSharded, KeptResults::kNone). Under
+  // GTP_remat the peak is the wgrads' reduce-scatter, before any rank keeps a result.
+  const double unkept = scope.resultsRead || P == 1 || G > 1 ? 0 : fraction * kept;
+  const double run = copies + shards + step + packing + tpExchange + gtpExchange - unkept;
+  // A process that keeps its ranks' shards holds one whole tensor at a time while it cuts them,
+  // and the generator's two blocks of up to 2^19 points of the disc (x, y, r2) in double, a point
+  // for two elements.
+  const double cutting = largestInput + 2 * 3 * 8 * std::min(double(1 << 19), std::ceil(largestNumel / 2));
+  const double live = scope.whole ? inputs + stacked + std::max({run, gathered, reference})
+                                    : inputShards + std::max(run, cutting);
   return program + live + std::min(0.05 * live, 16.0 * (1 << 20));
 }
 
@@ -210,14 +263,22 @@ std::string bytesText(double bytes) {
 }
 
 void checkMemory(const RunConfig& c, const ShapeMap& shapes, VerifyMode verify, std::optional<std::int64_t> maxMemory,
-                 const std::string& loadDir) {
-  const double need = estimateRunBytes(c, shapes, verify);
+                 const std::string& loadDir, bool resultsRead) {
+  const int processes = jobProcesses(), local = jobLocalProcesses();
+  const double first = estimateRunBytes(c, shapes, verify, {resultsRead, processes, processes == 1 || resultsRead});
+  const double other = processes == 1 ? first : estimateRunBytes(c, shapes, verify, {resultsRead, processes, false});
+  // Every process checks the same figures: the largest process's, and the sum over this machine's,
+  // process 0's counted wherever it runs.
+  const double need = std::max(first, other), machine = first + (local - 1) * other;
   const std::optional<AvailableMemory> available = availableMemory();
   std::string limit;
   if (maxMemory && double(*maxMemory) < need) limit = "--max-memory " + bytesText(double(*maxMemory));
-  else if (available && double(available->bytes) < need)
+  else if (available && double(available->bytes) < machine)
     limit = "the " + bytesText(double(available->bytes)) + " available (" + available->source + ")";
   if (limit.empty()) return;
+  const std::string peak = processes == 1 ? bytesText(need)
+                           : detail::concat(bytesText(need), " for the largest process of ", processes, " (",
+                                            bytesText(machine), " for the ", local, " on this machine)");
   std::string from = "--tp " + std::to_string(c.tp);
   if (c.gtpRemat > 1) from += " --gtp-remat " + std::to_string(c.gtpRemat);
   if (loadDir.empty()) {
@@ -227,7 +288,7 @@ void checkMemory(const RunConfig& c, const ShapeMap& shapes, VerifyMode verify, 
   }
   const char* verifyName = verify == VerifyMode::kBound ? "bound" : verify == VerifyMode::kExact ? "exact" : "none";
   throw InvalidArgument(detail::concat(
-      "tpsim run: expected a run that fits in memory, got an estimated peak of ", bytesText(need), " for --layer ",
+      "tpsim run: expected a run that fits in memory, got an estimated peak of ", peak, " for --layer ",
       c.layer->name(), " ", from, " and --verify ", verifyName, ", more than ", limit,
       "; use smaller sizes or fewer ranks", verify == VerifyMode::kNone ? "" : ", or --verify none"));
 }

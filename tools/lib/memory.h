@@ -15,8 +15,22 @@
 
 namespace tpsim::tools {
 
-// The peak resident memory, in bytes, of runSharded plus verify(`verify`) on inputs of `shapes`.
-double estimateRunBytes(const RunConfig& config, const ShapeMap& shapes, VerifyMode verify);
+// What a run does besides its configuration that its memory depends on: whether its results are
+// read once it ends (verified, saved or returned; in a world spread over processes, otherwise no
+// rank keeps them), and, where its world is spread over an MPI job (docs/distributed.md), the job's
+// processes and whether this process holds the whole inputs and every result (process 0, when the
+// results are read) or only its ranks' shards. The default: a run in one process whose results are
+// read.
+struct RunScope {
+  bool resultsRead = true;
+  int processes = 1;
+  bool whole = true;
+};
+
+// The peak resident memory, in bytes, of runSharded plus verify(`verify`) on inputs of `shapes`, in
+// a process that runs `scope`'s share of the ranks.
+double estimateRunBytes(const RunConfig& config, const ShapeMap& shapes, VerifyMode verify,
+                        const RunScope& scope = {});
 
 // What the kernel can give this process: MemAvailable from /proc/meminfo, or what is left under
 // the cgroup's memory limit when that is lower. nullopt where neither can be read.
@@ -28,9 +42,12 @@ std::optional<AvailableMemory> availableMemory();
 
 // Throws InvalidArgument, naming the flags, the estimate and the limit, when the estimate exceeds
 // the memory available or `maxMemory` (--max-memory). `inputs` says where the shapes come from:
-// "" for generated data (the size flags), or the --load directory.
+// "" for generated data (the size flags), or the --load directory. `resultsRead` as RunScope's. In
+// a job of several processes (tools/lib/job.h) the estimate of the largest process (process 0
+// holds the whole inputs and every result when they are read) is checked against --max-memory, and
+// the sum over this machine's processes against what is available.
 void checkMemory(const RunConfig& config, const ShapeMap& shapes, VerifyMode verify,
-                 std::optional<std::int64_t> maxMemory, const std::string& loadDir);
+                 std::optional<std::int64_t> maxMemory, const std::string& loadDir, bool resultsRead = true);
 
 // 1536 -> "1.5 KiB", 3221225472 -> "3.0 GiB": a size for a message.
 std::string bytesText(double bytes);

@@ -5,6 +5,9 @@
 #include <cstdio>
 #include <functional>
 #include <mutex>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include "backends/errors.h"
 #include "core/grad_stats.h"
@@ -116,14 +119,25 @@ HostTensor assembled(const ShardedResult& result) {
   return out;
 }
 
-RunResult runSharded(const RunConfig& config, const InputMap& in, const CheckpointHooks& hooks, Progress* progress,
-                     bool assemble) {
-  config.validate();
-  checkInputs(config, in);
+namespace {
+
+// Rank (t, g)'s shard of input `name`, cut by `placement`; `rank` is t + T·g.
+using ShardSource =
+    std::function<StoredTensor(const TensorPlacement& placement, const std::string& name, int rank, int t, int g)>;
+
+// The placement each input is cut by: a parameter's own, the kind's for the others.
+std::map<std::string, std::string> inputPlacementNames(const RunConfig& c) {
+  std::map<std::string, std::string> out;
+  for (const TensorSpec& spec : c.layer->tensors(c))
+    out[spec.name] = spec.role == TensorRole::kParameter ? spec.name : c.layer->placementOf(spec.name);
+  return out;
+}
+
+RunResult runShardedFrom(const RunConfig& config, const ShapeMap& shapes, const ShardSource& shardOfInput,
+                         const CheckpointHooks& hooks, Progress* progress, KeptResults kept) {
   if (hooks.load || hooks.save) checkCheckpointable(config);
-  ShapeMap shapes;
-  for (const auto& [name, t] : in) shapes[name] = t.shape;
   const RunConfig c = withSizesOf(config, shapes);
+  const std::map<std::string, std::string> inputPlacements = inputPlacementNames(c);
   const LayerKind& kind = *c.layer;
   const LayerGrid grid(c.tp, c.gtpRemat);
   PerRank per;
@@ -158,11 +172,11 @@ RunResult runSharded(const RunConfig& config, const InputMap& in, const Checkpoi
         for (const TensorPlacement& p : placements)
           if (p.role == TensorRole::kParameter) hooks.save->describe(p);
     }
-    auto shardOfInput = [&](const std::string& placement, const std::string& input) {
-      return shardOf(placementNamed(placements, placement), in.at(input), t, g);
+    auto shard = [&](const std::string& input) {
+      return shardOfInput(placementNamed(placements, inputPlacements.at(input)), input, r, t, g);
     };
     const std::vector<std::pair<std::string, Parameter*>> params = layer.modules->parameters();
-    for (const auto& [name, param] : params) setShard(compute, *param, shardOfInput(name, name), c);
+    for (const auto& [name, param] : params) setShard(compute, *param, shard(name), c);
     // Once the parameters are set: this rank's chunks read from, or added to, the checkpoint.
     if (hooks.load || hooks.save) {
       const ShardedStateDict sd = layer.modules->stateDict(layer.pg);
@@ -184,7 +198,7 @@ RunResult runSharded(const RunConfig& config, const InputMap& in, const Checkpoi
     RankInputs inputs;
     for (const TensorSpec& spec : kind.tensors(c))
       if (spec.role != TensorRole::kParameter)
-        inputs[spec.name] = toBackend(compute, shardOfInput(kind.placementOf(spec.name), spec.name));
+        inputs[spec.name] = toBackend(compute, shard(spec.name));
     RankStep step = layer.modules->step(compute, inputs, [progress] {
       if (progress) progress->passed("forward");
     });
@@ -193,24 +207,32 @@ RunResult runSharded(const RunConfig& config, const InputMap& in, const Checkpoi
     std::vector<Parameter*> finalized;
     for (const auto& entry : params) finalized.push_back(entry.second);
     finalizeSequenceParallelGrads(finalized, layer.pg.tp(), layer.mp.sequenceParallel);
-    per.put(r, "output", storedFromBackend(compute, step.output));
-    if (step.inputGrad.defined()) per.put(r, "input.grad", storedFromBackend(compute, step.inputGrad));
-    for (const auto& [name, param] : params) per.put(r, name + ".grad", gradOf(compute, *param));
+    if (kept != KeptResults::kNone) {
+      per.put(r, "output", storedFromBackend(compute, step.output));
+      if (step.inputGrad.defined()) per.put(r, "input.grad", storedFromBackend(compute, step.inputGrad));
+      for (const auto& [name, param] : params) per.put(r, name + ".grad", gradOf(compute, *param));
+    }
     if (progress) progress->passed("backward");
   };
   if (progress) progress->counted({"forward", "backward"}, grid.size());
   runWorld(*world, rankMain);
+#if defined(__GLIBC__)
+  // The ranks' freed memory goes back to the system before the other processes' results come in,
+  // which would otherwise take their place beside it in the one heap (tools/cli/main.cc keeps it).
+  if (jobProcesses() > 1 && kept != KeptResults::kNone) malloc_trim(0);
+#endif
   // Spread over an MPI job, process 0 assembles every rank's results; the other processes are done.
   std::vector<std::vector<TraceEvent>> trace = world->trace();
   gatherRanks(per.results, trace, records, hooks.save, c.timeout);
   if (jobProcess() != 0) return {};
-  if (progress) progress->phase("assemble");
-
-  // Each result with the placement that puts its ranks' tensors together.
   RunResult r;
   r.trace = std::move(trace);
   r.records = std::move(records);
   r.placements = std::move(per.placements);
+  if (kept == KeptResults::kNone) return r;
+  if (progress) progress->phase("assemble");
+
+  // Each result with the placement that puts its ranks' tensors together.
   auto placement = [&](const std::string& name) { return placementNamed(r.placements, name); };
   auto put = [&](const std::string& name, const TensorPlacement& p, double divisor = 1) {
     ShardedResult& result = r.sharded[name];
@@ -245,7 +267,7 @@ RunResult runSharded(const RunConfig& config, const InputMap& in, const Checkpoi
     put(p.name + ".grad", grad, dataParallel && c.gtpReduceMean ? double(grid.gtpRemat()) : 1.0);
   }
   per.results.clear();
-  if (assemble)
+  if (kept == KeptResults::kAssembled)
     for (const auto& [name, result] : r.sharded) {
       HostTensor whole{result.placement.shape, result.ranks.front().dtype, {}};
       std::vector<double> farthest;
@@ -260,6 +282,50 @@ RunResult runSharded(const RunConfig& config, const InputMap& in, const Checkpoi
   std::sort(expected.begin(), expected.end());
   TPSIM_INTERNAL_ASSERT(names == expected, "runSharded: results other than resultNames() lists");
   return r;
+}
+
+}  // namespace
+
+RunResult runSharded(const RunConfig& config, const InputMap& in, const CheckpointHooks& hooks, Progress* progress,
+                     KeptResults kept) {
+  config.validate();
+  checkInputs(config, in);
+  ShapeMap shapes;
+  for (const auto& [name, t] : in) shapes[name] = t.shape;
+  return runShardedFrom(
+      config, shapes,
+      [&in](const TensorPlacement& placement, const std::string& name, int, int t, int g) {
+        return shardOf(placement, in.at(name), t, g);
+      },
+      hooks, progress, kept);
+}
+
+void addShards(const RunConfig& c, const std::vector<TensorPlacement>& placements, const std::string& name,
+               const StoredTensor& whole, InputShards& shards) {
+  const LayerGrid grid(c.tp, c.gtpRemat);
+  shards.shapes[name] = whole.shape;
+  shards.ranks.resize(std::size_t(grid.size()));
+  const TensorPlacement& placement = placementNamed(placements, inputPlacementNames(c).at(name));
+  for (int g = 0; g < grid.gtpRemat(); ++g)
+    for (int t = 0; t < grid.tp(); ++t)
+      if (const int rank = grid.rank(t, g); jobRuns(rank, grid.size()))
+        shards.ranks[std::size_t(rank)][name] = shardOf(placement, whole, t, g);
+}
+
+RunResult runSharded(const RunConfig& config, InputShards in, const CheckpointHooks& hooks, Progress* progress,
+                     KeptResults kept) {
+  config.validate();
+  // Each shard is read once, by its rank, which moves it out and frees it once its backend holds it.
+  return runShardedFrom(
+      config, in.shapes,
+      [&in](const TensorPlacement&, const std::string& name, int rank, int, int) {
+        InputMap& mine = in.ranks.at(std::size_t(rank));
+        auto it = mine.find(name);
+        TPSIM_INTERNAL_ASSERT(it != mine.end(), "no shard of ", name, " for rank ", rank);
+        StoredTensor shard = std::move(it->second);
+        return shard;
+      },
+      hooks, progress, kept);
 }
 
 std::vector<std::string> resultNames(const RunConfig& c) {

@@ -62,12 +62,33 @@ struct CheckpointHooks {
   CheckpointWriter* save = nullptr;
 };
 
+// What runSharded keeps of the results: put together (RunResult::results and otherCopies) besides
+// as the ranks hold them (RunResult::sharded); only the latter, what verify and saving read in
+// place; or none, where nothing reads them (the trace and records are kept): a world spread over
+// processes then moves none of them to process 0.
+enum class KeptResults { kAssembled, kSharded, kNone };
+
 // Checks the configuration and the inputs (checkInputs), and checkCheckpointable with a hook, then
 // runs forward and backward on every rank. With `progress`, its phases are forward and backward
-// (counting the ranks past each), then assemble. Without `assemble` the results are left sharded
-// (RunResult::results and otherCopies empty): what verify and saving read in place.
+// (counting the ranks past each), then assemble.
 RunResult runSharded(const RunConfig& config, const InputMap& inputs, const CheckpointHooks& hooks = {},
-                     Progress* progress = nullptr, bool assemble = true);
+                     Progress* progress = nullptr, KeptResults kept = KeptResults::kAssembled);
+
+// A process's part of a run's inputs where nothing it does needs them whole (in a world spread over
+// processes, all but the one that verifies or saves): the shards its own ranks read, cut from each
+// tensor as it comes (addShards), and the whole tensors' shapes.
+struct InputShards {
+  ShapeMap shapes;
+  std::vector<InputMap> ranks;  // by global rank: input name -> its shard; empty for other processes' ranks
+};
+// Adds to `shards` the shards of input `name` that this process's ranks read (every rank's in one
+// process), cut from `whole` by `placements` (placementsOf config, with its sizes).
+void addShards(const RunConfig& config, const std::vector<TensorPlacement>& placements, const std::string& name,
+               const StoredTensor& whole, InputShards& shards);
+// runSharded on inputs already cut, checked by the caller (checkInputHeaders and checkInputValues
+// on each whole tensor). Each rank moves its shards out as it reads them.
+RunResult runSharded(const RunConfig& config, InputShards inputs, const CheckpointHooks& hooks = {},
+                     Progress* progress = nullptr, KeptResults kept = KeptResults::kAssembled);
 
 // The names of runSharded's results for config: output, input.grad (unless the input is token ids)
 // and <parameter>.grad for each parameter; what `tpsim run --save` writes, known before the run.
