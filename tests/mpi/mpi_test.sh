@@ -19,7 +19,8 @@
 #                                                   in one process and, unverified, in 2: the same checkpoint
 #   mpi_test.sh MPIEXEC TPSIM memory P              tpsim run --verify none over P processes: every process's peak
 #                                                   within its estimate (at most 2x above it), and at most half
-#                                                   of one process's peak
+#                                                   of one process's peak; a run the machine's P processes do
+#                                                   not fit together, refused by each (exit 2)
 #   mpi_test.sh MPIEXEC TPSIM bench P               tpsim bench --what mpi over P processes: process 0's table,
 #                                                   every section and size, positive finite figures, no wrong
 #                                                   element; in one process, exit 2 naming the flag
@@ -259,6 +260,33 @@ case "$mode" in
     [ "$est" -le $((2 * most)) ] || fail "estimate $est KiB, more than twice the largest peak ($most KiB)"
     # Each process about 1/P of one process's peak: the program, one whole weight and the shards.
     [ $((4 * most)) -le $((2 * one)) ] || fail "a process peaked at $most KiB, more than half of one process's $one KiB"
+    # The machine holds its P processes at once: a run each process alone would fit (about a third
+    # of what is available: the estimate grows a little slower than the weight) is refused by all
+    # of them, the P together being more. Each process may take at most a fifth of it, so that a
+    # refusal missed fails here rather than exhausting the machine.
+    avail=$(awk '/^MemAvailable:/ { print $2 }' /proc/meminfo)
+    # Or what the cgroup leaves, where that is less (as tpsim reads it: tools/lib/memory.cc).
+    for limit_usage in memory.max:memory.current memory/memory.limit_in_bytes:memory/memory.usage_in_bytes; do
+      limit=$(cat "/sys/fs/cgroup/${limit_usage%%:*}" 2>/dev/null || true)
+      usage=$(cat "/sys/fs/cgroup/${limit_usage##*:}" 2>/dev/null || echo 0)
+      [[ "$limit" =~ ^[0-9]+$ ]] && [ "${#limit}" -lt 19 ] || continue
+      [ $(((limit - usage) / 1024)) -ge "$avail" ] || avail=$(((limit - usage) / 1024))
+      break
+    done
+    wide=$(( (8192 * avail / 2 / est) / 64 * 64 ))
+    args="run --layer column --batch 2 --seq 16 --in-features 4096 --out-features $wide --tp 4 --verify none"
+    set +e
+    (ulimit -v $((avail / 5)); timeout -k 5 100 "$mpiexec" -n "$p" "$tpsim" $args >/dev/null 2>"$tmp/err")
+    rc=$?
+    set -e
+    [ "$rc" -eq 2 ] || { cat "$tmp/err"; fail "tpsim $args over $p processes: exit $rc, expected 2"; }
+    n=$(grep -c "^tpsim run: expected a run that fits in memory, got an estimated peak of .* for the largest process of $p (.* for the $p on this machine) .* more than the .* available" "$tmp/err" || true)
+    [ "$n" -eq "$p" ] || { cat "$tmp/err"; fail "$n processes refused the run for the machine's memory, expected $p"; }
+    read -r mine machine available < <(grep -m1 "^tpsim run: expected a run" "$tmp/err" |
+      sed 's/.*estimated peak of \([0-9.]*\) GiB .* (\([0-9.]*\) GiB for the .* than the \([0-9.]*\) GiB available.*/\1 \2 \3/')
+    echo "one process $mine GiB, the $p on this machine $machine GiB, available $available GiB"
+    awk -v a="$mine" -v b="$available" -v c="$machine" 'BEGIN { exit !(a < b && b < c) }' ||
+      fail "expected one process's estimate ($mine GiB) under the $available GiB available, and the $p's ($machine GiB) over it"
     ;;
   bench)
     tpsim=$driver
