@@ -3,11 +3,15 @@
 // kind's order, a fresh distribution each, so a seed makes the data it always made.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
+#include <functional>
+#include <string>
 #include <random>
 #include <vector>
 
 #include "backends/dtype.h"
+#include "backends/errors.h"
 #include "sim/host_pool.h"
 #include "tools/lib/host_tensor.h"
 #include "tools/lib/layer_kind.h"
@@ -35,7 +39,11 @@ TEST(Generate, DrawNormalsIsTheStandardDistributionBitForBit) {
       std::mt19937_64 ours(99 + std::uint64_t(n)), theirs(99 + std::uint64_t(n));
       std::vector<char> got(std::size_t(n) * dtypeSize(dtype));
       // With helpers and without (every task in order on this thread).
-      drawNormals(ours, sigma, dtype, n, got.data(), dtype == DType::kBFloat16 ? nullptr : &pool);
+      drawNormals(ours, sigma, dtype, n, dtype == DType::kBFloat16 ? nullptr : &pool,
+                  [&](std::int64_t offset, std::int64_t count, const char* bytes) {
+                    std::memcpy(got.data() + std::size_t(offset) * dtypeSize(dtype), bytes,
+                                std::size_t(count) * dtypeSize(dtype));
+                  });
       const std::vector<char> want = standardDraws(theirs, sigma, dtype, n);
       ASSERT_EQ(got.size(), want.size());
       for (std::int64_t i = 0; i < n; ++i)
@@ -44,6 +52,80 @@ TEST(Generate, DrawNormalsIsTheStandardDistributionBitForBit) {
             << "n " << n << " " << dtypeName(dtype) << ": element " << i << " differs";
       EXPECT_TRUE(ours == theirs) << "n " << n << ": the engine is left in another state";
     }
+}
+
+TEST(Generate, DrawNormalsHandsOverOrderedPiecesOfAtMostAPiece) {
+  const std::int64_t n = 2 * kInputPieceElements + 3;
+  std::mt19937_64 ours(5), theirs(5);
+  std::vector<char> got;
+  std::int64_t next = 0;
+  drawNormals(ours, 1.0, DType::kFloat32, n, nullptr, [&](std::int64_t offset, std::int64_t count, const char* bytes) {
+    EXPECT_EQ(offset, next);
+    EXPECT_GE(count, 1);
+    EXPECT_LE(count, kInputPieceElements);
+    got.insert(got.end(), bytes, bytes + count * 4);
+    next = offset + count;
+  });
+  EXPECT_EQ(next, n);
+  EXPECT_EQ(got, standardDraws(theirs, 1.0, DType::kFloat32, n));
+}
+
+// The message of the InvalidArgument `f` throws ("no error" when it throws none).
+std::string errorOf(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+// Keeps the pieces it takes, for CheckedInputs to hand them to.
+class Collected : public InputSink {
+ public:
+  void begin(const std::string& name, const TensorHeader&) override { names.push_back(name); }
+  void piece(std::int64_t, std::int64_t count, const char*) override { elements += count; }
+  void end() override { ++ended; }
+  std::vector<std::string> names;
+  std::int64_t elements = 0;
+  int ended = 0;
+};
+
+// The checks of checkInputValues a piece at a time: positions are the tensor's, counts span its
+// pieces, and a tensor whose header is not the one that sized the run is refused.
+TEST(Generate, CheckedInputsCheckEachPieceWhereItLies) {
+  RunConfig c;
+  c.layer = layerKind("embedding");
+  c.tp = 2;
+  const InputMap in = generateInputs(c);
+  auto send = [&](const std::string& name, StoredTensor t, std::int64_t pieceElements) {
+    Collected next;
+    CheckedInputs checked(c, {}, next);
+    const std::size_t size = dtypeSize(t.dtype);
+    checked.begin(name, {t.shape, t.dtype});
+    for (std::int64_t first = 0; first < t.numel(); first += pieceElements)
+      checked.piece(first, std::min(pieceElements, t.numel() - first), t.bytes.data() + std::size_t(first) * size);
+    checked.end();
+    EXPECT_EQ(next.elements, t.numel());
+    EXPECT_EQ(next.ended, 1);
+  };
+  EXPECT_EQ(errorOf([&] { send("weight", in.at("weight"), 5); }), "no error");
+  StoredTensor weight = in.at("weight");
+  const float nan = std::nanf(""), inf = INFINITY;
+  std::memcpy(weight.bytes.data() + 7 * 4, &nan, 4);
+  std::memcpy(weight.bytes.data() + 12 * 4, &inf, 4);
+  EXPECT_EQ(errorOf([&] { send("weight", weight, 5); }),
+            "tpsim run: weight.npy: expected finite values, got 2 NaN or Inf, the first at flat index 7");
+  StoredTensor ids = in.at("input");
+  storeFromDouble(DType::kInt64, double(c.vocab), ids.bytes.data() + 9 * 8);
+  EXPECT_EQ(errorOf([&] { send("input", ids, 4); }),
+            "tpsim run: input.npy holds id 32 at flat position 9, outside [0, V=32)");
+  StoredTensor wider = in.at("weight");
+  wider.shape[1] *= 2;
+  wider.bytes.resize(wider.bytes.size() * 2);
+  EXPECT_EQ(errorOf([&] { send("weight", wider, 64); }),
+            "tpsim run: weight.npy: expected fp32 (32, 16) as its header said, got fp32 (32, 32) (it changed while "
+            "the run read it)");
 }
 
 TEST(Generate, InputsAreOneStreamInTheKindsOrder) {

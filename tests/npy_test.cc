@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -106,6 +107,35 @@ INSTANTIATE_TEST_SUITE_P(AllDTypesAndShapes, NpyRoundTripTest,
                            for (std::int64_t d : shape) name += "_" + std::to_string(d);
                            return name;
                          });
+
+// NpyReader reads what readNpy reads, in parts of any size; a file cut short after its header was
+// checked is named when the read reaches the end.
+TEST(NpyReaderTest, ReadsInPartsWhatReadNpyReads) {
+  ScratchDir dir;
+  const std::string path = dir.file("a.npy");
+  std::vector<char> data(7 * 5 * 8);
+  for (std::size_t i = 0; i < data.size(); ++i) data[i] = char(i * 37 + 1);
+  writeNpy(path, DType::kFloat64, {7, 5}, data.data());
+  NpyReader reader(path);
+  EXPECT_EQ(reader.dtype(), DType::kFloat64);
+  EXPECT_EQ(reader.shape(), (std::vector<std::int64_t>{7, 5}));
+  ASSERT_EQ(reader.numel(), 35);
+  std::vector<char> got(data.size());
+  for (std::int64_t first = 0, count = 1; first < 35; count += 2) {
+    const std::int64_t n = std::min<std::int64_t>(count, 35 - first);
+    reader.read(n, got.data() + first * 8);
+    first += n;
+  }
+  EXPECT_EQ(got, data);
+  EXPECT_EQ(readNpy(path).data, data);
+
+  NpyReader cut(path);
+  fs::resize_file(path, fs::file_size(path) - 8);
+  std::vector<char> part(34 * 8);
+  cut.read(34, part.data());
+  EXPECT_EQ(errorOf([&] { cut.read(1, part.data()); }),
+            "readNpy '" + path + "': expected to read 8 bytes of data, got 0 (the file shrank while being read)");
+}
 
 // numpy.save(np.zeros((2, 3), np.float32)): 10-byte preamble, then a 118-byte (0x76) header of
 // dict, spaces and '\n' so the data starts at 128. numpy's growth padding (20 spaces after the

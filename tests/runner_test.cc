@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 
 namespace tpsim::tools {
 namespace {
@@ -291,6 +292,56 @@ TEST(Runner, BadConfigurationsAndInputsAreNamed) {
   in = hostOf(generateInputs(c));
   in["input"].values[3] = 999;
   EXPECT_THAT(message([&] { runSharded(c, storedOf(in)); }), HasSubstr("input.npy holds id 999 at flat position 3"));
+}
+
+// Pieces of at most `most` elements, of lengths that cut rows, runs and blocks anywhere.
+void sendInPieces(const InputMap& inputs, const RunConfig& c, std::int64_t most, InputSink& sink) {
+  std::int64_t length = 1;
+  for (const TensorSpec& spec : c.layer->tensors(c)) {
+    const StoredTensor& t = inputs.at(spec.name);
+    const std::size_t size = dtypeSize(t.dtype);
+    sink.begin(spec.name, {t.shape, t.dtype});
+    for (std::int64_t first = 0; first < t.numel(); first += length, length = 1 + (length * 7 + 3) % most) {
+      const std::int64_t count = std::min(length, t.numel() - first);
+      sink.piece(first, count, t.bytes.data() + std::size_t(first) * size);
+    }
+    sink.end();
+  }
+}
+
+// Every rank's shards cut from pieces run the world as the whole inputs do, bit for bit: strided
+// and sequence-parallel cuts, GTP_remat's padded rows, the embedding's and the experts' tensors.
+TEST(Runner, ShardsCutFromPiecesRunAsTheWholeInputs) {
+  std::vector<RunConfig> configs(7);
+  configs[0].layer = layerKind("column"), configs[0].tp = 4, configs[0].stride = 2, configs[0].bias = true;
+  configs[0].outFeatures = 24;
+  configs[1].layer = layerKind("row"), configs[1].tp = 2, configs[1].sequenceParallel = true;
+  configs[1].inputIsParallel = true;
+  configs[2].layer = layerKind("mlp"), configs[2].tp = 2, configs[2].gtpRemat = 2, configs[2].batch = 4;
+  configs[2].padForAlignment = 8, configs[2].dtype = DType::kBFloat16;
+  configs[3].layer = layerKind("embedding"), configs[3].tp = 4, configs[3].reduceScatterEmbeddings = true;
+  configs[4].layer = layerKind("grouped-column"), configs[4].tp = 2, configs[4].experts = 3;
+  configs[5].layer = layerKind("grouped-row"), configs[5].tp = 2, configs[5].gtpRemat = 2, configs[5].bias = true;
+  configs[6].layer = layerKind("column"), configs[6].tp = 2, configs[6].gtpRemat = 3, configs[6].batch = 3;
+  configs[6].outFeatures = 20;
+  for (RunConfig& c : configs) {
+    applyLayerConventions(c);
+    const InputMap inputs = generateInputs(c);
+    const RunResult want = runSharded(c, inputs);
+    for (std::int64_t most : {std::int64_t(1), std::int64_t(5), std::int64_t(64), std::int64_t(1) << 20}) {
+      ShardedInputs shards(c, placementsOf(c));
+      sendInPieces(inputs, c, most, shards);
+      const RunResult got = runSharded(c, shards.release());
+      ASSERT_EQ(got.results.size(), want.results.size());
+      for (const auto& [name, t] : want.results) {
+        const HostTensor& g = got.results.at(name);
+        EXPECT_EQ(g.shape, t.shape) << c.str() << " " << name;
+        EXPECT_TRUE(std::equal(t.values.begin(), t.values.end(), g.values.begin(), g.values.end(),
+                               [](double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }))
+            << c.str() << ": " << name << " differs with pieces of at most " << most;
+      }
+    }
+  }
 }
 
 TEST(Runner, CommandLineNamesEveryNonDefaultFlag) {

@@ -1,9 +1,11 @@
 // libFuzzer target: tools/lib/npy.cc on arbitrary file contents. Each input must read as an array
-// whose data matches its shape, or fail with InvalidArgument; an array read back after writeNpy
-// must be the same array. Anything else (a crash, a sanitizer report, another exception) is a bug.
+// whose data matches its shape, or fail with InvalidArgument; NpyReader, reading it in parts, must
+// read the same; an array read back after writeNpy must be the same array. Anything else (a crash,
+// a sanitizer report, another exception) is a bug.
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -35,6 +37,17 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   for (std::int64_t d : a.shape) bytes *= std::size_t(d);
   const NpyArray header = readNpyHeader(in.path);
   if (bytes != a.data.size() || header.shape != a.shape || header.dtype != a.dtype) std::abort();
+  NpyReader reader(in.path);
+  std::string parts(a.data.size(), '\0');
+  const std::size_t itemSize = tpsim::dtypeSize(a.dtype);
+  for (std::int64_t first = 0, count = 1; first < reader.numel(); count = count * 2 + 1) {
+    const std::int64_t n = std::min(count, reader.numel() - first);
+    reader.read(n, parts.data() + std::size_t(first) * itemSize);
+    first += n;
+  }
+  if (reader.numel() * std::int64_t(itemSize) != std::int64_t(a.data.size()) ||
+      parts.compare(0, std::string::npos, a.data.data(), a.data.size()) != 0)
+    std::abort();
   writeNpy(out.path, a.dtype, a.shape, a.data.data());
   const NpyArray back = readNpy(out.path);
   if (back.dtype != a.dtype || back.shape != a.shape || back.data != a.data) std::abort();

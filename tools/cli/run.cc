@@ -76,12 +76,23 @@ ShapeMap loadShapes(const RunConfig& c, const std::string& dir, bool withParams)
   return m;
 }
 
-// Each file in turn, handed to `take` as it is read.
-void load(const RunConfig& c, const std::string& dir, bool withParams,
-          const std::function<void(const std::string&, StoredTensor)>& take) {
+// Each file in turn, handed to `sink` a piece at a time as it is read, converted to the run's dtype.
+void load(const RunConfig& c, const std::string& dir, bool withParams, InputSink& sink) {
   for (const InputFile& f : inputFiles(c, dir, withParams)) {
-    const NpyArray a = readNpy(f.path);
-    take(f.name, storedOf(hostTensorOf(a.dtype, a.shape, a.data.data(), f.ids ? DType::kInt64 : c.dtype, f.path)));
+    NpyReader reader(f.path);
+    const DType want = f.ids ? DType::kInt64 : c.dtype;
+    checkIdsOrValues(reader.dtype(), want, f.path);
+    const std::int64_t n = reader.numel();
+    std::vector<char> raw(std::size_t(std::min(n, kInputPieceElements)) * dtypeSize(reader.dtype()));
+    std::vector<char> converted(std::size_t(std::min(n, kInputPieceElements)) * dtypeSize(want));
+    sink.begin(f.name, {reader.shape(), want});
+    for (std::int64_t first = 0; first < n; first += kInputPieceElements) {
+      const std::int64_t count = std::min(kInputPieceElements, n - first);
+      reader.read(count, raw.data());
+      convertNpyElements(reader.dtype(), raw.data(), count, want, converted.data());
+      sink.piece(first, count, converted.data());
+    }
+    sink.end();
   }
 }
 
@@ -402,20 +413,15 @@ int runMain(const std::vector<std::string>& args) {
     headers[t.name] = {shapes.at(t.name), t.idRange.empty() ? c.dtype : DType::kInt64};
   const RunConfig sized = checkInputHeaders(c, headers, sources);
   InputMap inputs;
-  InputShards shards;
-  const std::vector<TensorPlacement> placements = whole ? std::vector<TensorPlacement>{} : placementsOf(sized);
-  const auto take = [&](const std::string& name, StoredTensor t) {
-    checkInputValues(sized, name, t, sources);
-    if (whole) inputs[name] = std::move(t);
-    else addShards(sized, placements, name, t, shards);
-  };
-  if (loadDir.empty()) generateInputs(c, take);
-  else load(c, loadDir, !reader, take);
-  for (auto& [name, t] : params) take(name, std::move(t));
-  params.clear();
+  WholeInputs wholeInputs([&inputs](const std::string& name, StoredTensor t) { inputs[name] = std::move(t); });
+  ShardedInputs shardedInputs(sized, whole ? std::vector<TensorPlacement>{} : placementsOf(sized));
+  CheckedInputs checked(sized, sources, whole ? static_cast<InputSink&>(wholeInputs) : shardedInputs);
+  if (loadDir.empty()) generateInputs(c, checked);
+  else load(c, loadDir, !reader, checked);
+  for (auto it = params.begin(); it != params.end(); it = params.erase(it)) sendWhole(it->first, it->second, checked);
 #if defined(__GLIBC__)
-  // The whole tensors' memory, free now below the shards, goes back to the system (keepFreedMemory
-  // would keep it resident beside the run's).
+  // The pieces' and the generator's buffers, free now below the shards, go back to the system
+  // (keepFreedMemory would keep them resident beside the run's).
   if (!whole) malloc_trim(0);
 #endif
   // Once the sizes are checked, the layer's `_extra_state` entries, before the world runs: a
@@ -433,7 +439,7 @@ int runMain(const std::vector<std::string>& args) {
   // One process keeps them all the same: its estimate's terms were measured with them kept.
   const KeptResults kept = resultsRead || jobProcesses() == 1 ? KeptResults::kSharded : KeptResults::kNone;
   const RunResult result = whole ? runSharded(c, inputs, hooks, &progress, kept)
-                                 : runSharded(c, std::move(shards), hooks, &progress, kept);
+                                 : runSharded(c, shardedInputs.release(), hooks, &progress, kept);
   if (jobProcess() != 0) return 0;  // process 0 verifies, writes and reports (docs/distributed.md)
   std::size_t collectives = 0, splits = 0;
   for (const auto& events : result.trace)

@@ -144,6 +144,27 @@ void forEachShardRun(const TensorPlacement& p, const std::vector<std::int64_t>& 
 
 }  // namespace
 
+std::vector<ShardRun> shardRuns(const TensorPlacement& p, int t, int g) {
+  std::vector<ShardRun> runs;
+  auto add = [&runs](const ShardRun& r) {
+    ShardRun* last = runs.empty() ? nullptr : &runs.back();
+    if (last != nullptr && last->from + last->n == r.from && last->to + last->n == r.to) last->n += r.n;
+    else if (r.n > 0) runs.push_back(r);
+  };
+  forEachShardRun(p, p.shape, localShape(p, t, g), t, g,
+                  [&](std::int64_t from, std::int64_t to, std::int64_t n) { add({from, to, n}); });
+  // A rank's blocks come in its own order, which a strided or padded placement takes out of the
+  // global one.
+  const auto byFrom = [](const ShardRun& a, const ShardRun& b) { return a.from < b.from; };
+  if (!std::is_sorted(runs.begin(), runs.end(), byFrom)) {
+    std::vector<ShardRun> unsorted;
+    unsorted.swap(runs);
+    std::sort(unsorted.begin(), unsorted.end(), byFrom);
+    for (const ShardRun& r : unsorted) add(r);
+  }
+  return runs;
+}
+
 HostTensor shardOf(const TensorPlacement& p, const HostTensor& full, int t, int g) {
   HostTensor out{localShape(p, t, g), full.dtype, {}};
   out.values.assign(std::size_t(out.numel()), 0.0);

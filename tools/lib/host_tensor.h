@@ -86,6 +86,14 @@ HostTensor sum(const std::vector<HostTensor>& parts);
 // in local order, GTP_remat pad rows zero.
 HostTensor shardOf(const TensorPlacement& placement, const HostTensor& full, int t, int g);
 StoredTensor shardOf(const TensorPlacement& placement, const StoredTensor& full, int t, int g);
+// n consecutive elements of a rank's tensor: the global tensor's from flat offset `from`, at the
+// rank's tensor's flat offset `to`.
+struct ShardRun {
+  std::int64_t from = 0, to = 0, n = 0;
+};
+// What shardOf copies for rank (t, g), as runs in the order of `from`, runs that continue each
+// other in both tensors merged; pad rows are in none.
+std::vector<ShardRun> shardRuns(const TensorPlacement& placement, int t, int g);
 // shardOf's inverse: the global tensor from the ranks' tensors local(t, g). A shard axis takes each
 // element from its one holder, a replicate axis from its rank 0, and a partial axis adds its ranks'
 // copies in rank order (the first assigned, so -0 stays -0); pad rows are dropped.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <random>
 #include <thread>
@@ -142,7 +143,8 @@ ShapeMap tensorShapes(const RunConfig& c) {
   return m;
 }
 
-void drawNormals(std::mt19937_64& rng, double sigma, DType dtype, std::int64_t n, char* out, sim::HostPool* pool) {
+void drawNormals(std::mt19937_64& rng, double sigma, DType dtype, std::int64_t n, sim::HostPool* pool,
+                 const std::function<void(std::int64_t, std::int64_t, const char*)>& piece) {
   // A block of pairs is drawn while the previous block's normals are computed and stored; a block
   // of 2^19 pairs (2^20 elements) is tens of milliseconds, a progress point.
   constexpr std::int64_t kBlockPairs = std::int64_t(1) << 19, kParts = 8;
@@ -168,14 +170,16 @@ void drawNormals(std::mt19937_64& rng, double sigma, DType dtype, std::int64_t n
       disc[std::size_t(3 * i)] = x, disc[std::size_t(3 * i + 1)] = y, disc[std::size_t(3 * i + 2)] = r2;
     }
   };
-  auto store = [&](std::int64_t at, double normal) {
-    storeFromDouble(dtype, roundedTo(dtype, normal * sigma + 0.0), out + std::size_t(at) * size);
+  static_assert(2 * kBlockPairs == kInputPieceElements, "a block of pairs makes one piece");
+  std::vector<char> out(std::size_t(std::min(n, kInputPieceElements)) * size);
+  auto store = [&](std::int64_t at, double normal) {  // at: within the block's piece
+    storeFromDouble(dtype, roundedTo(dtype, normal * sigma + 0.0), out.data() + std::size_t(at) * size);
   };
   std::vector<double> current, next;
   if (blocks > 0) drawBlock(0, current);
   for (std::int64_t b = 0; b < blocks; ++b) {
     throwIfStopped(stop, "tpsim run");
-    const std::int64_t count = std::int64_t(current.size() / 3);
+    const std::int64_t count = std::int64_t(current.size() / 3), first = 2 * b * kBlockPairs;
     // Task 0 draws the next block; the others turn parts of this one into normals.
     sim::runTasks(pool, 1 + kParts, [&](std::int64_t task) {
       if (task == 0) {
@@ -188,22 +192,42 @@ void drawNormals(std::mt19937_64& rng, double sigma, DType dtype, std::int64_t n
                      r2 = current[std::size_t(3 * i + 2)];
         const double mult = std::sqrt(-2 * std::log(r2) / r2);
         // The pair's second normal is what the distribution keeps for its next call.
-        const std::int64_t at = 2 * (b * kBlockPairs + i);
-        store(at, y * mult);
-        if (at + 1 < n) store(at + 1, x * mult);
+        store(2 * i, y * mult);
+        if (first + 2 * i + 1 < n) store(2 * i + 1, x * mult);
       }
     });
+    piece(first, std::min(kInputPieceElements, n - first), out.data());
     current.swap(next);
   }
 }
 
+void WholeInputs::begin(const std::string& name, const TensorHeader& header) {
+  name_ = name;
+  tensor_ = StoredTensor{header.shape, header.dtype, {}};
+  resizeFresh(tensor_.bytes, std::size_t(tensor_.numel()) * dtypeSize(header.dtype));
+}
+
+void WholeInputs::piece(std::int64_t offset, std::int64_t count, const char* bytes) {
+  const std::size_t size = dtypeSize(tensor_.dtype);
+  std::memcpy(tensor_.bytes.data() + std::size_t(offset) * size, bytes, std::size_t(count) * size);
+}
+
+void WholeInputs::end() { take_(name_, std::move(tensor_)); }
+
+void sendWhole(const std::string& name, const StoredTensor& tensor, InputSink& sink) {
+  sink.begin(name, {tensor.shape, tensor.dtype});
+  sink.piece(0, tensor.numel(), tensor.bytes.data());
+  sink.end();
+}
+
 InputMap generateInputs(const RunConfig& c) {
   InputMap m;
-  generateInputs(c, [&m](const std::string& name, StoredTensor t) { m[name] = std::move(t); });
+  WholeInputs sink([&m](const std::string& name, StoredTensor t) { m[name] = std::move(t); });
+  generateInputs(c, sink);
   return m;
 }
 
-void generateInputs(const RunConfig& c, const std::function<void(const std::string&, StoredTensor)>& take) {
+void generateInputs(const RunConfig& c, InputSink& sink) {
   const ShapeMap shapes = tensorShapes(c);
   std::mt19937_64 rng(c.seed);
   const StopFlag* stop = currentStopFlag();
@@ -217,24 +241,29 @@ void generateInputs(const RunConfig& c, const std::function<void(const std::stri
   if (large) pool.emplace(std::max(0, int(std::thread::hardware_concurrency()) - 1));
   // The draws keep the kind's order, so a seed makes the same data.
   for (const TensorSpec& t : c.layer->tensors(c)) {
-    StoredTensor out;
-    out.shape = shapes.at(t.name);
-    out.dtype = t.idRange.empty() ? c.dtype : DType::kInt64;
-    const std::size_t size = dtypeSize(out.dtype);
-    resizeFresh(out.bytes, std::size_t(out.numel()) * size);
+    const TensorHeader header{shapes.at(t.name), t.idRange.empty() ? c.dtype : DType::kInt64};
+    std::int64_t n = 1;
+    for (std::int64_t d : header.shape) n *= d;
+    sink.begin(t.name, header);
     if (t.idRange.empty()) {
-      drawNormals(rng, t.sigma, out.dtype, out.numel(), out.bytes.data(), pool ? &*pool : nullptr);
-      take(t.name, std::move(out));
+      drawNormals(rng, t.sigma, header.dtype, n, pool ? &*pool : nullptr,
+                  [&sink](std::int64_t offset, std::int64_t count, const char* bytes) {
+                    sink.piece(offset, count, bytes);
+                  });
+      sink.end();
       continue;
     }
-    // Token ids: few, in order, a chunk of 2^20 at a time between stop checks.
+    // Token ids: few, in order, a piece at a time between stop checks.
     std::uniform_int_distribution<std::int64_t> id(0, sizeValue(c, t.idRange) - 1);
-    const std::int64_t n = out.numel();
-    for (std::int64_t i = 0; i < n; ++i) {
-      if (i % (std::int64_t(1) << 20) == 0) throwIfStopped(stop, "tpsim run");
-      storeFromDouble(out.dtype, double(id(rng)), out.bytes.data() + std::size_t(i) * size);
+    const std::size_t size = dtypeSize(header.dtype);
+    std::vector<char> piece(std::size_t(std::min(n, kInputPieceElements)) * size);
+    for (std::int64_t first = 0; first < n; first += kInputPieceElements) {
+      throwIfStopped(stop, "tpsim run");
+      const std::int64_t count = std::min(kInputPieceElements, n - first);
+      for (std::int64_t i = 0; i < count; ++i) storeFromDouble(header.dtype, double(id(rng)), piece.data() + i * size);
+      sink.piece(first, count, piece.data());
     }
-    take(t.name, std::move(out));
+    sink.end();
   }
 }
 
@@ -309,22 +338,73 @@ RunConfig checkInputHeaders(const RunConfig& c, const HeaderMap& in, const SizeS
   return sized;
 }
 
+void CheckedInputs::begin(const std::string& name, const TensorHeader& header) {
+  // What was read of a file's header sized the run; a file changed since is refused before any
+  // shard is cut by the sizes it had.
+  const std::vector<TensorSpec> specs = sized_.layer->tensors(sized_);
+  const auto spec = std::find_if(specs.begin(), specs.end(), [&](const TensorSpec& t) { return t.name == name; });
+  TPSIM_INTERNAL_ASSERT(spec != specs.end(), sized_.layer->name(), " has no tensor ", name);
+  const std::vector<std::int64_t> want = dimsOf(sized_, *spec);
+  const DType wantDtype = spec->idRange.empty() ? sized_.dtype : DType::kInt64;
+  TPSIM_CHECK(header.shape == want && header.dtype == wantDtype, "tpsim run: ", tensorText(sized_, name, sources_),
+              ": expected ", dtypeName(wantDtype), " ", shapeText(want), " as its header said, got ",
+              dtypeName(header.dtype), " ", shapeText(header.shape), " (it changed while the run read it)");
+  name_ = name;
+  dtype_ = header.dtype;
+  idSymbol_ = spec->idRange;
+  idRange_ = idSymbol_.empty() ? 0 : sizeValue(sized_, idSymbol_);
+  nonFinite_ = 0, firstNonFinite_ = -1;
+  next_.begin(name, header);
+}
+
+void CheckedInputs::piece(std::int64_t offset, std::int64_t count, const char* bytes) {
+  const std::size_t size = dtypeSize(dtype_);
+  // Non-finite inputs would only surface as a result outside its bound.
+  auto countNonFinite = [&](std::int64_t i, double v) {
+    if (!std::isfinite(v) && nonFinite_++ == 0) firstNonFinite_ = offset + i;
+  };
+  if (dtype_ == DType::kFloat32) {  // the common case, a pass the compiler vectorizes
+    std::int64_t bad = 0;
+    for (std::int64_t i = 0; i < count; ++i) {
+      float f;
+      std::memcpy(&f, bytes + std::size_t(i) * 4, 4);
+      bad += !std::isfinite(f);
+    }
+    if (bad > 0)
+      for (std::int64_t i = 0; i < count; ++i) countNonFinite(i, loadAsDouble(dtype_, bytes + std::size_t(i) * 4));
+  } else {
+    for (std::int64_t i = 0; i < count; ++i) {
+      const double v = loadAsDouble(dtype_, bytes + std::size_t(i) * size);
+      countNonFinite(i, v);
+      TPSIM_CHECK(idSymbol_.empty() || (v >= 0 && v < double(idRange_)), "tpsim run: ", name_, ".npy holds id ",
+                  std::int64_t(v), " at flat position ", offset + i, ", outside [0, ", idSymbol_, "=", idRange_, ")");
+    }
+  }
+  next_.piece(offset, count, bytes);
+}
+
+void CheckedInputs::end() {
+  TPSIM_CHECK(nonFinite_ == 0, "tpsim run: ", tensorText(sized_, name_, sources_), ": expected finite values, got ",
+              nonFinite_, " NaN or Inf, the first at flat index ", firstNonFinite_);
+  next_.end();
+}
+
+namespace {
+
+class NoInputs : public InputSink {
+ public:
+  void begin(const std::string&, const TensorHeader&) override {}
+  void piece(std::int64_t, std::int64_t, const char*) override {}
+  void end() override {}
+};
+
+}  // namespace
+
 void checkInputValues(const RunConfig& sized, const std::string& name, const StoredTensor& t,
                       const SizeSources& sources) {
-  // Non-finite inputs would only surface as a result outside its bound.
-  std::int64_t bad = 0, first = -1;
-  const std::int64_t n = t.numel();
-  for (std::int64_t i = 0; i < n; ++i)
-    if (!std::isfinite(t.at(i)) && bad++ == 0) first = i;
-  TPSIM_CHECK(bad == 0, "tpsim run: ", tensorText(sized, name, sources), ": expected finite values, got ", bad,
-              " NaN or Inf, the first at flat index ", first);
-  for (const TensorSpec& spec : sized.layer->tensors(sized)) {
-    if (spec.name != name || spec.idRange.empty()) continue;
-    const std::int64_t range = sizeValue(sized, spec.idRange);
-    for (std::int64_t i = 0; i < n; ++i)
-      TPSIM_CHECK(t.at(i) >= 0 && t.at(i) < double(range), "tpsim run: ", name, ".npy holds id ", std::int64_t(t.at(i)),
-                  " at flat position ", i, ", outside [0, ", spec.idRange, "=", range, ")");
-  }
+  NoInputs none;
+  CheckedInputs checked(sized, sources, none);
+  sendWhole(name, t, checked);
 }
 
 void checkInputs(const RunConfig& c, const InputMap& in, const SizeSources& sources) {

@@ -227,19 +227,55 @@ std::int64_t sizeValue(const RunConfig& config, const std::string& symbol);
 // The shapes of config's tensors from its sizes. Throws InvalidArgument naming the flags when a
 // tensor's size in bytes (as doubles) does not fit in int64.
 ShapeMap tensorShapes(const RunConfig& config);
+// A tensor's shape and dtype without its values: what a file's header or the generator says of it.
+struct TensorHeader {
+  std::vector<std::int64_t> shape;
+  DType dtype = DType::kFloat32;
+};
+using HeaderMap = std::map<std::string, TensorHeader>;
+
+// The most elements in a piece of an input tensor as the generator and --load hand them over.
+constexpr std::int64_t kInputPieceElements = std::int64_t(1) << 20;
+// Takes a run's input tensors one at a time, each in pieces: begin, then its elements
+// [offset, offset + count) in its dtype, in order and each once, then end. A taker that keeps only
+// parts of them (a process's shards) never holds a tensor whole.
+class InputSink {
+ public:
+  virtual ~InputSink() = default;
+  virtual void begin(const std::string& name, const TensorHeader& header) = 0;
+  virtual void piece(std::int64_t offset, std::int64_t count, const char* bytes) = 0;
+  virtual void end() = 0;
+};
+// Hands each tensor it takes to `take` whole, as soon as its last piece is in.
+class WholeInputs : public InputSink {
+ public:
+  explicit WholeInputs(std::function<void(const std::string&, StoredTensor)> take) : take_(std::move(take)) {}
+  void begin(const std::string& name, const TensorHeader& header) override;
+  void piece(std::int64_t offset, std::int64_t count, const char* bytes) override;
+  void end() override;
+
+ private:
+  std::function<void(const std::string&, StoredTensor)> take_;
+  std::string name_;
+  StoredTensor tensor_;
+};
+// Hands `tensor` to `sink` as one piece (a tensor read whole: a checkpoint's parameter).
+void sendWhole(const std::string& name, const StoredTensor& tensor, InputSink& sink);
+
 // Seeded data with those shapes, drawn in the kind's order and rounded to the configured dtype.
 // Obeys the calling thread's stop flag (backends/stop.h).
 InputMap generateInputs(const RunConfig& config);
-// The same one tensor at a time: each is handed to `take` as soon as it is drawn, so a caller that
-// keeps only parts of them never holds more than one whole.
-void generateInputs(const RunConfig& config, const std::function<void(const std::string&, StoredTensor)>& take);
+// The same to `sink`, each tensor in pieces of kInputPieceElements as they are drawn.
+void generateInputs(const RunConfig& config, InputSink& sink);
 // n draws of std::normal_distribution<double>(0, sigma) from rng, as libstdc++'s makes them (a new
 // distribution's first n: the polar method, each pair of uniforms inside the unit disc giving two
-// normals), each rounded to dtype and stored at out: bit for bit that loop, and rng left as it
-// leaves it. Only the uniforms and the disc test run in order, on the calling thread; logarithms,
-// roots and stores run on `pool` (on the calling thread after each block's draws when it is null)
-// beside the next block's draws.
-void drawNormals(std::mt19937_64& rng, double sigma, DType dtype, std::int64_t n, char* out, sim::HostPool* pool);
+// normals), each rounded to dtype and handed to `piece` (offset, count, bytes) in order, up to
+// kInputPieceElements at a time: bit for bit that loop, and rng left as it leaves it. Only the
+// uniforms and the disc test run in order, on the calling thread; logarithms, roots and stores run
+// on `pool` (on the calling thread after each block's draws when it is null) beside the next block's
+// draws.
+void drawNormals(std::mt19937_64& rng, double sigma, DType dtype, std::int64_t n, sim::HostPool* pool,
+                 const std::function<void(std::int64_t, std::int64_t, const char*)>& piece);
 // config with its sizes read from `shapes` (loaded files or a checkpoint's tensors): each size from
 // its own tensor's dim, where `shapes` has that tensor.
 RunConfig withSizesOf(RunConfig config, const ShapeMap& shapes);
@@ -254,12 +290,6 @@ struct SizeSources {
 // Checks the sizes against the kind's divisibility rules (sequence and batch splits, TP cuts,
 // GTP_remat's split of each weight's TP-local rows when --pad-for-alignment is 0).
 void checkSizes(const RunConfig& config, const SizeSources& sources);
-// A tensor's shape and dtype without its values: what a file's header or the generator says of it.
-struct TensorHeader {
-  std::vector<std::int64_t> shape;
-  DType dtype = DType::kFloat32;
-};
-using HeaderMap = std::map<std::string, TensorHeader>;
 HeaderMap headersOf(const InputMap& inputs);
 // Checks a run's tensors: every dim >= 1, each tensor present with the kind's rank, dtype and the
 // shape its sizes give, then checkSizes (checkInputHeaders); then each tensor's values: finite, token
@@ -271,5 +301,27 @@ void checkInputs(const RunConfig& config, const InputMap& inputs, const SizeSour
 RunConfig checkInputHeaders(const RunConfig& config, const HeaderMap& inputs, const SizeSources& sources = {});
 void checkInputValues(const RunConfig& sized, const std::string& name, const StoredTensor& tensor,
                       const SizeSources& sources = {});
+// checkInputValues on the tensors an InputSink takes, a piece at a time, before handing each piece
+// on to `next`: the same checks and messages (a tensor's count of non-finite values at its end).
+// Each tensor's header must be the one its sizes in `sized` give (a file may change after its
+// header sized the run).
+class CheckedInputs : public InputSink {
+ public:
+  CheckedInputs(const RunConfig& sized, const SizeSources& sources, InputSink& next)
+      : sized_(sized), sources_(sources), next_(next) {}
+  void begin(const std::string& name, const TensorHeader& header) override;
+  void piece(std::int64_t offset, std::int64_t count, const char* bytes) override;
+  void end() override;
+
+ private:
+  RunConfig sized_;
+  SizeSources sources_;
+  InputSink& next_;
+  std::string name_;
+  DType dtype_ = DType::kFloat32;
+  std::int64_t idRange_ = 0;  // the ids' range; 0 for values
+  std::string idSymbol_;
+  std::int64_t nonFinite_ = 0, firstNonFinite_ = -1;
+};
 
 }  // namespace tpsim::tools

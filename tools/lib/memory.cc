@@ -128,11 +128,10 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   const double program =
       ((TPSIM_HAVE_GPU ? 11.25 : 9.5) + (P > 1 ? 20 : 0)) * (1 << 20) + 48.0 * 1024 * here;
   const LayerKind::RankShare share = c.layer->rankShare(c);
-  double inputs = 0, largestInput = 0, largestNumel = 0, inputShards = 0;
+  double inputs = 0, largestNumel = 0, inputShards = 0;
   for (const TensorSpec& t : c.layer->tensors(c)) {
     const double bytes = double(dtypeSize(t.idRange.empty() ? c.dtype : DType::kInt64)) * numel(shapes, t.name);
     inputs += bytes;
-    largestInput = std::max(largestInput, bytes);
     largestNumel = std::max(largestNumel, numel(shapes, t.name));
     // A process that does not hold them whole keeps its ranks' shards, at T shares for the activations.
     const double shards = t.role == TensorRole::kParameter ? bytes
@@ -218,10 +217,12 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   // GTP_remat the peak is the wgrads' reduce-scatter, before any rank keeps a result.
   const double unkept = scope.resultsRead || P == 1 || G > 1 ? 0 : fraction * kept;
   const double run = copies + shards + step + packing + tpExchange + gtpExchange - unkept;
-  // A process that keeps its ranks' shards holds one whole tensor at a time while it cuts them,
-  // and the generator's two blocks of up to 2^19 points of the disc (x, y, r2) in double, a point
-  // for two elements.
-  const double cutting = largestInput + 2 * 3 * 8 * std::min(double(1 << 19), std::ceil(largestNumel / 2));
+  // A process that keeps its ranks' shards cuts them from pieces of up to 2^20 elements
+  // (kInputPieceElements): the generator's two blocks of the disc's points (x, y, r2) in double, a
+  // point for two elements, and its piece; or a --load file's piece as read and as converted (at
+  // most 8 bytes an element each).
+  const double pieceElements = std::min(double(kInputPieceElements), largestNumel);
+  const double cutting = 2 * 3 * 8 * std::ceil(pieceElements / 2) + 16 * pieceElements;
   const double live = scope.whole ? inputs + stacked + std::max({run, gathered, reference})
                                     : inputShards + std::max(run, cutting);
   return program + live + std::min(0.05 * live, 16.0 * (1 << 20));

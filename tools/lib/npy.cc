@@ -310,12 +310,30 @@ NpyArray readNpyHeader(const std::string& path) {
 }
 
 NpyArray readNpy(const std::string& path) {
-  const std::string where = "readNpy '" + path + "'";
-  OpenNpy npy = openNpy(path, where);
-  NpyArray array{npy.header.dtype, std::move(npy.header.shape), {}};
-  array.data.resize(npy.dataBytes);
-  npy.file.read(array.data.data(), array.data.size(), "data");
+  NpyReader reader(path);
+  NpyArray array{reader.dtype(), reader.shape(), {}};
+  array.data.resize(std::size_t(reader.numel()) * dtypeSize(reader.dtype()));
+  reader.read(reader.numel(), array.data.data());
   return array;
+}
+
+struct NpyReader::Open {
+  OpenNpy npy;
+  std::int64_t numel = 1;
+};
+
+NpyReader::NpyReader(const std::string& path)
+    : open_(std::make_unique<Open>(Open{openNpy(path, "readNpy '" + path + "'")})) {
+  for (std::int64_t d : open_->npy.header.shape) open_->numel *= d;  // fits: the data's bytes were counted
+}
+NpyReader::~NpyReader() = default;
+NpyReader::NpyReader(NpyReader&&) noexcept = default;
+DType NpyReader::dtype() const { return open_->npy.header.dtype; }
+const std::vector<std::int64_t>& NpyReader::shape() const { return open_->npy.header.shape; }
+std::int64_t NpyReader::numel() const { return open_->numel; }
+
+void NpyReader::read(std::int64_t count, char* out) {
+  open_->npy.file.read(out, std::size_t(count) * dtypeSize(dtype()), "data");
 }
 
 namespace {
@@ -393,17 +411,29 @@ void writeNpy(std::FILE* file, const std::string& where, DType dtype, const std:
               " bytes, got '", std::strerror(errno), "'");
 }
 
-HostTensor hostTensorOf(DType dtype, const std::vector<std::int64_t>& shape, const void* data, DType want,
-                        const std::string& where) {
+void checkIdsOrValues(DType dtype, DType want, const std::string& where) {
   const bool ids = want == DType::kInt64;
   TPSIM_CHECK(ids == (dtype == DType::kInt64), where, ": expected ",
               ids ? "int64 token ids" : "float32, float64 or float16 values", ", got ", dtypeName(dtype));
+}
+
+HostTensor hostTensorOf(DType dtype, const std::vector<std::int64_t>& shape, const void* data, DType want,
+                        const std::string& where) {
+  checkIdsOrValues(dtype, want, where);
   std::size_t n = 1;
   for (std::int64_t d : shape) n *= std::size_t(d);
   const char* bytes = static_cast<const char*>(data);
   std::vector<double> values(n);
   for (std::size_t i = 0; i < n; ++i) values[i] = loadAsDouble(dtype, bytes + i * dtypeSize(dtype));
   return makeHost(shape, want, std::move(values));
+}
+
+void convertNpyElements(DType dtype, const void* data, std::int64_t n, DType want, char* out) {
+  const char* bytes = static_cast<const char*>(data);
+  const std::size_t from = dtypeSize(dtype), to = dtypeSize(want);
+  for (std::int64_t i = 0; i < n; ++i)
+    storeFromDouble(want, roundedTo(want, loadAsDouble(dtype, bytes + std::size_t(i) * from)),
+                    out + std::size_t(i) * to);
 }
 
 }  // namespace tpsim::tools

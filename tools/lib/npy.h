@@ -3,11 +3,12 @@
 //
 // Format versions 1.0, 2.0 and 3.0; little-endian fp32, fp16, fp64 and int64 in C order. This is
 // not a general NumPy reader: no Fortran order, big-endian, structured or object dtypes, no .npz
-// archives and no memory mapping; the data is read whole into memory.
+// archives and no memory mapping; readNpy reads the data whole, NpyReader a part at a time.
 #pragma once
 
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,25 @@ NpyArray readNpy(const std::string& path);
 // read (`data` stays empty): what a caller needs to size the work before reading it.
 NpyArray readNpyHeader(const std::string& path);
 
+// readNpy a part at a time: the file opened and its header and size checked as readNpy checks them,
+// then its elements read in order by as many reads as the caller wants.
+class NpyReader {
+ public:
+  explicit NpyReader(const std::string& path);
+  ~NpyReader();
+  NpyReader(NpyReader&&) noexcept;
+  DType dtype() const;
+  const std::vector<std::int64_t>& shape() const;
+  std::int64_t numel() const;
+  // The next `count` elements, dtypeSize(dtype()) bytes each, into `out`. Throws InvalidArgument
+  // naming the file when it holds fewer than that now (it shrank since it was opened).
+  void read(std::int64_t count, char* out);
+
+ private:
+  struct Open;
+  std::unique_ptr<Open> open_;
+};
+
 // The array at `data` (row-major, `dtype` as NpyArray holds it) as a HostTensor of dtype `want`:
 // int64 token ids stay int64, float32, float64 and float16 values are rounded to `want` (makeHost).
 // The one conversion of every array a run reads: --load's files and the Python module's arrays.
@@ -38,6 +58,11 @@ NpyArray readNpyHeader(const std::string& path);
 // way round.
 HostTensor hostTensorOf(DType dtype, const std::vector<std::int64_t>& shape, const void* data, DType want,
                         const std::string& where);
+// hostTensorOf's check alone: int64 token ids where `want` is int64, float values elsewhere.
+void checkIdsOrValues(DType dtype, DType want, const std::string& where);
+// hostTensorOf's conversion, stored: n elements of `dtype` at `data` into n of `want` at `out`, each
+// rounded to `want` (after checkIdsOrValues).
+void convertNpyElements(DType dtype, const void* data, std::int64_t n, DType want, char* out);
 
 // Writes `data` (row-major, little-endian, one element per index of `shape`) to `path` byte for
 // byte as numpy.save does: version 1.0, or 2.0 if the header would exceed 65535 bytes. bf16 has

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <mutex>
 #if defined(__GLIBC__)
@@ -10,6 +11,7 @@
 #endif
 
 #include "backends/errors.h"
+#include "backends/huge_pages.h"
 #include "core/grad_stats.h"
 #include "core/gtp.h"
 #include "core/process_groups.h"
@@ -300,17 +302,44 @@ RunResult runSharded(const RunConfig& config, const InputMap& in, const Checkpoi
       hooks, progress, kept);
 }
 
-void addShards(const RunConfig& c, const std::vector<TensorPlacement>& placements, const std::string& name,
-               const StoredTensor& whole, InputShards& shards) {
-  const LayerGrid grid(c.tp, c.gtpRemat);
-  shards.shapes[name] = whole.shape;
-  shards.ranks.resize(std::size_t(grid.size()));
-  const TensorPlacement& placement = placementNamed(placements, inputPlacementNames(c).at(name));
+ShardedInputs::ShardedInputs(const RunConfig& c, std::vector<TensorPlacement> placements)
+    : config_(c), placements_(std::move(placements)) {
+  shards_.ranks.resize(std::size_t(c.tp * c.gtpRemat));
+}
+
+void ShardedInputs::begin(const std::string& name, const TensorHeader& header) {
+  const LayerGrid grid(config_.tp, config_.gtpRemat);
+  shards_.shapes[name] = header.shape;
+  const TensorPlacement& placement = placementNamed(placements_, inputPlacementNames(config_).at(name));
+  TPSIM_INTERNAL_ASSERT(placement.shape == header.shape, name, ": placement of ", shapeText(placement.shape),
+                        " for a tensor ", shapeText(header.shape));
+  cuts_.clear();
   for (int g = 0; g < grid.gtpRemat(); ++g)
     for (int t = 0; t < grid.tp(); ++t)
-      if (const int rank = grid.rank(t, g); jobRuns(rank, grid.size()))
-        shards.ranks[std::size_t(rank)][name] = shardOf(placement, whole, t, g);
+      if (const int rank = grid.rank(t, g); jobRuns(rank, grid.size())) {
+        StoredTensor& shard = shards_.ranks[std::size_t(rank)][name];
+        shard = StoredTensor{localShape(placement, t, g), header.dtype, {}};
+        resizeFresh(shard.bytes, std::size_t(shard.numel()) * dtypeSize(header.dtype));  // pad rows: +0
+        cuts_.push_back({&shard, shardRuns(placement, t, g)});
+      }
 }
+
+void ShardedInputs::piece(std::int64_t offset, std::int64_t count, const char* bytes) {
+  const std::int64_t end = offset + count;
+  for (Cut& cut : cuts_) {
+    const std::size_t size = dtypeSize(cut.shard->dtype);
+    // The first run that ends past the piece's start, then each that begins before its end.
+    auto run = std::partition_point(cut.runs.begin(), cut.runs.end(),
+                                    [&](const ShardRun& r) { return r.from + r.n <= offset; });
+    for (; run != cut.runs.end() && run->from < end; ++run) {
+      const std::int64_t from = std::max(run->from, offset), to = std::min(run->from + run->n, end);
+      std::memcpy(cut.shard->bytes.data() + std::size_t(run->to + (from - run->from)) * size,
+                  bytes + std::size_t(from - offset) * size, std::size_t(to - from) * size);
+    }
+  }
+}
+
+void ShardedInputs::end() { cuts_.clear(); }
 
 RunResult runSharded(const RunConfig& config, InputShards in, const CheckpointHooks& hooks, Progress* progress,
                      KeptResults kept) {

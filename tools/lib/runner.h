@@ -75,18 +75,35 @@ RunResult runSharded(const RunConfig& config, const InputMap& inputs, const Chec
                      Progress* progress = nullptr, KeptResults kept = KeptResults::kAssembled);
 
 // A process's part of a run's inputs where nothing it does needs them whole (in a world spread over
-// processes, all but the one that verifies or saves): the shards its own ranks read, cut from each
-// tensor as it comes (addShards), and the whole tensors' shapes.
+// processes, all but the one that verifies or saves): the shards its own ranks read, and the whole
+// tensors' shapes.
 struct InputShards {
   ShapeMap shapes;
   std::vector<InputMap> ranks;  // by global rank: input name -> its shard; empty for other processes' ranks
 };
-// Adds to `shards` the shards of input `name` that this process's ranks read (every rank's in one
-// process), cut from `whole` by `placements` (placementsOf config, with its sizes).
-void addShards(const RunConfig& config, const std::vector<TensorPlacement>& placements, const std::string& name,
-               const StoredTensor& whole, InputShards& shards);
-// runSharded on inputs already cut, checked by the caller (checkInputHeaders and checkInputValues
-// on each whole tensor). Each rank moves its shards out as it reads them.
+// Takes the inputs a piece at a time and copies each piece's elements into the shards of this
+// process's ranks (every rank's in one process) that hold them, cut by `placements` (placementsOf
+// config, with its sizes): no input is held whole.
+class ShardedInputs : public InputSink {
+ public:
+  ShardedInputs(const RunConfig& config, std::vector<TensorPlacement> placements);
+  void begin(const std::string& name, const TensorHeader& header) override;
+  void piece(std::int64_t offset, std::int64_t count, const char* bytes) override;
+  void end() override;
+  InputShards release() { return std::move(shards_); }
+
+ private:
+  struct Cut {
+    StoredTensor* shard;
+    std::vector<ShardRun> runs;
+  };
+  RunConfig config_;
+  std::vector<TensorPlacement> placements_;
+  InputShards shards_;
+  std::vector<Cut> cuts_;  // of the tensor being taken, one per rank of this process
+};
+// runSharded on inputs already cut, checked by the caller (checkInputHeaders, and CheckedInputs on
+// the pieces they were cut from). Each rank moves its shards out as it reads them.
 RunResult runSharded(const RunConfig& config, InputShards inputs, const CheckpointHooks& hooks = {},
                      Progress* progress = nullptr, KeptResults kept = KeptResults::kAssembled);
 
