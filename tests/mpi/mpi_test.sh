@@ -241,26 +241,37 @@ case "$mode" in
                  awk '{ m = $5 == "GiB" ? 1048576 : $5 == "MiB" ? 1024 : 1; printf "%.0f", $4 * m }'; }
     python3 "$peak_rss" "$tmp/one.peak" "$tpsim" $args || fail "tpsim $args: exit $?"
     one=$(cat "$tmp/one.peak")
-    set +e
-    timeout -k 5 100 "$mpiexec" -n "$p" "$tpsim" $args --max-memory 1 >/dev/null 2>"$tmp/err"
-    set -e
-    grep -q "for the largest process of $p (.* for the $p on this machine)" "$tmp/err" ||
-      { cat "$tmp/err"; fail "no per-process estimate over $p processes"; }
-    est=$(estimate "$tmp/err")
-    timeout -k 5 100 "$mpiexec" -n "$p" python3 "$peak_rss" "$tmp/spread.peak.{rank}" "$tpsim" $args ||
-      fail "mpiexec -n $p tpsim $args: exit $?"
-    most=0
-    for r in $(seq 0 $((p - 1))); do
-      peak=$(cat "$tmp/spread.peak.$r")
-      echo "process $r: peak $peak KiB, estimate $est KiB; one process: $one KiB"
-      [ "$peak" -le "$est" ] || fail "process $r peaked at $peak KiB, above its estimate of $est KiB"
-      [ "$peak" -le "$most" ] || most=$peak
-    done
+    # The estimate of "$@" over $p processes (est) and each process's peak, at or under it; most: the
+    # largest peak.
+    spread_peaks() {
+      set +e
+      timeout -k 5 100 "$mpiexec" -n "$p" "$tpsim" "$@" --max-memory 1 >/dev/null 2>"$tmp/err"
+      set -e
+      grep -q "for the largest process of $p (.* for the $p on this machine)" "$tmp/err" ||
+        { cat "$tmp/err"; fail "no per-process estimate over $p processes"; }
+      est=$(estimate "$tmp/err")
+      timeout -k 5 100 "$mpiexec" -n "$p" python3 "$peak_rss" "$tmp/spread.peak.{rank}" "$tpsim" "$@" ||
+        fail "mpiexec -n $p tpsim $*: exit $?"
+      most=0
+      for r in $(seq 0 $((p - 1))); do
+        peak=$(cat "$tmp/spread.peak.$r")
+        echo "tpsim $*: process $r: peak $peak KiB, estimate $est KiB; one process: $one KiB"
+        [ "$peak" -le "$est" ] || fail "tpsim $*: process $r peaked at $peak KiB, above its estimate of $est KiB"
+        [ "$peak" -le "$most" ] || most=$peak
+      done
+    }
+    spread_peaks $args
     # The estimate errs high, by at most 1.62 on the runs of docs/distributed.md.
     [ "$est" -le $((2 * most)) ] || fail "estimate $est KiB, more than twice the largest peak ($most KiB)"
     # Each process about 1/P of one process's peak: the program, its shards and its rank's working
     # set. One whole weight (an eighth of one process's peak at P = 8) would put it above a quarter.
     [ $((4 * most)) -le "$one" ] || fail "a process peaked at $most KiB, more than a quarter of one process's $one KiB"
+    # The same inputs from --load files: each read and cut a piece at a time, never whole (as
+    # doubles, the file would be a process's largest term by far).
+    "$tpsim" $args --save "$tmp/inputs" >/dev/null || fail "tpsim $args --save: exit $?"
+    spread_peaks run --layer column --tp "$p" --load "$tmp/inputs" --verify none
+    [ $((4 * most)) -le "$one" ] ||
+      fail "a process peaked at $most KiB with --load, more than a quarter of one process's $one KiB"
     # The machine holds its P processes at once: a run each process alone would fit (about a third
     # of what is available: the estimate grows a little slower than the weight) is refused by all
     # of them, the P together being more. Each process may take at most a fifth of it, so that a
