@@ -271,6 +271,47 @@ TEST(CheckpointFiles, ConsolidatedIsTheLogicalTensor) {
           << "mismatch at (" << i << ", " << j << ")";
 }
 
+// A box read alone holds the consolidated tensor's bytes there, wherever it falls against the saved
+// chunks and their pad rows: runs of 3 rows, single elements, a box cut on every axis, an empty one.
+TEST(CheckpointFiles, ABoxReadAloneHoldsTheConsolidatedBytesThere) {
+  const std::string dir = tempDir("boxes");
+  save(Topology{4, 2, 16}, dir);
+  const CheckpointReader reader(dir);
+  for (const auto& [key, k] : reader.keys()) {
+    const std::vector<char> all = reader.consolidated(key);
+    const std::vector<std::int64_t>& shape = k.globalShape;
+    const std::size_t rank = shape.size(), size = dtypeSize(k.dtype);
+    std::vector<std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>>> boxes;  // begin, extent
+    for (std::int64_t row = 0; row < shape[0]; row += 3) {
+      std::vector<std::int64_t> begin(rank, 0), extent = shape;
+      begin[0] = row;
+      extent[0] = std::min<std::int64_t>(3, shape[0] - row);
+      boxes.push_back({begin, extent});
+    }
+    boxes.push_back({std::vector<std::int64_t>(rank, 0), std::vector<std::int64_t>(rank, 1)});
+    std::vector<std::int64_t> inner(rank, 1), innerExtent = shape;
+    for (std::size_t a = 0; a < rank; ++a) innerExtent[a] = std::max<std::int64_t>(shape[a] - 2, 0);
+    boxes.push_back({inner, innerExtent});
+    std::vector<std::int64_t> none = shape;
+    none[0] = 0;
+    boxes.push_back({std::vector<std::int64_t>(rank, 0), none});
+    for (const auto& [begin, extent] : boxes) {
+      std::int64_t n = 1;
+      for (std::int64_t e : extent) n *= e;
+      std::vector<char> got(std::size_t(n) * size);
+      reader.readBox(key, begin, extent, got.data());
+      std::vector<std::int64_t> at(rank, 0);  // within the box
+      for (std::int64_t i = 0; i < n; ++i) {
+        std::int64_t flat = 0;
+        for (std::size_t a = 0; a < rank; ++a) flat = flat * shape[a] + begin[a] + at[a];
+        ASSERT_EQ(std::memcmp(got.data() + std::size_t(i) * size, all.data() + std::size_t(flat) * size, size), 0)
+            << key << ": box at " << shapeText(begin) << " of " << shapeText(extent) << ", element " << i;
+        for (std::size_t a = rank; a-- > 0 && ++at[a] == extent[a];) at[a] = 0;
+      }
+    }
+  }
+}
+
 std::string loadError(const std::string& dir, const Topology& topo = {2, 1, 0}) {
   try {
     loadAndCheck(topo, topo, dir);
@@ -726,6 +767,11 @@ TEST(CheckpointTiling, AnyExactTilingLoadsAndTheFirstOverlapOrHoleIsNamed) {
   writeHandMade(dir, {2, 2}, {{{0, 0}, {1, 2}}, {{1, 1}, {1, 1}}});
   EXPECT_THAT(readError(dir), HasSubstr("key 'x': expected chunks covering all 4 elements of the saved tensor (2, 2), got "
                                         "3 with element (1, 0) in none; a chunk is missing"));
+  // A scalar is no parameter of a layer: refused, so that every box read has an axis.
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  writeHandMade(dir, {}, {{{}, {}}});
+  EXPECT_THAT(readError(dir), HasSubstr("key 'x': expected global shapes of one rank >= 1, got () and ()"));
 }
 
 // The tiling is sorted and swept, not compared pair by pair: 250,000 chunks, some 31 billion pairs,

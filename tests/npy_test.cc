@@ -486,26 +486,27 @@ TEST(NpyWriteErrorTest, BadArguments) {
 
 // The conversion --load and the Python module share: values round to the run's dtype (to nearest
 // even), ids stay ids.
-TEST(HostTensorOfTest, RoundsToTheRunsDtype) {
+TEST(StoredTensorOfTest, RoundsToTheRunsDtype) {
   const std::vector<double> values = {1 + std::ldexp(1, -30), 0.1};
-  const HostTensor t = hostTensorOf(DType::kFloat64, {2, 1}, values.data(), DType::kFloat32, "x");
+  const StoredTensor t = storedTensorOf(DType::kFloat64, {2, 1}, values.data(), DType::kFloat32, "x");
   EXPECT_EQ(t.dtype, DType::kFloat32);
   EXPECT_EQ(t.shape, (std::vector<std::int64_t>{2, 1}));
-  EXPECT_EQ(t.values, (std::vector<double>{1, double(0.1f)}));
+  EXPECT_EQ(hostOf(t).values, (std::vector<double>{1, double(0.1f)}));
   const std::vector<float> near = {1 + std::ldexp(1.f, -8), 1 + std::ldexp(1.f, -8) + std::ldexp(1.f, -9)};
-  EXPECT_EQ(hostTensorOf(DType::kFloat32, {2}, near.data(), DType::kBFloat16, "x").values,
-            (std::vector<double>{1, 1 + std::ldexp(1, -7)}));  // a tie goes to even, above it up
+  const StoredTensor rounded = storedTensorOf(DType::kFloat32, {2}, near.data(), DType::kBFloat16, "x");
+  EXPECT_EQ(rounded.bytes.size(), 4u);
+  EXPECT_EQ(hostOf(rounded).values, (std::vector<double>{1, 1 + std::ldexp(1, -7)}));  // a tie goes to even, above it up
   const std::vector<std::int64_t> ids = {3, 0, 7};
-  EXPECT_EQ(hostTensorOf(DType::kInt64, {3}, ids.data(), DType::kInt64, "ids").values,
+  EXPECT_EQ(hostOf(storedTensorOf(DType::kInt64, {3}, ids.data(), DType::kInt64, "ids")).values,
             (std::vector<double>{3, 0, 7}));
 }
 
-TEST(HostTensorOfTest, RefusesValuesForIdsAndIdsForValues) {
+TEST(StoredTensorOfTest, RefusesValuesForIdsAndIdsForValues) {
   const std::vector<std::int64_t> ids = {1};
   const std::vector<float> values = {1};
-  EXPECT_EQ(errorOf([&] { hostTensorOf(DType::kInt64, {1}, ids.data(), DType::kFloat32, "w.npy"); }),
+  EXPECT_EQ(errorOf([&] { storedTensorOf(DType::kInt64, {1}, ids.data(), DType::kFloat32, "w.npy"); }),
             "w.npy: expected float32, float64 or float16 values, got int64");
-  EXPECT_EQ(errorOf([&] { hostTensorOf(DType::kFloat32, {1}, values.data(), DType::kInt64, "input.npy"); }),
+  EXPECT_EQ(errorOf([&] { storedTensorOf(DType::kFloat32, {1}, values.data(), DType::kInt64, "input.npy"); }),
             "input.npy: expected int64 token ids, got fp32");
 }
 

@@ -18,9 +18,10 @@
 #                                                   process; the checkpoint loads back at another topology,
 #                                                   in one process and, unverified, in 2: the same checkpoint
 #   mpi_test.sh MPIEXEC TPSIM memory P              tpsim run --verify none over P processes: every process's peak
-#                                                   within its estimate (at most 2x above it), and at most half
-#                                                   of one process's peak; a run the machine's P processes do
-#                                                   not fit together, refused by each (exit 2)
+#                                                   within its estimate (at most 2x above it), and at most a
+#                                                   quarter of one process's peak (generated and --load; from
+#                                                   a checkpoint, within its estimate); a run the machine's P
+#                                                   processes do not fit together, refused by each (exit 2)
 #   mpi_test.sh MPIEXEC TPSIM bench P               tpsim bench --what mpi over P processes: process 0's table,
 #                                                   every section and size, positive finite figures, no wrong
 #                                                   element; in one process, exit 2 naming the flag
@@ -272,6 +273,10 @@ case "$mode" in
     spread_peaks run --layer column --tp "$p" --load "$tmp/inputs" --verify none
     [ $((4 * most)) -le "$one" ] ||
       fail "a process peaked at $most KiB with --load, more than a quarter of one process's $one KiB"
+    # The weight from a checkpoint, whose files every process holds whole: each still at or under
+    # its estimate.
+    "$tpsim" $args --save-checkpoint "$tmp/checkpoint" >/dev/null || fail "tpsim $args --save-checkpoint: exit $?"
+    spread_peaks run --layer column --batch 2 --seq 16 --tp "$p" --load-checkpoint "$tmp/checkpoint" --verify none
     # The machine holds its P processes at once: a run each process alone would fit (about a third
     # of what is available: the estimate grows a little slower than the weight) is refused by all
     # of them, the P together being more. Each process may take at most a fifth of it, so that a

@@ -89,7 +89,7 @@ void load(const RunConfig& c, const std::string& dir, bool withParams, InputSink
     for (std::int64_t first = 0; first < n; first += kInputPieceElements) {
       const std::int64_t count = std::min(kInputPieceElements, n - first);
       reader.read(count, raw.data());
-      convertNpyElements(reader.dtype(), raw.data(), count, want, converted.data());
+      convertElements(reader.dtype(), raw.data(), count, want, converted.data());
       sink.piece(first, count, converted.data());
     }
     sink.end();
@@ -164,24 +164,36 @@ ShapeMap checkpointShapes(RunConfig& c, const CheckpointIndex& index, const std:
 }
 
 // The parameters of --load-checkpoint, of the `shapes` checkpointShapes gave, unsharded (pad rows
-// dropped) and rounded to --dtype: the dense reference's copy (the ranks read their own chunks).
-InputMap checkpointParams(const RunConfig& c, const CheckpointReader& reader, const ShapeMap& shapes) {
-  InputMap m;
-  std::map<std::string, std::vector<char>> consolidated;  // by key: the experts' parameters share one
+// dropped) and converted to --dtype, handed to `sink` a piece at a time as `load` hands the files:
+// the dense reference's copy, or this process's ranks' shards (the ranks read their own chunks).
+void sendCheckpointParams(const RunConfig& c, const CheckpointReader& reader, const ShapeMap& shapes, InputSink& sink) {
   for (const TensorSpec& t : parameters(c)) {
     const LayerKind::CheckpointSlot slot = c.layer->checkpointSlot(t.name);
     const CheckpointKey& k = reader.key(slot.key);
     const std::vector<std::int64_t>& shape = shapes.at(t.name);
-    if (!consolidated.count(slot.key)) consolidated[slot.key] = reader.consolidated(slot.key);
-    const std::vector<char>& bytes = consolidated.at(slot.key);
-    std::size_t count = 1;
-    for (std::int64_t d : shape) count *= std::size_t(d);
-    const std::size_t first = slot.index >= 0 ? std::size_t(slot.index) * count : 0, size = dtypeSize(k.dtype);
-    std::vector<double> values(count);
-    for (std::size_t i = 0; i < count; ++i) values[i] = loadAsDouble(k.dtype, bytes.data() + (first + i) * size);
-    m[t.name] = storedOf(makeHost(shape, c.dtype, std::move(values)));
+    std::int64_t rowElements = 1;  // of the parameter's first axis
+    for (std::size_t i = 1; i < shape.size(); ++i) rowElements *= shape[i];
+    const std::int64_t pieceRows = std::max<std::int64_t>(1, kInputPieceElements / std::max<std::int64_t>(rowElements, 1));
+    const std::int64_t most = std::min(shape[0], pieceRows) * rowElements;
+    std::vector<char> raw(std::size_t(most) * dtypeSize(k.dtype)), converted(std::size_t(most) * dtypeSize(c.dtype));
+    // Its box in the key's tensor: the experts' parameters share a key, one index of its first axis each.
+    std::vector<std::int64_t> begin(k.globalShape.size(), 0), box = shape;
+    if (slot.index >= 0) {
+      begin[0] = slot.index;
+      box.insert(box.begin(), 1);
+    }
+    const std::size_t rowAxis = slot.index >= 0 ? 1 : 0;
+    sink.begin(t.name, {shape, c.dtype});
+    for (std::int64_t row = 0; row < shape[0]; row += pieceRows) {
+      begin[rowAxis] = row;
+      box[rowAxis] = std::min(pieceRows, shape[0] - row);
+      const std::int64_t count = box[rowAxis] * rowElements;
+      reader.readBox(slot.key, begin, box, raw.data());
+      convertElements(k.dtype, raw.data(), count, c.dtype, converted.data());
+      sink.piece(row * rowElements, count, converted.data());
+    }
+    sink.end();
   }
-  return m;
 }
 
 // The .npy file of each tensor --save writes into DIR.
@@ -394,14 +406,10 @@ int runMain(const std::vector<std::string>& args) {
   // whole input, only its ranks' shards, cut from one tensor at a time; and when process 0 does
   // neither, no rank keeps its results (docs/distributed.md, "Memory").
   const bool resultsRead = verifyMode != VerifyMode::kNone || !saveDir.empty();
-  checkMemory(c, shapes, verifyMode, parsed.maxMemory, loadDir, resultsRead);
+  checkMemory(c, shapes, verifyMode, parsed.maxMemory, loadDir, resultsRead, index ? double(index->fileBytes()) : 0);
   checkFileUses(c, parsed, index ? &*index : nullptr);
   std::optional<CheckpointReader> reader;
-  InputMap params;
-  if (index) {
-    reader.emplace(std::move(*index));
-    params = checkpointParams(c, *reader, paramShapes);
-  }
+  if (index) reader.emplace(std::move(*index));
 
   if (!saveDir.empty()) prepareSaveDir("save", saveDir);
   if (!saveCheckpoint.empty()) prepareSaveDir("save-checkpoint", saveCheckpoint);
@@ -418,7 +426,7 @@ int runMain(const std::vector<std::string>& args) {
   CheckedInputs checked(sized, sources, whole ? static_cast<InputSink&>(wholeInputs) : shardedInputs);
   if (loadDir.empty()) generateInputs(c, checked);
   else load(c, loadDir, !reader, checked);
-  for (auto it = params.begin(); it != params.end(); it = params.erase(it)) sendWhole(it->first, it->second, checked);
+  if (reader) sendCheckpointParams(c, *reader, paramShapes, checked);
 #if defined(__GLIBC__)
   // The pieces' and the generator's buffers, free now below the shards, go back to the system
   // (keepFreedMemory would keep them resident beside the run's).

@@ -1057,6 +1057,12 @@ CheckpointIndex::CheckpointIndex(const std::string& dir) : indexPath_((fs::path(
   });
 }
 
+std::uint64_t CheckpointIndex::fileBytes() const {
+  std::uint64_t bytes = 0;
+  for (const File& f : files_) bytes += f.size;
+  return bytes;
+}
+
 const CheckpointKey& CheckpointIndex::key(const std::string& key) const {
   const auto it = keys_.find(key);
   if (it == keys_.end()) {
@@ -1193,15 +1199,28 @@ void CheckpointReader::checkObject(const ShardedObject& target) const {
 std::vector<char> CheckpointReader::consolidated(const std::string& name) const {
   const CheckpointKey& k = key(name);
   std::vector<char> out(std::size_t(volume(k.globalShape)) * dtypeSize(k.dtype));
-  const Box all{Ints(k.globalShape.size(), 0), k.globalShape};
+  readBox(name, Ints(k.globalShape.size(), 0), k.globalShape, out.data());
+  return out;
+}
+
+void CheckpointReader::readBox(const std::string& name, const Ints& begin, const Ints& shape, char* out) const {
+  const CheckpointKey& k = key(name);
   const std::string& where = index_.indexPath_;
+  bool inside = begin.size() == k.globalShape.size() && shape.size() == begin.size();
+  for (std::size_t i = 0; inside && i < begin.size(); ++i)
+    inside = begin[i] >= 0 && shape[i] >= 0 && begin[i] + shape[i] <= k.globalShape[i];
+  TPSIM_INTERNAL_ASSERT(inside, where, ": key '", name, "': box at ", shapeText(begin), " of ", shapeText(shape),
+                        " outside ", shapeText(k.globalShape));
+  const Box box{begin, shape};
+  std::int64_t filled = 0;
   for (const CheckpointChunk& c : k.chunks) {
     const Box src =
         logicalBox(c.globalOffset, c.localShape, rowMap(k.savedGlobalShape, c.paddedAxis, c.gtpPadding, where), where);
-    copyOverlap(src, dataOf(c), k.dtype, all, k.globalShape,
-                out.data(), k.dtype);
+    filled += copyOverlap(src, dataOf(c), k.dtype, box, shape, out, k.dtype);
   }
-  return out;
+  // The reader checked that the chunks tile the tensor exactly once.
+  TPSIM_INTERNAL_ASSERT(filled == volume(shape), where, ": key '", name, "': ", filled, " of ", volume(shape),
+                        " elements");
 }
 
 }  // namespace tpsim

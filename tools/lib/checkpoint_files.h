@@ -171,6 +171,8 @@ class CheckpointIndex {
   const CheckpointKey& key(const std::string& key) const;  // throws, naming the key, if absent
   // Every file a reader reads: the index, then each file the index names.
   const std::vector<std::string>& paths() const { return paths_; }
+  // What a CheckpointReader of this index holds while it lives: every file it names, whole.
+  std::uint64_t fileBytes() const;
 
  private:
   friend class CheckpointReader;
@@ -212,6 +214,10 @@ class CheckpointReader {
   void checkObject(const ShardedObject& target) const;
   // The whole logical tensor of `key` (no pad rows) in the saved dtype, row-major.
   std::vector<char> consolidated(const std::string& key) const;
+  // The box of the same tensor at `begin` of extent `shape` (one per axis), row-major in the saved
+  // dtype, into `out`: a part of consolidated(key) without the whole.
+  void readBox(const std::string& key, const std::vector<std::int64_t>& begin, const std::vector<std::int64_t>& shape,
+               char* out) const;
   // Every file it read: the index, then each file the index names.
   const std::vector<std::string>& paths() const { return index_.paths(); }
 

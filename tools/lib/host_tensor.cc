@@ -285,6 +285,14 @@ StoredTensor storedOf(const HostTensor& t) {
   return out;
 }
 
+void convertElements(DType dtype, const void* data, std::int64_t n, DType want, char* out) {
+  const char* bytes = static_cast<const char*>(data);
+  const std::size_t from = dtypeSize(dtype), to = dtypeSize(want);
+  for (std::int64_t i = 0; i < n; ++i)
+    storeFromDouble(want, roundedTo(want, loadAsDouble(dtype, bytes + std::size_t(i) * from)),
+                    out + std::size_t(i) * to);
+}
+
 InputMap storedOf(const TensorMap& tensors) {
   InputMap out;
   for (const auto& [name, t] : tensors) out[name] = storedOf(t);

@@ -66,6 +66,10 @@ HostTensor makeHost(std::vector<std::int64_t> shape, DType dtype, std::vector<do
 
 // t in its dtype's storage; its values are already rounded to the dtype (makeHost).
 StoredTensor storedOf(const HostTensor& t);
+// n elements of `dtype` at `data` into n of `want` at `out`, each rounded to `want` as makeHost
+// rounds (to nearest even): how a run takes the tensors it reads (--load's files, a checkpoint's
+// parameters, the Python module's arrays).
+void convertElements(DType dtype, const void* data, std::int64_t n, DType want, char* out);
 InputMap storedOf(const TensorMap& tensors);
 TensorMap hostOf(const InputMap& tensors);
 // Elements [begin, begin + n) of t (flat) as doubles, into out.

@@ -259,7 +259,7 @@ class WholeInputs : public InputSink {
   std::string name_;
   StoredTensor tensor_;
 };
-// Hands `tensor` to `sink` as one piece (a tensor read whole: a checkpoint's parameter).
+// Hands `tensor` to `sink` as one piece (a tensor held whole: checkInputValues checks one so).
 void sendWhole(const std::string& name, const StoredTensor& tensor, InputSink& sink);
 
 // Seeded data with those shapes, drawn in the kind's order and rounded to the configured dtype.

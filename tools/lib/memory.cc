@@ -42,6 +42,8 @@ std::optional<double> readNumber(const std::string& file) {
 //              of tensors)
 //   inputs     the unsharded inputs in their dtypes (4 bytes an fp32 element, 8 a token id), held
 //              through the run and the verification
+//   checkpoint the files of --load-checkpoint (RunScope::checkpointBytes), held whole through the
+//              run, and 0.6d·W/P: the buffers the ranks read their chunks into (measured)
 // then the larger of the run's working set and the verification's (the run hands what its ranks
 // freed back to the system before it verifies):
 //   copies     cT(fX·X + fY·Y) + R(oX·fX·X + oY·fY·Y) (+ 3T·n) + 2.5d·T(fP − fY)Y, c =
@@ -223,8 +225,15 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   // most 8 bytes an element each).
   const double pieceElements = std::min(double(kInputPieceElements), largestNumel);
   const double cutting = 2 * 3 * 8 * std::ceil(pieceElements / 2) + 16 * pieceElements;
-  const double live = scope.whole ? inputs + stacked + std::max({run, gathered, reference})
-                                    : inputShards + std::max(run, cutting);
+  // A checkpoint's files, held whole by every process through the run, and what its ranks' loads
+  // leave resident: each reads its chunks into a host buffer and a backend tensor beside its shard,
+  // which the run's later tensors mostly reuse (0.03-0.56 of the parameters' bytes measured above
+  // the files and the same run's peak on generated data, at T = 1-8 on two threads; the most where
+  // the peak comes as the ranks load, in about one run of six).
+  const double checkpoint =
+      scope.checkpointBytes > 0 ? scope.checkpointBytes + 0.6 * fraction * activationBytes * held : 0;
+  const double live = checkpoint + (scope.whole ? inputs + stacked + std::max({run, gathered, reference})
+                                                : inputShards + std::max(run, cutting));
   return program + live + std::min(0.05 * live, 16.0 * (1 << 20));
 }
 
@@ -264,10 +273,12 @@ std::string bytesText(double bytes) {
 }
 
 void checkMemory(const RunConfig& c, const ShapeMap& shapes, VerifyMode verify, std::optional<std::int64_t> maxMemory,
-                 const std::string& loadDir, bool resultsRead) {
+                 const std::string& loadDir, bool resultsRead, double checkpointBytes) {
   const int processes = jobProcesses(), local = jobLocalProcesses();
-  const double first = estimateRunBytes(c, shapes, verify, {resultsRead, processes, processes == 1 || resultsRead});
-  const double other = processes == 1 ? first : estimateRunBytes(c, shapes, verify, {resultsRead, processes, false});
+  const double first =
+      estimateRunBytes(c, shapes, verify, {resultsRead, processes, processes == 1 || resultsRead, checkpointBytes});
+  const double other =
+      processes == 1 ? first : estimateRunBytes(c, shapes, verify, {resultsRead, processes, false, checkpointBytes});
   // Every process checks the same figures: the largest process's, and the sum over this machine's,
   // process 0's counted wherever it runs.
   const double need = std::max(first, other), machine = first + (local - 1) * other;

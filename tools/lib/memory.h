@@ -19,12 +19,14 @@ namespace tpsim::tools {
 // read once it ends (verified, saved or returned; in a world spread over processes, otherwise no
 // rank keeps them), and, where its world is spread over an MPI job (docs/distributed.md), the job's
 // processes and whether this process holds the whole inputs and every result (process 0, when the
-// results are read) or only its ranks' shards. The default: a run in one process whose results are
-// read.
+// results are read) or only its ranks' shards, and the bytes of the checkpoint it loads
+// (CheckpointIndex::fileBytes: a CheckpointReader holds its files whole through the run). The
+// default: a run in one process whose results are read, with no checkpoint.
 struct RunScope {
   bool resultsRead = true;
   int processes = 1;
   bool whole = true;
+  double checkpointBytes = 0;
 };
 
 // The peak resident memory, in bytes, of runSharded plus verify(`verify`) on inputs of `shapes`, in
@@ -45,9 +47,10 @@ std::optional<AvailableMemory> availableMemory();
 // "" for generated data (the size flags), or the --load directory. `resultsRead` as RunScope's. In
 // a job of several processes (tools/lib/job.h) the estimate of the largest process (process 0
 // holds the whole inputs and every result when they are read) is checked against --max-memory, and
-// the sum over this machine's processes against what is available.
+// the sum over this machine's processes against what is available. `checkpointBytes` as RunScope's.
 void checkMemory(const RunConfig& config, const ShapeMap& shapes, VerifyMode verify,
-                 std::optional<std::int64_t> maxMemory, const std::string& loadDir, bool resultsRead = true);
+                 std::optional<std::int64_t> maxMemory, const std::string& loadDir, bool resultsRead = true,
+                 double checkpointBytes = 0);
 
 // 1536 -> "1.5 KiB", 3221225472 -> "3.0 GiB": a size for a message.
 std::string bytesText(double bytes);

@@ -417,23 +417,13 @@ void checkIdsOrValues(DType dtype, DType want, const std::string& where) {
               ids ? "int64 token ids" : "float32, float64 or float16 values", ", got ", dtypeName(dtype));
 }
 
-HostTensor hostTensorOf(DType dtype, const std::vector<std::int64_t>& shape, const void* data, DType want,
-                        const std::string& where) {
+StoredTensor storedTensorOf(DType dtype, const std::vector<std::int64_t>& shape, const void* data, DType want,
+                            const std::string& where) {
   checkIdsOrValues(dtype, want, where);
-  std::size_t n = 1;
-  for (std::int64_t d : shape) n *= std::size_t(d);
-  const char* bytes = static_cast<const char*>(data);
-  std::vector<double> values(n);
-  for (std::size_t i = 0; i < n; ++i) values[i] = loadAsDouble(dtype, bytes + i * dtypeSize(dtype));
-  return makeHost(shape, want, std::move(values));
-}
-
-void convertNpyElements(DType dtype, const void* data, std::int64_t n, DType want, char* out) {
-  const char* bytes = static_cast<const char*>(data);
-  const std::size_t from = dtypeSize(dtype), to = dtypeSize(want);
-  for (std::int64_t i = 0; i < n; ++i)
-    storeFromDouble(want, roundedTo(want, loadAsDouble(dtype, bytes + std::size_t(i) * from)),
-                    out + std::size_t(i) * to);
+  StoredTensor out{shape, want, {}};
+  out.bytes.resize(std::size_t(out.numel()) * dtypeSize(want));
+  convertElements(dtype, data, out.numel(), want, out.bytes.data());
+  return out;
 }
 
 }  // namespace tpsim::tools

@@ -51,18 +51,15 @@ class NpyReader {
   std::unique_ptr<Open> open_;
 };
 
-// The array at `data` (row-major, `dtype` as NpyArray holds it) as a HostTensor of dtype `want`:
-// int64 token ids stay int64, float32, float64 and float16 values are rounded to `want` (makeHost).
-// The one conversion of every array a run reads: --load's files and the Python module's arrays.
-// Throws InvalidArgument starting with `where` when ids are expected and values given, or the other
-// way round.
-HostTensor hostTensorOf(DType dtype, const std::vector<std::int64_t>& shape, const void* data, DType want,
-                        const std::string& where);
-// hostTensorOf's check alone: int64 token ids where `want` is int64, float values elsewhere.
+// The array at `data` (row-major, `dtype` as NpyArray holds it) as a StoredTensor of dtype `want`:
+// int64 token ids stay int64, float32, float64 and float16 values are rounded to `want`
+// (convertElements): what the Python module makes of its arrays, as --load converts its files a
+// piece at a time. Throws InvalidArgument starting with `where` when ids are expected and values
+// given, or the other way round.
+StoredTensor storedTensorOf(DType dtype, const std::vector<std::int64_t>& shape, const void* data, DType want,
+                            const std::string& where);
+// storedTensorOf's check alone: int64 token ids where `want` is int64, float values elsewhere.
 void checkIdsOrValues(DType dtype, DType want, const std::string& where);
-// hostTensorOf's conversion, stored: n elements of `dtype` at `data` into n of `want` at `out`, each
-// rounded to `want` (after checkIdsOrValues).
-void convertNpyElements(DType dtype, const void* data, std::int64_t n, DType want, char* out);
 
 // Writes `data` (row-major, little-endian, one element per index of `shape`) to `path` byte for
 // byte as numpy.save does: version 1.0, or 2.0 if the header would exceed 65535 bytes. bf16 has

@@ -213,8 +213,8 @@ InputMap tensorsOf(const RunArgs& parsed, const py::dict& arrays) {
   InputMap out;
   for (std::size_t i = 0; i < specs.size(); ++i) {
     const TensorSpec& t = specs[i];
-    out[t.name] = storedOf(hostTensorOf(dtypes[i], shapes.at(t.name), held[i].data(),
-                                        t.idRange.empty() ? c.dtype : DType::kInt64, "inputs['" + t.name + "']"));
+    out[t.name] = storedTensorOf(dtypes[i], shapes.at(t.name), held[i].data(),
+                                 t.idRange.empty() ? c.dtype : DType::kInt64, "inputs['" + t.name + "']");
   }
   return out;
 }
