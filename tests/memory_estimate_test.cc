@@ -279,7 +279,7 @@ INSTANTIATE_TEST_SUITE_P(LongSequenceParallelMlp, MemoryEstimate,
 // files are held whole through the run, besides the parameters as a generated run holds them (0.88-0.96
 // without them counted), and the ranks' loads leave their buffers resident where the peak comes as
 // they load (849 MiB against 785 in about one run of six).
-TEST(MemoryEstimate, ACheckpointLoadIsCoveredWithin30Percent) {
+TEST(CheckpointMemoryEstimate, ALoadIsCoveredWithin30Percent) {
   const testing::ScratchDir dir;
   const std::string checkpoint = dir.file("checkpoint");
   const std::vector<std::string> sizes{"--layer", "column", "--batch", "1", "--seq", "16", "--in-features", "4096",
