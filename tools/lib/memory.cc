@@ -95,7 +95,9 @@ std::optional<double> readNumber(const std::string& file) {
 //              bounds' products (the embedding has none) pack their two operands as floats, 2 bytes
 //              an element more than bf16 pairs (a and p were measured with bf16), at most 32 MiB more
 //              (measured)
-// and 5% of all that, at most 16 MiB: freed blocks the heap's arenas keep resident, between live ones
+// A run whose results nothing reads (unverified, unsaved) keeps none: the run's working set is less
+// kept then, except under GTP_remat, whose peak comes before the ranks keep their results.
+// And 5% of all that, at most 16 MiB: freed blocks the heap's arenas keep resident, between live ones
 // and below their trim thresholds (measured).
 double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode verify, const RunScope& scope) {
   const double T = c.tp, G = c.gtpRemat;
@@ -214,10 +216,10 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   // Process 0 of a job gathers the other processes' results, each process's as one message it then
   // unpacks.
   const double gathered = P > 1 && scope.whole ? kept * (2 - fraction) : 0;
-  // The results as the ranks keep them are part of the copies and shards terms; the ranks of a
-  // spread world whose results nothing reads keep none (runSharded, KeptResults::kNone). Under
-  // GTP_remat the peak is the wgrads' reduce-scatter, before any rank keeps a result.
-  const double unkept = scope.resultsRead || P == 1 || G > 1 ? 0 : fraction * kept;
+  // The results as the ranks keep them are part of the copies and shards terms; the ranks of a run
+  // whose results nothing reads keep none (runSharded, KeptResults::kNone). Under GTP_remat the
+  // peak is the wgrads' reduce-scatter, before any rank keeps a result.
+  const double unkept = scope.resultsRead || G > 1 ? 0 : fraction * kept;
   const double run = copies + shards + step + packing + tpExchange + gtpExchange - unkept;
   // A process that keeps its ranks' shards cuts them from pieces of up to 2^20 elements
   // (kInputPieceElements): the generator's two blocks of the disc's points (x, y, r2) in double, a
