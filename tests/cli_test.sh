@@ -603,6 +603,18 @@ for layer in column row embedding; do
   check "ckpt-$layer-load" 0 "sharded results agree" -- "$tpsim" run --layer "$layer" --tp 2 \
     $([ "$layer" = embedding ] || echo --bias) --load-checkpoint "$work/ck-$layer"
 done
+# Parameters of more than a piece (2^20 elements), read a box of rows at a time and verified against
+# what the ranks read of their chunks: a column's weight of three pieces, over GTP_remat's pad rows,
+# and the experts' weights, which share one key, of two each.
+check ckpt-pieces-save 0 "checkpoint saved" -- "$tpsim" run --layer column --tp 4 --gtp-remat 2 \
+  --pad-for-alignment 16 --batch 2 --seq 8 --in-features 1024 --out-features 2304 --verify none \
+  --save-checkpoint "$work/ck-pieces"
+check ckpt-pieces-load 0 "sharded results agree" -- "$tpsim" run --layer column --tp 2 --batch 2 --seq 8 \
+  --load-checkpoint "$work/ck-pieces"
+check ckpt-expert-pieces-save 0 "checkpoint saved" -- "$tpsim" run --layer grouped-row --tp 2 --experts 2 \
+  --tokens 16 --in-features 1152 --out-features 1024 --verify none --save-checkpoint "$work/ck-expert-pieces"
+check ckpt-expert-pieces-load 0 "sharded results agree" -- "$tpsim" run --layer grouped-row --tp 4 --experts 2 \
+  --tokens 16 --load-checkpoint "$work/ck-expert-pieces"
 check ckpt-inspect 0 "fc1.weight             F32   (64, 16)       (128, 16)           8  0-7" -- \
   "$tpsim" checkpoint inspect "$ck"
 check ckpt-inspect-placement 0 "fc2.weight             TP: shard dim 1; GTP_remat: shard dim 0 of the TP-local tensor, 16 pad rows per TP slice" -- \
