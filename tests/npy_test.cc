@@ -495,7 +495,8 @@ TEST(StoredTensorOfTest, RoundsToTheRunsDtype) {
   const std::vector<float> near = {1 + std::ldexp(1.f, -8), 1 + std::ldexp(1.f, -8) + std::ldexp(1.f, -9)};
   const StoredTensor rounded = storedTensorOf(DType::kFloat32, {2}, near.data(), DType::kBFloat16, "x");
   EXPECT_EQ(rounded.bytes.size(), 4u);
-  EXPECT_EQ(hostOf(rounded).values, (std::vector<double>{1, 1 + std::ldexp(1, -7)}));  // a tie goes to even, above it up
+  // A tie goes to even, above it up.
+  EXPECT_EQ(hostOf(rounded).values, (std::vector<double>{1, 1 + std::ldexp(1, -7)}));
   const std::vector<std::int64_t> ids = {3, 0, 7};
   EXPECT_EQ(hostOf(storedTensorOf(DType::kInt64, {3}, ids.data(), DType::kInt64, "ids")).values,
             (std::vector<double>{3, 0, 7}));

@@ -173,7 +173,8 @@ void sendCheckpointParams(const RunConfig& c, const CheckpointReader& reader, co
     const std::vector<std::int64_t>& shape = shapes.at(t.name);
     std::int64_t rowElements = 1;  // of the parameter's first axis
     for (std::size_t i = 1; i < shape.size(); ++i) rowElements *= shape[i];
-    const std::int64_t pieceRows = std::max<std::int64_t>(1, kInputPieceElements / std::max<std::int64_t>(rowElements, 1));
+    const std::int64_t pieceRows =
+        std::max<std::int64_t>(1, kInputPieceElements / std::max<std::int64_t>(rowElements, 1));
     const std::int64_t most = std::min(shape[0], pieceRows) * rowElements;
     std::vector<char> raw(std::size_t(most) * dtypeSize(k.dtype)), converted(std::size_t(most) * dtypeSize(c.dtype));
     // Its box in the key's tensor: the experts' parameters share a key, one index of its first axis each.
