@@ -138,13 +138,15 @@ const Shape kWideColumnGtp{"column G=4", {"--layer", "column", "--batch", "4", "
 // Weights that are nearly all of the run, verified: the MLP's reference holds its weights whole in
 // blocks of F when there are few tokens (with them packed and their gradients' bounds' float
 // products: 0.94 without), and MXFP8 weights' quantized copies and their making (the column 0.90,
-// the MLP 0.67 without).
+// the MLP 0.67 without). The column on one thread: over two its peak varies from run to run by a
+// fifth (322-392 MiB, 1.11-1.35), with the threads' heaps holding the copies; on one, 358-365.
 const Shape kWideMlp{"mlp weights", {"--layer", "mlp", "--batch", "2", "--seq", "16", "--in-features", "1024",
                                      "--ffn-hidden", "4096"}};
 const Shape kWideMlpMxfp8{"mlp weights mxfp8", {"--layer", "mlp", "--batch", "2", "--seq", "16", "--in-features",
                                                 "1024", "--ffn-hidden", "4096", "--weight-format", "mxfp8"}};
 const Shape kWideColumnMxfp8{"column mxfp8", {"--layer", "column", "--batch", "2", "--seq", "16", "--in-features",
-                                              "2048", "--out-features", "4096", "--weight-format", "mxfp8"}};
+                                              "2048", "--out-features", "4096", "--weight-format", "mxfp8"},
+                             "1"};
 
 // A table that is nearly all of the run, verified: the reference reads it in place and takes its
 // gradient a block of rows at a time, so the run holds the peak, where the ranks' backend gradients
@@ -275,15 +277,20 @@ INSTANTIATE_TEST_SUITE_P(LongSequenceParallelMlp, MemoryEstimate,
                          ::testing::Combine(::testing::Values(kLongMlp), ::testing::Values(8, 64)),
                          [](const auto& info) { return "T" + std::to_string(std::get<1>(info.param)); });
 
-// A column whose weight is nearly all of the run, loaded from a checkpoint saved at another TP: its
-// files are held whole through the run, besides the parameters as a generated run holds them (0.88-0.96
-// without them counted), and the ranks' loads leave their buffers resident where the peak comes as
-// they load (849 MiB against 785 in about one run of six).
-TEST(CheckpointMemoryEstimate, ALoadIsCoveredWithin30Percent) {
+// A column whose weight is nearly all of the run, unverified, loaded from a checkpoint saved at
+// another TP: its files are held whole through the run, besides the parameters as a generated run
+// holds them, and the buffers its ranks read their chunks into stay resident, no kept results
+// reusing them. Where the heap reuses those buffers decides the peak: 721 or 785 MiB. At 721 the
+// estimate reads 1.41 with the files counted twice and 1.43 with the buffers; at 785, 0.97 without
+// the files and 0.95 without the buffers (tpsim_mpi_memory_p8 fails without the files too).
+class CheckpointMemoryEstimate : public ::testing::TestWithParam<int> {};
+
+TEST_P(CheckpointMemoryEstimate, ALoadIsCoveredWithin30Percent) {
   const testing::ScratchDir dir;
   const std::string checkpoint = dir.file("checkpoint");
-  const std::vector<std::string> sizes{"--layer", "column", "--batch", "1", "--seq", "16", "--in-features", "4096",
-                                       "--out-features", "8192", "--verify", "none", "--threads", "2"};
+  const std::vector<std::string> sizes{"--layer", "column", "--batch", std::to_string(GetParam()), "--seq", "16",
+                                       "--in-features", "4096", "--out-features", "8192", "--verify", "none",
+                                       "--threads", "2"};
   std::vector<std::string> save = withFlags(withFlags({"run"}, sizes), {"--tp", "4", "--save-checkpoint", checkpoint});
   const Peak saved = peakOf(save);
   ASSERT_TRUE(WIFEXITED(saved.status) && WEXITSTATUS(saved.status) == 0) << "saving: wait status " << saved.status;
@@ -296,12 +303,15 @@ TEST(CheckpointMemoryEstimate, ALoadIsCoveredWithin30Percent) {
   ASSERT_TRUE(peak.maxRssKiB > 0 && WIFEXITED(peak.status) && WEXITSTATUS(peak.status) == 0)
       << "loading: wait status " << peak.status << ", peak " << peak.maxRssKiB << " KiB";
   const double measured = double(peak.maxRssKiB) * 1024, ratio = estimate / measured;
-  const std::string figures = "checkpoint files " + bytesText(files) + ", estimate " + bytesText(estimate) +
-                              ", peak RSS " + bytesText(measured) + ", ratio " + std::to_string(ratio);
+  const std::string figures = "batch " + std::to_string(GetParam()) + ": checkpoint files " + bytesText(files) +
+                              ", estimate " + bytesText(estimate) + ", peak RSS " + bytesText(measured) + ", ratio " +
+                              std::to_string(ratio);
   EXPECT_GE(ratio, 1.0) << figures << ": the estimate must not be under the peak";
   EXPECT_LE(ratio, 1.3) << figures << ": the estimate must be within 1.3 times the peak";
   std::printf("%s\n", figures.c_str());
 }
+
+INSTANTIATE_TEST_SUITE_P(Batch, CheckpointMemoryEstimate, ::testing::Values(1, 2));
 
 TEST(MemoryGrowth, ASequenceParallelMlpPeaksAtMost25PercentHigherAt64RanksThanAt8) {
   long peaks[2] = {0, 0};

@@ -262,6 +262,7 @@ case "$mode" in
       done
     }
     spread_peaks $args
+    generated_est=$est
     # The estimate errs high, by at most 1.62 on the runs of docs/distributed.md.
     [ "$est" -le $((2 * most)) ] || fail "estimate $est KiB, more than twice the largest peak ($most KiB)"
     # Each process about 1/P of one process's peak: the program, its shards and its rank's working
@@ -290,7 +291,7 @@ case "$mode" in
       [ $(((limit - usage) / 1024)) -ge "$avail" ] || avail=$(((limit - usage) / 1024))
       break
     done
-    wide=$(( (8192 * avail / 2 / est) / 64 * 64 ))
+    wide=$(( (8192 * avail / 2 / generated_est) / 64 * 64 ))
     args="run --layer column --batch 2 --seq 16 --in-features 4096 --out-features $wide --tp $p --verify none"
     set +e
     (ulimit -v $((avail / 5)); timeout -k 5 100 "$mpiexec" -n "$p" "$tpsim" $args >/dev/null 2>"$tmp/err")

@@ -43,7 +43,8 @@ std::optional<double> readNumber(const std::string& file) {
 //   inputs     the unsharded inputs in their dtypes (4 bytes an fp32 element, 8 a token id), held
 //              through the run and the verification
 //   checkpoint the files of --load-checkpoint (RunScope::checkpointBytes), held whole through the
-//              run, and 0.6d·W/P: the buffers the ranks read their chunks into (measured)
+//              run, and 0.6d·W/P (1.1d·W/P where no rank keeps its results): the buffers the ranks
+//              read their chunks into (measured)
 // then the larger of the run's working set and the verification's (the run hands what its ranks
 // freed back to the system before it verifies):
 //   copies     cT(fX·X + fY·Y) + R(oX·fX·X + oY·fY·Y) (+ 3T·n) + 2.5d·T(fP − fY)Y, c =
@@ -228,12 +229,13 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   const double pieceElements = std::min(double(kInputPieceElements), largestNumel);
   const double cutting = 2 * 3 * 8 * std::ceil(pieceElements / 2) + 16 * pieceElements;
   // A checkpoint's files, held whole by every process through the run, and what its ranks' loads
-  // leave resident: each reads its chunks into a host buffer and a backend tensor beside its shard,
-  // which the run's later tensors mostly reuse (0.03-0.56 of the parameters' bytes measured above
-  // the files and the same run's peak on generated data, at T = 1-8 on two threads; the most where
-  // the peak comes as the ranks load, in about one run of six).
-  const double checkpoint =
-      scope.checkpointBytes > 0 ? scope.checkpointBytes + 0.6 * fraction * activationBytes * held : 0;
+  // leave resident: each reads its chunks into a host buffer and a backend tensor beside its shard.
+  // The results the ranks keep mostly reuse them; without those they stay (measured above the files
+  // and the same run's peak on generated data, on columns of 32M parameters at T = 1-8 on two
+  // threads: 0.03-0.56 of the parameters' bytes with the results kept, the most in about one run of
+  // six, and 0.41-1.07 without).
+  const double loads = (scope.resultsRead ? 0.6 : 1.1) * fraction * activationBytes * held;
+  const double checkpoint = scope.checkpointBytes > 0 ? scope.checkpointBytes + loads : 0;
   const double live = checkpoint + (scope.whole ? inputs + stacked + std::max({run, gathered, reference})
                                                 : inputShards + std::max(run, cutting));
   return program + live + std::min(0.05 * live, 16.0 * (1 << 20));
