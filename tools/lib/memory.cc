@@ -43,8 +43,8 @@ std::optional<double> readNumber(const std::string& file) {
 //   inputs     the unsharded inputs in their dtypes (4 bytes an fp32 element, 8 a token id), held
 //              through the run and the verification
 //   checkpoint the files of --load-checkpoint (RunScope::checkpointBytes), held whole through the
-//              run, and 0.6d·W/P (1.1d·W/P where no rank keeps its results): the buffers the ranks
-//              read their chunks into (measured)
+//              run, and 0.6d·Wp (1.1d·Wp where no rank keeps its results), this process's share of
+//              it: the buffers its ranks read their chunks into (measured)
 // then the larger of the run's working set and the verification's (the run hands what its ranks
 // freed back to the system before it verifies):
 //   copies     cT(fX·X + fY·Y) + R(oX·fX·X + oY·fY·Y) (+ 3T·n) + 2.5d·T(fP − fY)Y, c =
