@@ -279,10 +279,11 @@ INSTANTIATE_TEST_SUITE_P(LongSequenceParallelMlp, MemoryEstimate,
 
 // A column whose weight is nearly all of the run, unverified, loaded from a checkpoint saved at
 // another TP: its files are held whole through the run, besides the parameters as a generated run
-// holds them, and the buffers its ranks read their chunks into stay resident, no kept results
-// reusing them. Where the heap reuses those buffers decides the peak: 721 or 785 MiB. At 721 the
-// estimate reads 1.41 with the files counted twice and 1.43 with the buffers; at 785, 0.97 without
-// the files and 0.95 without the buffers (tpsim_mpi_memory_p8 fails without the files too).
+// holds them, and the buffers its ranks read their chunks into, which the results the ranks keep
+// mostly reuse. Where the heap reuses them decides the peak, 785 or 849 MiB, so each load runs three
+// times. At 849 the estimate reads 0.97 without the files counted; at 785, 1.38 with the files
+// counted twice and 1.31 with the buffers (tpsim_mpi_memory_p8 fails without the files too, and with
+// them counted twice).
 class CheckpointMemoryEstimate : public ::testing::TestWithParam<int> {};
 
 TEST_P(CheckpointMemoryEstimate, ALoadIsCoveredWithin30Percent) {
@@ -299,16 +300,18 @@ TEST_P(CheckpointMemoryEstimate, ALoadIsCoveredWithin30Percent) {
   const double files = double(CheckpointIndex(checkpoint).fileBytes());
   const double estimate = estimateRunBytes(parsed.config, tensorShapes(parsed.config), parsed.verify,
                                           {false, 1, true, files});
-  const Peak peak = peakOf(withFlags({"run"}, args));
-  ASSERT_TRUE(peak.maxRssKiB > 0 && WIFEXITED(peak.status) && WEXITSTATUS(peak.status) == 0)
-      << "loading: wait status " << peak.status << ", peak " << peak.maxRssKiB << " KiB";
-  const double measured = double(peak.maxRssKiB) * 1024, ratio = estimate / measured;
-  const std::string figures = "batch " + std::to_string(GetParam()) + ": checkpoint files " + bytesText(files) +
-                              ", estimate " + bytesText(estimate) + ", peak RSS " + bytesText(measured) + ", ratio " +
-                              std::to_string(ratio);
-  EXPECT_GE(ratio, 1.0) << figures << ": the estimate must not be under the peak";
-  EXPECT_LE(ratio, 1.3) << figures << ": the estimate must be within 1.3 times the peak";
-  std::printf("%s\n", figures.c_str());
+  for (int run = 0; run < 3; ++run) {
+    const Peak peak = peakOf(withFlags({"run"}, args));
+    ASSERT_TRUE(peak.maxRssKiB > 0 && WIFEXITED(peak.status) && WEXITSTATUS(peak.status) == 0)
+        << "loading: wait status " << peak.status << ", peak " << peak.maxRssKiB << " KiB";
+    const double measured = double(peak.maxRssKiB) * 1024, ratio = estimate / measured;
+    const std::string figures = "batch " + std::to_string(GetParam()) + ": checkpoint files " + bytesText(files) +
+                                ", estimate " + bytesText(estimate) + ", peak RSS " + bytesText(measured) +
+                                ", ratio " + std::to_string(ratio);
+    EXPECT_GE(ratio, 1.0) << figures << ": the estimate must not be under the peak";
+    EXPECT_LE(ratio, 1.3) << figures << ": the estimate must be within 1.3 times the peak";
+    std::printf("%s\n", figures.c_str());
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Batch, CheckpointMemoryEstimate, ::testing::Values(1, 2));

@@ -445,8 +445,8 @@ int runMain(const std::vector<std::string>& args) {
   });
   CheckpointWriter writer(c.layer->name());
   const CheckpointHooks hooks{reader ? &*reader : nullptr, saveCheckpoint.empty() ? nullptr : &writer};
-  // Results nothing reads are not kept: each rank's are freed with its step.
-  const KeptResults kept = resultsRead ? KeptResults::kSharded : KeptResults::kNone;
+  // One process keeps them all the same: its estimate's terms were measured with them kept.
+  const KeptResults kept = resultsRead || jobProcesses() == 1 ? KeptResults::kSharded : KeptResults::kNone;
   const RunResult result = whole ? runSharded(c, inputs, hooks, &progress, kept)
                                  : runSharded(c, shardedInputs.release(), hooks, &progress, kept);
   if (jobProcess() != 0) return 0;  // process 0 verifies, writes and reports (docs/distributed.md)

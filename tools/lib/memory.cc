@@ -96,9 +96,7 @@ std::optional<double> readNumber(const std::string& file) {
 //              bounds' products (the embedding has none) pack their two operands as floats, 2 bytes
 //              an element more than bf16 pairs (a and p were measured with bf16), at most 32 MiB more
 //              (measured)
-// A run whose results nothing reads (unverified, unsaved) keeps none: the run's working set is less
-// kept then, except under GTP_remat, whose peak comes before the ranks keep their results.
-// And 5% of all that, at most 16 MiB: freed blocks the heap's arenas keep resident, between live ones
+// and 5% of all that, at most 16 MiB: freed blocks the heap's arenas keep resident, between live ones
 // and below their trim thresholds (measured).
 double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode verify, const RunScope& scope) {
   const double T = c.tp, G = c.gtpRemat;
@@ -217,10 +215,11 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   // Process 0 of a job gathers the other processes' results, each process's as one message it then
   // unpacks.
   const double gathered = P > 1 && scope.whole ? kept * (2 - fraction) : 0;
-  // The results as the ranks keep them are part of the copies and shards terms; the ranks of a run
-  // whose results nothing reads keep none (runSharded, KeptResults::kNone). Under GTP_remat the
-  // peak is the wgrads' reduce-scatter, before any rank keeps a result.
-  const double unkept = scope.resultsRead || G > 1 ? 0 : fraction * kept;
+  // The results as the ranks keep them are part of the copies and shards terms; the ranks of a
+  // spread world whose results nothing reads keep none (runSharded, KeptResults::kNone). Under
+  // GTP_remat the peak is the wgrads' reduce-scatter, before any rank keeps a result.
+  const bool resultsKept = scope.resultsRead || P == 1;
+  const double unkept = resultsKept || G > 1 ? 0 : fraction * kept;
   const double run = copies + shards + step + packing + tpExchange + gtpExchange - unkept;
   // A process that keeps its ranks' shards cuts them from pieces of up to 2^20 elements
   // (kInputPieceElements): the generator's two blocks of the disc's points (x, y, r2) in double, a
@@ -233,8 +232,8 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   // The results the ranks keep mostly reuse them; without those they stay (measured above the files
   // and the same run's peak on generated data, on columns of 32M parameters at T = 1-8 on two
   // threads: 0.03-0.56 of the parameters' bytes with the results kept, the most in about one run of
-  // six, and 0.41-1.07 without).
-  const double loads = (scope.resultsRead ? 0.6 : 1.1) * fraction * activationBytes * held;
+  // six, and 0.41-1.07 without, in a build whose one process kept none either).
+  const double loads = (resultsKept ? 0.6 : 1.1) * fraction * activationBytes * held;
   const double checkpoint = scope.checkpointBytes > 0 ? scope.checkpointBytes + loads : 0;
   const double live = checkpoint + (scope.whole ? inputs + stacked + std::max({run, gathered, reference})
                                                 : inputShards + std::max(run, cutting));

@@ -16,12 +16,12 @@
 namespace tpsim::tools {
 
 // What a run does besides its configuration that its memory depends on: whether its results are
-// read once it ends (verified, saved or returned; otherwise no rank keeps them), and, where its
-// world is spread over an MPI job (docs/distributed.md), the job's processes and whether this
-// process holds the whole inputs and every result (process 0, when the results are read) or only
-// its ranks' shards, and the bytes of the checkpoint it loads (CheckpointIndex::fileBytes: a
-// CheckpointReader holds its files whole through the run). The default: a run in one process whose
-// results are read, with no checkpoint.
+// read once it ends (verified, saved or returned; in a world spread over processes, otherwise no
+// rank keeps them), and, where its world is spread over an MPI job (docs/distributed.md), the job's
+// processes and whether this process holds the whole inputs and every result (process 0, when the
+// results are read) or only its ranks' shards, and the bytes of the checkpoint it loads
+// (CheckpointIndex::fileBytes: a CheckpointReader holds its files whole through the run). The
+// default: a run in one process whose results are read, with no checkpoint.
 struct RunScope {
   bool resultsRead = true;
   int processes = 1;
