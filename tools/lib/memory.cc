@@ -231,8 +231,8 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   // leave resident: each reads its chunks into a host buffer and a backend tensor beside its shard.
   // The results the ranks keep mostly reuse them; without those they stay (measured above the files
   // and the same run's peak on generated data, on columns of 32M parameters at T = 1-8 on two
-  // threads: 0.03-0.56 of the parameters' bytes with the results kept, the most in about one run of
-  // six, and 0.41-1.07 without, in a build whose one process kept none either).
+  // threads: 0.05-0.56 of the parameters' bytes with the results kept, the most where the peak
+  // comes as the ranks load, and 0.41-1.07 without, in a build whose one process kept none either).
   const double loads = (resultsKept ? 0.6 : 1.1) * fraction * activationBytes * held;
   const double checkpoint = scope.checkpointBytes > 0 ? scope.checkpointBytes + loads : 0;
   const double live = checkpoint + (scope.whole ? inputs + stacked + std::max({run, gathered, reference})
