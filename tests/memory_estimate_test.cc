@@ -6,7 +6,8 @@
 // child's peak resident memory, and at most 1.3 times it. And the long sequence-parallel MLP, whose
 // whole-sequence tensors are most of its peak, must peak at 64 ranks at most 1.25 times its peak
 // at 8: its ranks share the gathered sequence and give their partial sums up as they make them.
-// One run of each kind whose reference holds the peak checks that kind's own coefficients.
+// One run of each kind whose reference holds the peak checks that kind's own coefficients, and a
+// column loaded from a checkpoint the checkpoint's term.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/resource.h>
