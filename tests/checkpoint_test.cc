@@ -36,14 +36,6 @@ using ::testing::Not;
 using testing::runRanks;
 using Ints = std::vector<std::int64_t>;
 
-std::string message(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  return "no error";
-}
 
 Parameter param(Compute& compute, const std::string& name, Shape shape, DType dtype = DType::kFloat32) {
   Parameter p;
@@ -120,7 +112,7 @@ TEST(FromRankOffsets, MainReplicaIsAllZeros) {
 TEST(FromRankOffsets, RejectsInvalidOffsets) {
   const ConstView data(nullptr, Shape{4, 4}, DType::kFloat32);
   auto bad = [&](std::vector<RankOffset> offsets, int prepend = 0) {
-    return message([&] { fromRankOffsets("layer.weight", data, offsets, {0}, prepend); });
+    return testing::errorOf([&] { fromRankOffsets("layer.weight", data, offsets, {0}, prepend); });
   };
   const char* range = "must have axis >= 0, numChunks >= 1 and 0 <= chunkIndex < numChunks";
   EXPECT_THAT(bad({{-1, 0, 2}}), HasSubstr(range));
@@ -737,14 +729,14 @@ TEST(GtpCheckpoint, Spec4115StampedReplicaGroupElectsTheWriter) {
               (ReplicaId{0, 5}));
     // Unstamped, no group: an error naming gtp_replica_group, from every path that elects.
     const char* missing = "GTP_remat shard 'unstamped' must carry a gtp_replica_group to elect its checkpoint writer";
-    EXPECT_THAT(message([&] { makeTpShardedTensorForCheckpoint(unstamped, "w", 0, std::nullopt, {}, pg.tp(), world); }),
+    EXPECT_THAT(testing::errorOf([&] { makeTpShardedTensorForCheckpoint(unstamped, "w", 0, std::nullopt, {}, pg.tp(), world); }),
                 HasSubstr(missing));
-    EXPECT_THAT(message([&] {
+    EXPECT_THAT(testing::errorOf([&] {
                   makeShardedTensorsForCheckpoint({{"weight", &unstamped}}, "", {{"weight", 0}}, {}, pg.tp(), world);
                 }),
                 HasSubstr(missing));
     // The override covers the replicated entries only; the unstamped weight still has no writer group.
-    EXPECT_THAT(message([&] {
+    EXPECT_THAT(testing::errorOf([&] {
                   makeShardedTensorsForCheckpoint({{"weight", &unstamped}}, "", {{"weight", 0}}, {}, pg.tp(), world,
                                                   &pg.dpCp());
                 }),
@@ -942,7 +934,7 @@ TEST(GtpCheckpointResharding, PerSlicePaddingIsInterleavedInTheSavedTensor) {
 
 TEST(GtpCheckpointResharding, InterleavedPaddingLoadsOnlyIntoTheSameLayout) {
   const ShardedTensor saved = columnWeight(2, 2, 16, 16);  // global (64, 4), pad 24 per TP slice
-  auto load = [&](const ShardedTensor& target) { return message([&] { checkReshardable(saved, target); }); };
+  auto load = [&](const ShardedTensor& target) { return testing::errorOf([&] { checkReshardable(saved, target); }); };
   EXPECT_EQ(load(saved), "no error");
   EXPECT_EQ(load(columnWeight(2, 4, 8, 16)), "no error") << "G = 4, a = 8 lays the rows out the same way";
   EXPECT_THAT(load(columnWeight(1, 2, 16, 16)),
@@ -957,7 +949,7 @@ TEST(GtpCheckpointResharding, InterleavedPaddingLoadsOnlyIntoTheSameLayout) {
   plain.allowShapeMismatch = true;
   EXPECT_THAT(load(plain), HasSubstr("got target no GTP_remat padding, global (16, 4)"));
   // The other direction misaligns too: an unpadded T = 2 checkpoint into the padded T = 2 layout.
-  EXPECT_THAT(message([&] { checkReshardable(columnWeight(2, 2, 0, 16), saved); }),
+  EXPECT_THAT(testing::errorOf([&] { checkReshardable(columnWeight(2, 2, 0, 16), saved); }),
               HasSubstr("pads each TP slice of axis 0 separately on the target side"));
 }
 
@@ -970,7 +962,7 @@ TEST(GtpCheckpointResharding, TailPaddingReshardsFreely) {
   EXPECT_NO_THROW(checkReshardable(columnWeight(1, 2, 16, 1160), saved));
   // An unpadded target of any T, once it allows the mismatch (a G = 1 layer does not by itself).
   ShardedTensor plain = columnWeight(2, 1, 16, 1160);
-  EXPECT_THAT(message([&] { checkReshardable(saved, plain); }),
+  EXPECT_THAT(testing::errorOf([&] { checkReshardable(saved, plain); }),
               HasSubstr("the target global shape must equal the saved (1216, 4) unless the target allows a shape "
                         "mismatch, got (1160, 4)"));
   plain.allowShapeMismatch = true;
@@ -988,14 +980,14 @@ TEST(GtpCheckpointResharding, RejectsAnotherKeyOrRank) {
   const ShardedTensor saved = columnWeight(2, 2, 0, 16);
   ShardedTensor renamed = saved;
   renamed.key = "x.weight";
-  EXPECT_THAT(message([&] { checkReshardable(saved, renamed); }),
+  EXPECT_THAT(testing::errorOf([&] { checkReshardable(saved, renamed); }),
               HasSubstr("checkReshardable: the target must have the saved key 'w.weight', got 'x.weight'"));
   ShardedTensor rank3 = saved;
   rank3.globalShape.push_back(1);
   rank3.allowShapeMismatch = true;
-  EXPECT_THAT(message([&] { checkReshardable(saved, rank3); }),
+  EXPECT_THAT(testing::errorOf([&] { checkReshardable(saved, rank3); }),
               HasSubstr("the target global shape must have the saved rank 2 (saved (16, 4)), got (16, 4, 1)"));
-  EXPECT_THAT(message([&] { checkReshardable(saved, columnWeight(1, 2, 0, 24)); }),
+  EXPECT_THAT(testing::errorOf([&] { checkReshardable(saved, columnWeight(1, 2, 0, 24)); }),
               HasSubstr("must equal the saved (16, 4) unless the target allows a shape mismatch, got (24, 4)"));
 }
 
@@ -1260,48 +1252,48 @@ TEST(ExpertCheckpoint, RejectedInputsNameTheArgument) {
     GroupedParallelLinear experts(lc, config, 4, 4, initMethodNormal(0.02));
     Collectives& et = pg.expertTp();
     Collectives& ep = pg.ep();
-    EXPECT_THAT(message([&] { shardedStateDict(experts, "", {}, et, ep, nullptr); }),
+    EXPECT_THAT(testing::errorOf([&] { shardedStateDict(experts, "", {}, et, ep, nullptr); }),
                 HasSubstr(where + "expertDp must be the expert replicate-DP group (pg_collection.expt_dp), got "
                                   "nullptr"));
-    EXPECT_THAT(message([&] { shardedStateDict(experts, "", {}, ep, et, &pg.expertDp()); }),
+    EXPECT_THAT(testing::errorOf([&] { shardedStateDict(experts, "", {}, ep, et, &pg.expertDp()); }),
                 HasSubstr(where + "expertTp must be the layer's expert TP group (size 1, rank 0), got size 2, rank " +
                           std::to_string(e)));
-    EXPECT_THAT(message([&] { shardedStateDict(experts, "", {}, et, pg.expertGtpRemat(), &pg.expertDp()); }),
+    EXPECT_THAT(testing::errorOf([&] { shardedStateDict(experts, "", {}, et, pg.expertGtpRemat(), &pg.expertDp()); }),
                 HasSubstr(where + "ep must be the expert-parallel group, got the layer's EGTP_remat group (size 2)"));
     // A replica id over the EGTP pair (the SPEC's "[0,2] / [1,3]") would leave EGTP rank 1's shard unwritten.
-    EXPECT_THAT(message([&] { shardedStateDict(experts, "", {}, et, ep, &pg.expertGtpRemat()); }),
+    EXPECT_THAT(testing::errorOf([&] { shardedStateDict(experts, "", {}, et, ep, &pg.expertGtpRemat()); }),
                 HasSubstr(where + "expertDp must be the gtp_replica_group stamped on 'experts.weight0', the "
                                   "gtp-excluded expert DP (size 1, rank 0), got size 2, rank " + std::to_string(g)));
     // The expert axis goes after the given offsets: an offset already on it is refused.
-    EXPECT_THAT(message([&] { shardedStateDict(experts, "e.", {{1, 0, 2}}, et, ep, &pg.expertDp()); }),
+    EXPECT_THAT(testing::errorOf([&] { shardedStateDict(experts, "e.", {{1, 0, 2}}, et, ep, &pg.expertDp()); }),
                 HasSubstr("each axis may be sharded once for key 'e.weight', got axis 1 twice"));
 
     // Layers stamped with the wrong gtp_replica_group: the dense one, the EGTP group itself, none.
     LayerContext dense = lc;
     dense.gtpReplica = &pg.dpCp();
     GroupedParallelLinear denseStamped(dense, config, 4, 4, initMethodNormal(0.02));
-    EXPECT_THAT(message([&] { shardedStateDict(denseStamped, "", {}, et, ep, &pg.expertDp()); }),
+    EXPECT_THAT(testing::errorOf([&] { shardedStateDict(denseStamped, "", {}, et, ep, &pg.expertDp()); }),
                 HasSubstr(where + "expertDp must be the gtp_replica_group stamped on 'experts.weight0', the "
                                   "gtp-excluded expert DP (size 4, rank " + std::to_string(ctx.comm.rank()) +
                           "), got size 1, rank 0"));
     LayerContext pair = lc;
     pair.gtpReplica = &pg.expertGtpRemat();
     GroupedParallelLinear pairStamped(pair, config, 4, 4, initMethodNormal(0.02));
-    EXPECT_THAT(message([&] { shardedStateDict(pairStamped, "", {}, et, ep, &pg.expertGtpRemat()); }),
+    EXPECT_THAT(testing::errorOf([&] { shardedStateDict(pairStamped, "", {}, et, ep, &pg.expertGtpRemat()); }),
                 HasSubstr(where + "the gtp_replica_group stamped on 'experts.weight0' must be the gtp-excluded "
                                   "expert DP group, got its EGTP_remat group (size 2)"));
     LayerContext unstamped = lc;
     unstamped.gtpReplica = nullptr;
     GroupedParallelLinear noReplica(unstamped, config, 4, 4, initMethodNormal(0.02));
-    EXPECT_THAT(message([&] { shardedStateDict(noReplica, "", {}, et, ep, &pg.expertDp()); }),
+    EXPECT_THAT(testing::errorOf([&] { shardedStateDict(noReplica, "", {}, et, ep, &pg.expertDp()); }),
                 HasSubstr(where + "GTP_remat shard 'experts.weight0' must carry a gtp_replica_group, got none"));
   });
   // ET = 2, EP = 2, no EGTP_remat: the expert TP group passed as ep.
   runExpertRanks(expertLayout(4, 2, 2, 1), [&](RankContext&, ProcessGroups& pg, LayerContext& lc) {
     GroupedParallelLinear experts(lc, expertConfig(2, 2, 1, 0), 4, 4, initMethodNormal(0.02));
-    EXPECT_THAT(message([&] { shardedStateDict(experts, "", {}, pg.expertTp(), pg.expertTp(), &pg.expertDp()); }),
+    EXPECT_THAT(testing::errorOf([&] { shardedStateDict(experts, "", {}, pg.expertTp(), pg.expertTp(), &pg.expertDp()); }),
                 HasSubstr(where + "ep must be the expert-parallel group, got the layer's expert TP group (size 2)"));
-    EXPECT_EQ(message([&] { shardedStateDict(experts, "", {}, pg.expertTp(), pg.ep(), &pg.expertDp()); }),
+    EXPECT_EQ(testing::errorOf([&] { shardedStateDict(experts, "", {}, pg.expertTp(), pg.ep(), &pg.expertDp()); }),
               "no error");
   });
 }
@@ -1314,43 +1306,43 @@ TEST(Checkpoint, RejectedInputsNameTheArgument) {
     Collectives& dp = ctx.comm;
     Parameter gtp = param(ctx.compute, "shard", {2, 4});
     gtp.attrs.isGtpWeightRemat = true;
-    EXPECT_THAT(message([&] { makeShardedTensorForCheckpoint(gtp, "k", std::nullopt, {}, tp, dp); }),
+    EXPECT_THAT(testing::errorOf([&] { makeShardedTensorForCheckpoint(gtp, "k", std::nullopt, {}, tp, dp); }),
                 HasSubstr("makeShardedTensorForCheckpoint: parameter 'shard' must not be a GTP_remat shard, got "
                           "is_gtp_weight_remat = True"));
-    EXPECT_THAT(message([&] { makeTpShardedTensorForCheckpoint(gtp, "k", 0, std::nullopt, {}, tp, dp); }),
+    EXPECT_THAT(testing::errorOf([&] { makeTpShardedTensorForCheckpoint(gtp, "k", 0, std::nullopt, {}, tp, dp); }),
                 HasSubstr("makeTpShardedTensorForCheckpoint: GTP_remat shard 'shard' must carry its group (stamped by "
                           "wrapGtp), got none"));
-    EXPECT_THAT(message([&] { makeShardedTensorsForCheckpoint({{"weight", &gtp}}, "", {{"weight", 0}}, {}, tp, dp); }),
+    EXPECT_THAT(testing::errorOf([&] { makeShardedTensorsForCheckpoint({{"weight", &gtp}}, "", {{"weight", 0}}, {}, tp, dp); }),
                 HasSubstr("makeShardedTensorsForCheckpoint: GTP_remat shard 'shard' must carry its group"));
     gtp.attrs.group = &ctx.comm;  // a group but no gtp_replica_group: nobody can elect the writer
-    EXPECT_THAT(message([&] { makeTpShardedTensorForCheckpoint(gtp, "k", 0, std::nullopt, {}, tp, dp); }),
+    EXPECT_THAT(testing::errorOf([&] { makeTpShardedTensorForCheckpoint(gtp, "k", 0, std::nullopt, {}, tp, dp); }),
                 HasSubstr("gtpReplicaRank: GTP_remat shard 'shard' must carry a gtp_replica_group to elect its "
                           "checkpoint writer, got none"));
     gtp.attrs.group.reset();
     gtp.attrs.isGtpWeightRemat = false;  // present but false: an ordinary parameter
-    EXPECT_EQ(message([&] { makeShardedTensorForCheckpoint(gtp, "k", std::nullopt, {}, tp, dp); }), "no error");
+    EXPECT_EQ(testing::errorOf([&] { makeShardedTensorForCheckpoint(gtp, "k", std::nullopt, {}, tp, dp); }), "no error");
 
     Parameter empty;
     empty.name = "empty";
-    EXPECT_THAT(message([&] { makeShardedTensorForCheckpoint(empty, "k", std::nullopt, {}, tp, dp); }),
+    EXPECT_THAT(testing::errorOf([&] { makeShardedTensorForCheckpoint(empty, "k", std::nullopt, {}, tp, dp); }),
                 HasSubstr("parameter 'empty' for key 'k' must hold data, got an undefined tensor"));
-    EXPECT_THAT(message([&] { makeTpShardedTensorForCheckpoint(gtp, "k", 2, std::nullopt, {}, tp, dp); }),
+    EXPECT_THAT(testing::errorOf([&] { makeTpShardedTensorForCheckpoint(gtp, "k", 2, std::nullopt, {}, tp, dp); }),
                 HasSubstr("tpAxis for key 'k' must be an axis of fp32 (2, 4), got 2"));
-    EXPECT_THAT(message([&] { makeShardedTensorsForCheckpoint({{"bias", nullptr}}, "", {}, {}, tp, dp); }),
+    EXPECT_THAT(testing::errorOf([&] { makeShardedTensorsForCheckpoint({{"bias", nullptr}}, "", {}, {}, tp, dp); }),
                 HasSubstr("state-dict entry 'bias' must have a parameter"));
-    EXPECT_THAT(message([&] { makeShardedObjectForCheckpoint("e", {{1, 0, 2}}, std::nullopt, tp, dp); }),
+    EXPECT_THAT(testing::errorOf([&] { makeShardedObjectForCheckpoint("e", {{1, 0, 2}}, std::nullopt, tp, dp); }),
                 HasSubstr("sharded offsets for key 'e' must cover axes 0..0 once each, got (axis 1, chunk 0 of 2)"));
-    EXPECT_THAT(message([&] { makeShardedObjectForCheckpoint("e", {{0, 3, 2}}, std::nullopt, tp, dp); }),
+    EXPECT_THAT(testing::errorOf([&] { makeShardedObjectForCheckpoint("e", {{0, 3, 2}}, std::nullopt, tp, dp); }),
                 HasSubstr("makeShardedObjectForCheckpoint: rank offset for key 'e'"));
-    EXPECT_THAT(message([&] { makeShardedTensorForCheckpoint(gtp, "k", std::nullopt, {{0, 0, 0}}, tp, dp); }),
+    EXPECT_THAT(testing::errorOf([&] { makeShardedTensorForCheckpoint(gtp, "k", std::nullopt, {{0, 0, 0}}, tp, dp); }),
                 HasSubstr("fromRankOffsets: rank offset for key 'k'"));
 
     const ModelParallelConfig config = configFor(2);
     ColumnParallelLinear col({ctx.compute, tp}, config, 4, 8, initMethodNormal(0.02));
     RowParallelLinear row({ctx.compute, tp}, config, 8, 4, initMethodNormal(0.02));
-    EXPECT_THAT(message([&] { shardedStateDict(col, "", {}, tp, nullptr); }),
+    EXPECT_THAT(testing::errorOf([&] { shardedStateDict(col, "", {}, tp, nullptr); }),
                 HasSubstr("shardedStateDict(ColumnParallelLinear): metadata must provide dp_cp_group, got nullptr"));
-    EXPECT_THAT(message([&] { shardedStateDict(row, "", {}, tp, nullptr); }),
+    EXPECT_THAT(testing::errorOf([&] { shardedStateDict(row, "", {}, tp, nullptr); }),
                 HasSubstr("shardedStateDict(RowParallelLinear): metadata must provide dp_cp_group, got nullptr"));
   });
 }

@@ -65,14 +65,6 @@ void loadShard(Compute& compute, VocabParallelEmbedding& layer, const Dense& d) 
                layer.weight().data);
 }
 
-std::string message(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  return "no error";
-}
 
 // Invariant 4: every rank's output is the unsharded lookup (transposed and sliced under
 // reduce_scatter_embeddings), and its weight gradient is its rows of the unsharded scatter-add.
@@ -285,44 +277,44 @@ TEST(VocabParallelEmbedding, RejectedInputsNameTheArgument) {
   const InitMethod init = initMethodNormal(0.02);
   runRanks(4, [&](RankContext& ctx) {
     const ModelParallelConfig config = configFor(DType::kFloat32);
-    EXPECT_THAT(message([&] { VocabParallelEmbedding({ctx.compute, ctx.comm}, config, 50257, 4, init); }),
+    EXPECT_THAT(testing::errorOf([&] { VocabParallelEmbedding({ctx.compute, ctx.comm}, config, 50257, 4, init); }),
                 HasSubstr("VocabParallelEmbedding: vocab_size 50257 is not divisible by tp_size 4; pad it to 50260"));
     LayerContext gtpWithoutReducer{ctx.compute, ctx.comm};
     gtpWithoutReducer.gtp = &ctx.comm;
-    EXPECT_THAT(message([&] { VocabParallelEmbedding(gtpWithoutReducer, config, 8, 4, init); }),
+    EXPECT_THAT(testing::errorOf([&] { VocabParallelEmbedding(gtpWithoutReducer, config, 8, 4, init); }),
                 HasSubstr("VocabParallelEmbedding: a GTP_remat group of size 4 needs LayerContext::gtpReducer"));
     ModelParallelConfig gpuInit = config;
     gpuInit.performInitialization = true;
-    EXPECT_THAT(message([&] { VocabParallelEmbedding({ctx.compute, ctx.comm}, gpuInit, 8, 4, init); }),
+    EXPECT_THAT(testing::errorOf([&] { VocabParallelEmbedding({ctx.compute, ctx.comm}, gpuInit, 8, 4, init); }),
                 HasSubstr("needs LayerContext::rngTracker"));
     gpuInit.useCpuInitialization = true;
-    EXPECT_THAT(message([&] { VocabParallelEmbedding({ctx.compute, ctx.comm}, gpuInit, 8, 4, init); }),
+    EXPECT_THAT(testing::errorOf([&] { VocabParallelEmbedding({ctx.compute, ctx.comm}, gpuInit, 8, 4, init); }),
                 HasSubstr("needs LayerContext::cpuGenerator"));
 
     VocabParallelEmbeddingOptions rs;
     rs.reduceScatterEmbeddings = true;
     VocabParallelEmbedding layer({ctx.compute, ctx.comm}, config, 8, 2, init, rs);
     Tensor ids = tensorOf(ctx.compute, DType::kInt64, {0, 1, 2, 3, 4, 5}, Shape{1, 6});
-    EXPECT_THAT(message([&] { layer.forward(ids); }),
+    EXPECT_THAT(testing::errorOf([&] { layer.forward(ids); }),
                 HasSubstr("reduce_scatter_embeddings needs the sequence length s divisible by tp_size 4, got s = 6"));
     Tensor floatIds = tensorOf(ctx.compute, DType::kFloat32, {0, 1, 2, 3}, Shape{1, 4});
-    EXPECT_THAT(message([&] { layer.forward(floatIds); }), HasSubstr("ids must be int64 (b, s), got fp32 (1, 4)"));
+    EXPECT_THAT(testing::errorOf([&] { layer.forward(floatIds); }), HasSubstr("ids must be int64 (b, s), got fp32 (1, 4)"));
     Tensor flatIds = tensorOf(ctx.compute, DType::kInt64, {0, 1, 2, 3});
-    EXPECT_THAT(message([&] { layer.forward(flatIds); }), HasSubstr("ids must be int64 (b, s), got int64 (4,)"));
+    EXPECT_THAT(testing::errorOf([&] { layer.forward(flatIds); }), HasSubstr("ids must be int64 (b, s), got int64 (4,)"));
     Tensor dy = ctx.compute.zeros({1, 1, 2}, DType::kFloat32);
-    EXPECT_THAT(message([&] { layer.backward(dy); }), HasSubstr("backward: called before forward"));
+    EXPECT_THAT(testing::errorOf([&] { layer.backward(dy); }), HasSubstr("backward: called before forward"));
     layer.forward(tensorOf(ctx.compute, DType::kInt64, {0, 1, 2, 3}, Shape{1, 4}));
     Tensor wrong = ctx.compute.zeros({1, 4, 2}, DType::kFloat32);
-    EXPECT_THAT(message([&] { layer.backward(wrong); }),
+    EXPECT_THAT(testing::errorOf([&] { layer.backward(wrong); }),
                 HasSubstr("dOutput must be fp32 (1, 1, 2) like the output, got fp32 (1, 4, 2)"));
   });
   runRanks(1, [&](RankContext& ctx) {
     VocabParallelEmbedding layer({ctx.compute, ctx.comm}, configFor(DType::kFloat32), 16, 2, init);
     Tensor tooBig = tensorOf(ctx.compute, DType::kInt64, {0, 3, 3, 15, 1, 0, 16, 7}, Shape{2, 4});
-    EXPECT_THAT(message([&] { layer.forward(tooBig); }),
+    EXPECT_THAT(testing::errorOf([&] { layer.forward(tooBig); }),
                 HasSubstr("VocabParallelEmbedding::forward: ids must lie in [0, V=16), got id 16 at position (1, 2)"));
     Tensor negative = tensorOf(ctx.compute, DType::kInt64, {-1}, Shape{1, 1});
-    EXPECT_THAT(message([&] { layer.forward(negative); }), HasSubstr("got id -1 at position (0, 0)"));
+    EXPECT_THAT(testing::errorOf([&] { layer.forward(negative); }), HasSubstr("got id -1 at position (0, 0)"));
   });
 }
 

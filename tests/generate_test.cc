@@ -13,6 +13,7 @@
 #include "backends/dtype.h"
 #include "backends/errors.h"
 #include "sim/host_pool.h"
+#include "tests/sim_test_util.h"
 #include "tools/lib/host_tensor.h"
 #include "tools/lib/layer_kind.h"
 
@@ -70,15 +71,7 @@ TEST(Generate, DrawNormalsHandsOverOrderedPiecesOfAtMostAPiece) {
   EXPECT_EQ(got, standardDraws(theirs, 1.0, DType::kFloat32, n));
 }
 
-// The message of the InvalidArgument `f` throws ("no error" when it throws none).
-std::string errorOf(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  return "no error";
-}
+using testing::errorOf;
 
 // Keeps the pieces it takes, for CheckedInputs to hand them to.
 class Collected : public InputSink {
