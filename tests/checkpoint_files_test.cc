@@ -273,10 +273,13 @@ TEST(CheckpointFiles, ConsolidatedIsTheLogicalTensor) {
 
 // A box read alone holds the consolidated tensor's bytes there, wherever it falls against the saved
 // chunks and their pad rows: runs of 3 rows, single elements, a box cut on every axis, an empty one.
+// So does each read through one cache, from key to key, which then holds the chunks of the last box
+// read: none after the empty one.
 TEST(CheckpointFiles, ABoxReadAloneHoldsTheConsolidatedBytesThere) {
   const std::string dir = tempDir("boxes");
   save(Topology{4, 2, 16}, dir);
   const CheckpointReader reader(dir);
+  CheckpointReader::ChunkCache cache;
   for (const auto& [key, k] : reader.keys()) {
     const std::vector<char> all = reader.consolidated(key);
     const std::vector<std::int64_t>& shape = k.globalShape;
@@ -298,8 +301,12 @@ TEST(CheckpointFiles, ABoxReadAloneHoldsTheConsolidatedBytesThere) {
     for (const auto& [begin, extent] : boxes) {
       std::int64_t n = 1;
       for (std::int64_t e : extent) n *= e;
-      std::vector<char> got(std::size_t(n) * size);
+      std::vector<char> got(std::size_t(n) * size), cached(got.size());
       reader.readBox(key, begin, extent, got.data());
+      reader.readBox(key, begin, extent, cached.data(), &cache);
+      ASSERT_EQ(cache.key, key);
+      ASSERT_EQ(cache.chunks.empty(), n == 0) << key << ": box at " << shapeText(begin) << " of " << shapeText(extent);
+      ASSERT_EQ(got, cached) << key << ": box at " << shapeText(begin) << " of " << shapeText(extent);
       std::vector<std::int64_t> at(rank, 0);  // within the box
       for (std::int64_t i = 0; i < n; ++i) {
         std::int64_t flat = 0;
@@ -310,6 +317,44 @@ TEST(CheckpointFiles, ABoxReadAloneHoldsTheConsolidatedBytesThere) {
       }
     }
   }
+}
+
+// A reader holds none of the data: it reads each chunk when asked, checked against its checksum
+// again. A byte changed in place after the check is refused; a file replaced (as a save replaces
+// it) is still read as it was checked, from the file the reader opened.
+TEST(CheckpointFiles, AReadAfterTheCheckTakesTheCheckedBytesOrRefuses) {
+  const std::string dir = tempDir("changed");
+  save(Topology{2, 1, 0}, dir);
+  const CheckpointReader reader(dir);
+  const std::string key = reader.keys().begin()->first;
+  const std::vector<char> before = reader.consolidated(key);
+  const CheckpointChunk& chunk = reader.key(key).chunks.front();
+  const std::string file = dir + "/" + chunk.file;
+  std::ifstream in(file, std::ios::binary);
+  const std::string checked((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto replace = [&](const std::string& bytes) {
+    std::ofstream(file + ".new", std::ios::binary) << bytes;
+    ASSERT_EQ(std::rename((file + ".new").c_str(), file.c_str()), 0);
+  };
+  std::string other = checked;
+  for (char& b : other) b = char(b ^ 0x40);
+  replace(other);
+  EXPECT_EQ(reader.consolidated(key), before);
+  replace(checked);
+  const CheckpointReader again(dir);
+  std::FILE* f = std::fopen(file.c_str(), "r+b");
+  ASSERT_NE(f, nullptr);
+  std::uint64_t headerBytes = 0;  // the chunk's first byte follows the 8-byte length and the header
+  ASSERT_EQ(std::fread(&headerBytes, 8, 1, f), 1u);
+  const long first = long(8 + headerBytes + again.key(key).chunks.front().dataBegin);
+  std::fseek(f, first, SEEK_SET);
+  const int byte = std::fgetc(f);
+  std::fseek(f, first, SEEK_SET);
+  std::fputc(byte ^ 0x01, f);
+  std::fclose(f);
+  const std::string error = testing::errorOf([&] { again.consolidated(key); });
+  EXPECT_NE(error.find("expected data checksum"), std::string::npos) << error;
+  EXPECT_NE(error.find("the data is corrupt, or changed after it was checked"), std::string::npos) << error;
 }
 
 std::string loadError(const std::string& dir, const Topology& topo = {2, 1, 0}) {

@@ -194,6 +194,13 @@ check load-same-tp 0 "sharded results agree" -- "$tpsim" run --layer mlp --tp 4 
 for f in output input.grad fc1.weight.grad fc2.weight.grad; do
   cmp -s "$work/a/$f.npy" "$work/c/$f.npy" || { echo "FAIL replay: $f.npy differs"; failures=$((failures + 1)); }
 done
+# The files size the run: a size flag given beside them must agree, or it would be overruled unsaid.
+check load-size-flag 2 "--ffn-hidden: expected 64 (as the ffn hidden size F (fc1.weight.npy dim 0) gives it)" -- \
+  "$tpsim" run --layer mlp --tp 2 --sequence-parallel --dtype bf16 --load "$work/a" --ffn-hidden 128
+check load-size-flag-seq 2 "--seq: expected 8 (as the sequence length s (input.npy dim 0) gives it) or no --seq" -- \
+  "$tpsim" run --layer mlp --tp 2 --sequence-parallel --dtype bf16 --load "$work/a" --seq 16
+check load-size-flag-agrees 0 "sharded results agree" -- \
+  "$tpsim" run --layer mlp --tp 2 --sequence-parallel --dtype bf16 --load "$work/a" --ffn-hidden 64 --seq 8
 
 # Bad files and flags.
 mkdir -p "$work/bad"
@@ -597,6 +604,11 @@ for f in output input.grad fc1.weight.grad fc1.bias.grad fc2.weight.grad fc2.bia
 done
 check ckpt-load-bf16-gtp 0 "sharded results agree" -- "$tpsim" run --layer mlp --tp 2 --gtp-remat 4 \
   --pad-for-alignment 8 --batch 4 --dtype bf16 --load-checkpoint "$ck"
+# The checkpoint's keys size the parameters: a flag for one of their sizes must agree; the input's
+# other sizes are still the flags'.
+check ckpt-size-flag 2 "(checkpoint $ck: key 'fc1.weight' dim 1) gives it) or no --in-features, got 32" -- \
+  "$tpsim" run --layer mlp --tp 2 --load-checkpoint "$ck" --in-features 32
+check ckpt-size-flag-seq 0 "input (4, 2, 16)" -- "$tpsim" run --layer mlp --tp 2 --load-checkpoint "$ck" --seq 4
 for layer in column row embedding; do
   check "ckpt-$layer" 0 "checkpoint saved" -- "$tpsim" run --layer "$layer" --tp 4 --gtp-remat 2 --batch 4 \
     $([ "$layer" = embedding ] || echo --bias) --save-checkpoint "$work/ck-$layer"
@@ -1065,14 +1077,36 @@ hostile no-chunks "$work/ck-small" sealed 'index["tensors"]["empty"] = {"dtype":
 check ckpt-no-chunks 2 "key 'empty': chunks: expected at least one chunk, got none" -- \
   "$tpsim" checkpoint inspect "$work/hostile/no-chunks"
 # A shard larger than the memory there is (sparse here, so the disk need not hold it), its size in
-# the index: refused from the index's sizes before it is read, not paged in until the machine gives out.
+# the index: consolidate, which holds every tensor whole, refuses it from the index's sizes before
+# any file is read; inspect reads its header alone, which indexes none of the bytes added.
 hostile huge-shard "$work/ck-small" sealed 'import os
 size = int([l for l in open("/proc/meminfo") if l.startswith("MemAvailable:")][0].split()[1]) * 1024 + 2**30
 os.truncate(f"{directory}/rank-00000.safetensors", size)
 index["files"]["rank-00000.safetensors"]["size"] = size'
-check ckpt-huge-shard 2 "rank-00000.safetensors: expected a checkpoint whose files fit in memory, got " -- \
+check ckpt-huge-shard 2 "huge-shard: expected a checkpoint whose files fit in memory (consolidate holds" -- \
+  timeout 60 "$tpsim" checkpoint consolidate "$work/hostile/huge-shard" "$work/huge.safetensors"
+check ckpt-huge-shard-inspect 2 "tensor 'weight@0,0' [0, 512): expected the last tensor to end at the data's end" -- \
   timeout 60 "$tpsim" checkpoint inspect "$work/hostile/huge-shard"
 rm -rf "$work/hostile/huge-shard"
+# A chunk larger than the memory there is, with the header and the index grown to agree: a reader
+# holds one chunk at a time, whole, so it refuses this one from its data_offsets before reading it.
+hostile huge-chunk "$work/ck-small" sealed 'import os
+rows = (int([l for l in open("/proc/meminfo") if l.startswith("MemAvailable:")][0].split()[1]) * 1024 + 2**30) // 64
+t = index["tensors"]["weight"]
+t["global_shape"] = t["saved_global_shape"] = [8 + rows, 16]
+c = [c for c in chunks("weight") if c["tensor"] == "weight@8,0"][0]
+c["local_shape"] = c["stored_shape"] = [rows, 16]
+c["data_offsets"] = [0, 64 * rows]
+def grow(header, data):
+    header["weight@8,0"].update(shape=[rows, 16], data_offsets=[0, 64 * rows])
+    return header, b""
+file = c["file"]
+shard(file, grow)
+os.truncate(f"{directory}/{file}", os.path.getsize(f"{directory}/{file}") + 64 * rows)
+index["files"][file]["size"] = os.path.getsize(f"{directory}/{file}")'
+check ckpt-huge-chunk 2 "rank-00001.safetensors: expected a chunk that fits in memory (each is read whole)" -- \
+  timeout 60 "$tpsim" checkpoint inspect "$work/hostile/huge-chunk"
+rm -rf "$work/hostile/huge-chunk"
 # One that fits, sparse (4 GiB, or half the memory there is), its index resealed to agree: refused
 # from its header, which indexes none of the bytes added, before the data is read; reading the data
 # first would hold the whole file.

@@ -103,7 +103,9 @@ std::string consolidateCheckpoint(const std::string& dir, const std::string& fil
               "' (no directory ", parent.string(), ")");
   FileUses uses;
   uses.write({"consolidate: FILE"}, file);
-  const CheckpointReader reader(dir);
+  CheckpointIndex index(dir);
+  index.checkFitsInMemory("consolidate");
+  const CheckpointReader reader(std::move(index));
   for (const std::string& path : reader.paths()) uses.read({"DIR", fs::path(path).filename().string()}, path);
   std::vector<SafetensorsEntry> tensors;
   for (const auto& [key, k] : reader.keys()) {

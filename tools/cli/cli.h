@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,7 @@ struct RunArgs {
   VerifyMode verify = VerifyMode::kBound;
   std::string loadDir, saveDir;            // "" when not given
   std::string loadCheckpoint, saveCheckpoint;  // "" when not given
+  std::set<std::string> sizeFlags;         // the size flags given (without dashes): the files must agree
   std::optional<std::int64_t> maxMemory;   // --max-memory, bytes
   TraceOptions trace;                      // --trace, --clock, --device-model
   bool quiet = false;                      // --quiet: no progress line on stderr

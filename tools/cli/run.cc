@@ -166,7 +166,9 @@ ShapeMap checkpointShapes(RunConfig& c, const CheckpointIndex& index, const std:
 // The parameters of --load-checkpoint, of the `shapes` checkpointShapes gave, unsharded (pad rows
 // dropped) and converted to --dtype, handed to `sink` a piece at a time as `load` hands the files:
 // the dense reference's copy, or this process's ranks' shards (the ranks read their own chunks).
+// The cache holds the chunks the last piece overlapped, at most one key's, until all are sent.
 void sendCheckpointParams(const RunConfig& c, const CheckpointReader& reader, const ShapeMap& shapes, InputSink& sink) {
+  CheckpointReader::ChunkCache cache;
   for (const TensorSpec& t : parameters(c)) {
     const LayerKind::CheckpointSlot slot = c.layer->checkpointSlot(t.name);
     const CheckpointKey& k = reader.key(slot.key);
@@ -189,7 +191,7 @@ void sendCheckpointParams(const RunConfig& c, const CheckpointReader& reader, co
       begin[rowAxis] = row;
       box[rowAxis] = std::min(pieceRows, shape[0] - row);
       const std::int64_t count = box[rowAxis] * rowElements;
-      reader.readBox(slot.key, begin, box, raw.data());
+      reader.readBox(slot.key, begin, box, raw.data(), &cache);
       convertElements(k.dtype, raw.data(), count, c.dtype, converted.data());
       sink.piece(row * rowElements, count, converted.data());
     }
@@ -292,7 +294,8 @@ RunArgs parseRunArgs(const std::vector<std::string>& args) {
       ("weight-format", po::value(&weightFormat)->default_value(weightFormat),
        "column/row/mlp: native | mxfp8 (E4M3 weights, one E8M0 scale per 32; GTP_remat needs "
        "--pad-for-alignment 32)");
-  po::options_description size("Problem size (generated data; ignored with --load)");
+  po::options_description size("Problem size (generated data; the sizes --load's files or --load-checkpoint's keys "
+                                "hold are theirs, and a flag given for one must agree)");
   addSizeOptions(size, c);
   po::options_description run("Run");
   run.add_options()
@@ -335,6 +338,8 @@ RunArgs parseRunArgs(const std::vector<std::string>& args) {
     return out;
   }
   if (layer.empty()) throw UsageError{"--layer is required: " + layerKindNames()};
+  for (const auto& option : size.options())
+    if (!vm[option->long_name()].defaulted()) out.sizeFlags.insert(option->long_name());
   c.seed = parseSeed(seed);
   c.faults = parseInjections(injects);
   c.timeout = parseTimeout(timeout);
@@ -400,14 +405,23 @@ int runMain(const std::vector<std::string>& args) {
   const SizeSources sources{loadDir.empty() ? SizeSources::Inputs::kFlags : SizeSources::Inputs::kFiles,
                             loadCheckpoint};
   if (loadDir.empty()) checkSizes(c, sources);  // the files' sizes are believed once checkInputs has read them
-  // Before anything else is allocated: a run that cannot fit is refused, not killed by the kernel.
   ShapeMap shapes = loadDir.empty() ? tensorShapes(c) : loadShapes(c, loadDir, !index);
   for (const auto& [name, shape] : paramShapes) shapes[name] = shape;
+  HeaderMap headers;
+  for (const TensorSpec& t : c.layer->tensors(c))
+    headers[t.name] = {shapes.at(t.name), t.idRange.empty() ? c.dtype : DType::kInt64};
+  const RunConfig sized = checkInputHeaders(c, headers, sources);
+  checkGivenSizes(parsed.config, parsed.sizeFlags, sized, sources);
+  // Before anything else is allocated: a run that cannot fit is refused, not killed by the kernel.
   // Spread over processes, only process 0 verifies and saves: a process that does neither holds no
   // whole input, only its ranks' shards, cut from one tensor at a time; and when process 0 does
   // neither, no rank keeps its results (docs/distributed.md, "Memory").
   const bool resultsRead = verifyMode != VerifyMode::kNone || !saveDir.empty();
-  checkMemory(c, shapes, verifyMode, parsed.maxMemory, loadDir, resultsRead, index ? double(index->fileBytes()) : 0);
+  const CheckpointBuffers buffers =
+      index ? CheckpointBuffers{true, double(index->chunkCacheBytes(kInputPieceElements)),
+                                double(index->largestChunkBytes())}
+            : CheckpointBuffers{};
+  checkMemory(c, shapes, verifyMode, parsed.maxMemory, loadDir, resultsRead, buffers);
   checkFileUses(c, parsed, index ? &*index : nullptr);
   std::optional<CheckpointReader> reader;
   if (index) reader.emplace(std::move(*index));
@@ -417,10 +431,6 @@ int runMain(const std::vector<std::string>& args) {
   progress.above([&] { std::printf("# tpsim run: %s\n", c.str().c_str()); });
   progress.phase(loadDir.empty() ? "generate" : "load");
   const bool whole = jobProcesses() == 1 || (jobProcess() == 0 && resultsRead);
-  HeaderMap headers;
-  for (const TensorSpec& t : c.layer->tensors(c))
-    headers[t.name] = {shapes.at(t.name), t.idRange.empty() ? c.dtype : DType::kInt64};
-  const RunConfig sized = checkInputHeaders(c, headers, sources);
   InputMap inputs;
   WholeInputs wholeInputs([&inputs](const std::string& name, StoredTensor t) { inputs[name] = std::move(t); });
   ShardedInputs shardedInputs(sized, whole ? std::vector<TensorPlacement>{} : placementsOf(sized));

@@ -168,6 +168,13 @@ std::int64_t copyOverlap(const Box& src, const char* srcData, DType srcDtype, co
   }
 }
 
+// Whether the boxes share an element.
+bool overlaps(const Box& a, const Box& b) {
+  for (std::size_t i = 0; i < a.begin.size(); ++i)
+    if (std::max(a.begin[i], b.begin[i]) >= std::min(a.begin[i] + a.shape[i], b.begin[i] + b.shape[i])) return false;
+  return true;
+}
+
 // An element of a tensor that boxes inside it cover other than exactly once, and how many do.
 struct TilingFault {
   Ints element;
@@ -1057,10 +1064,38 @@ CheckpointIndex::CheckpointIndex(const std::string& dir) : indexPath_((fs::path(
   });
 }
 
-std::uint64_t CheckpointIndex::fileBytes() const {
-  std::uint64_t bytes = 0;
-  for (const File& f : files_) bytes += f.size;
-  return bytes;
+std::uint64_t CheckpointIndex::largestChunkBytes() const {
+  std::uint64_t most = 0;
+  for (const auto& [name, k] : keys_)
+    for (const CheckpointChunk& c : k.chunks) most = std::max(most, c.dataEnd - c.dataBegin);
+  return most;
+}
+
+std::uint64_t CheckpointIndex::chunkCacheBytes(std::int64_t boxElements) const {
+  std::uint64_t most = 0;
+  for (const auto& [name, k] : keys_) {
+    std::uint64_t band = 0;  // the most bytes of the chunks whose rows meet one chunk's
+    for (const CheckpointChunk& c : k.chunks) {
+      std::uint64_t bytes = 0;
+      for (const CheckpointChunk& other : k.chunks)
+        if (other.globalOffset[0] < c.globalOffset[0] + c.localShape[0] &&
+            c.globalOffset[0] < other.globalOffset[0] + other.localShape[0])
+          bytes += other.dataEnd - other.dataBegin;
+      band = std::max(band, bytes);
+    }
+    most = std::max(most, 2 * band + std::uint64_t(boxElements) * dtypeSize(k.dtype));
+  }
+  return most;
+}
+
+void CheckpointIndex::checkFitsInMemory(const std::string& holder) const {
+  double bytes = 0;
+  for (const File& f : files_) bytes += double(f.size);
+  const std::optional<tools::AvailableMemory> available = tools::availableMemory();
+  TPSIM_CHECK(!available || bytes <= double(available->bytes), "checkpoint ", home_, ": expected a checkpoint whose "
+              "files fit in memory (", holder, " holds its tensors whole), got ", tools::bytesText(bytes),
+              " (the index's sizes), more than the ", tools::bytesText(double(available->bytes)), " available (",
+              available->source, ")");
 }
 
 const CheckpointKey& CheckpointIndex::key(const std::string& key) const {
@@ -1079,10 +1114,6 @@ CheckpointReader::CheckpointReader(CheckpointIndex index) : index_(std::move(ind
   // Files: size, header checksum, header well-formed and consistent with the file's size.
   // file -> its tensors by name, each with whether a chunk names it
   std::map<std::string, std::unordered_map<std::string, std::pair<SafetensorsTensor, bool>>> headers;
-  // Every file is held whole while the checkpoint is read: those read so far and the next, as the
-  // index sizes them, must fit in the memory there was at the start, before the next is read.
-  const std::optional<tools::AvailableMemory> available = tools::availableMemory();
-  double held = 0;
   for (const CheckpointIndex::File& f : index_.files_) {
     const std::string& fw = f.path;
     tools::InputFile input =
@@ -1090,10 +1121,6 @@ CheckpointReader::CheckpointReader(CheckpointIndex index) : index_(std::move(ind
     // Before reading: a file of another size, however large, is never read.
     TPSIM_CHECK(input.size() == f.size, fw, ": expected ", f.size, " bytes (the index's size), got ", input.size(),
                 "; the file is truncated or was replaced");
-    held += double(f.size);
-    TPSIM_CHECK(!available || held <= double(available->bytes), fw,
-                ": expected a checkpoint whose files fit in memory, got ", tools::bytesText(held), " with this file (the index's sizes), more than the ",
-                tools::bytesText(double(available->bytes)), " available (", available->source, ")");
     // The header alone first: its tensors must index the whole data, so that a file whose size was
     // edited with the index (a sparse file, the index resealed) is refused before its data is read.
     std::vector<char> bytes(std::size_t(std::min<std::uint64_t>(f.size, 8)));
@@ -1108,11 +1135,11 @@ CheckpointReader::CheckpointReader(CheckpointIndex index) : index_(std::move(ind
       std::string name = t.name;
       headers[f.name][name] = {std::move(t), false};
     }
-    bytes.resize(std::size_t(f.size));
-    input.readAt(8 + n, bytes.data() + 8 + n, std::size_t(f.size - 8 - n), "data");
-    dataStart_[f.name] = std::size_t(8 + n);
-    files_[f.name] = std::move(bytes);
+    dataStart_[f.name] = 8 + n;
+    files_.emplace(f.name, std::move(input));
   }
+  // Each chunk is read whole: one larger than the memory there is is refused before it is read.
+  const std::optional<tools::AvailableMemory> available = tools::availableMemory();
   // Tensors: every chunk as its file's header has it, checksums, one padding record, tiling.
   for (const auto& [name, k] : index_.keys_) {
     for (const CheckpointChunk& c : k.chunks) {
@@ -1128,9 +1155,11 @@ CheckpointReader::CheckpointReader(CheckpointIndex index) : index_(std::move(ind
                   shapeText(stored.shape), " at [", stored.begin, ", ", stored.end, ") in the file");
       TPSIM_CHECK(!ht->second.second, cw, ": expected each stored tensor used once, got it twice");
       ht->second.second = true;
-      const std::uint64_t sum = fnv1a64(dataOf(c), c.dataEnd - c.dataBegin);
-      TPSIM_CHECK(sum == c.checksum, cw, ": expected data checksum ", hex64(c.checksum), " (the index's), got ",
-                  hex64(sum), "; the data is corrupt");
+      const double bytes = double(c.dataEnd - c.dataBegin);
+      TPSIM_CHECK(!available || bytes <= double(available->bytes), cw, ": expected a chunk that fits in memory (each "
+                  "is read whole), got ", tools::bytesText(bytes), " (its data_offsets), more than the ",
+                  tools::bytesText(double(available->bytes)), " available (", available->source, ")");
+      chunkData(name, c);
     }
     checkKey(k, where);
   }
@@ -1139,7 +1168,9 @@ CheckpointReader::CheckpointReader(CheckpointIndex index) : index_(std::move(ind
     for (const auto& [name, tensor] : names)
       TPSIM_CHECK(tensor.second, where, ": expected every tensor of ", nameText(file),
                   " named by a chunk, got ", nameText(name), " named by none");
-  index_.lock_.reset();  // the files are read: a save into the directory may go ahead
+  // The files are checked, and stay open: a save into the directory may go ahead, since one that
+  // replaces a file leaves the reader reading the one it checked.
+  index_.lock_.reset();
 }
 
 void CheckpointReader::load(const ShardedTensor& target, View dst, Compute& compute) const {
@@ -1165,8 +1196,8 @@ void CheckpointReader::load(const ShardedTensor& target, View dst, Compute& comp
   for (const CheckpointChunk& c : k.chunks) {
     const RowMap cm = rowMap(k.savedGlobalShape, c.paddedAxis, c.gtpPadding, where);
     const Box src = logicalBox(c.globalOffset, c.localShape, cm, where);
-    filled += copyOverlap(src, dataOf(c), k.dtype, box, local,
-                          host.data(), target.dtype);
+    if (overlaps(src, box)) filled += copyOverlap(src, chunkData(target.key, c).data(), k.dtype, box, local,
+                                                  host.data(), target.dtype);
   }
   TPSIM_INTERNAL_ASSERT(filled == volume(box.shape), where, ": ", filled, " of ", volume(box.shape), " elements");
   Tensor staged = compute.empty(dst.shape(), dst.dtype());
@@ -1174,8 +1205,14 @@ void CheckpointReader::load(const ShardedTensor& target, View dst, Compute& comp
   compute.copy(staged, dst);
 }
 
-const char* CheckpointReader::dataOf(const CheckpointChunk& chunk) const {
-  return files_.at(chunk.file).data() + dataStart_.at(chunk.file) + chunk.dataBegin;
+std::vector<char> CheckpointReader::chunkData(const std::string& key, const CheckpointChunk& chunk) const {
+  const std::string cw = chunkWhere(index_.indexPath_, key, chunk);
+  std::vector<char> data(std::size_t(chunk.dataEnd - chunk.dataBegin));
+  files_.at(chunk.file).readAt(dataStart_.at(chunk.file) + chunk.dataBegin, data.data(), data.size(), cw + " data");
+  const std::uint64_t sum = fnv1a64(data.data(), data.size());
+  TPSIM_CHECK(sum == chunk.checksum, cw, ": expected data checksum ", hex64(chunk.checksum), " (the index's), got ",
+              hex64(sum), "; the data is corrupt, or changed after it was checked");
+  return data;
 }
 
 void CheckpointReader::checkObject(const ShardedObject& target) const {
@@ -1203,7 +1240,8 @@ std::vector<char> CheckpointReader::consolidated(const std::string& name) const 
   return out;
 }
 
-void CheckpointReader::readBox(const std::string& name, const Ints& begin, const Ints& shape, char* out) const {
+void CheckpointReader::readBox(const std::string& name, const Ints& begin, const Ints& shape, char* out,
+                               ChunkCache* cache) const {
   const CheckpointKey& k = key(name);
   const std::string& where = index_.indexPath_;
   bool inside = begin.size() == k.globalShape.size() && shape.size() == begin.size();
@@ -1212,11 +1250,22 @@ void CheckpointReader::readBox(const std::string& name, const Ints& begin, const
   TPSIM_INTERNAL_ASSERT(inside, where, ": key '", name, "': box at ", shapeText(begin), " of ", shapeText(shape),
                         " outside ", shapeText(k.globalShape));
   const Box box{begin, shape};
+  if (cache && cache->key != name) *cache = {name, {}};
   std::int64_t filled = 0;
   for (const CheckpointChunk& c : k.chunks) {
     const Box src =
         logicalBox(c.globalOffset, c.localShape, rowMap(k.savedGlobalShape, c.paddedAxis, c.gtpPadding, where), where);
-    filled += copyOverlap(src, dataOf(c), k.dtype, box, shape, out, k.dtype);
+    if (!overlaps(src, box)) {
+      if (cache) cache->chunks.erase(&c);
+      continue;
+    }
+    if (!cache) {
+      filled += copyOverlap(src, chunkData(name, c).data(), k.dtype, box, shape, out, k.dtype);
+      continue;
+    }
+    auto held = cache->chunks.find(&c);
+    if (held == cache->chunks.end()) held = cache->chunks.emplace(&c, chunkData(name, c)).first;
+    filled += copyOverlap(src, held->second.data(), k.dtype, box, shape, out, k.dtype);
   }
   // The reader checked that the chunks tile the tensor exactly once.
   TPSIM_INTERNAL_ASSERT(filled == volume(shape), where, ": key '", name, "': ", filled, " of ", volume(shape),

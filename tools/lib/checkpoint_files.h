@@ -21,6 +21,7 @@
 
 #include "backends/compute.h"
 #include "core/checkpoint.h"
+#include "tools/lib/input_file.h"
 #include "core/placement.h"
 
 namespace tpsim {
@@ -154,8 +155,8 @@ std::string sealCheckpointIndex(const std::string& text);
 
 // A checkpoint's index read and checked (its checksum first, then every field strictly) without
 // reading any of its files: what a load sizes its work by (keys, global shapes, dtypes, the layer
-// kind) before it holds the files in memory. It keeps the directory's read lock until a
-// CheckpointReader made from it has read the files, so that they are the ones the index names.
+// kind) before it reads them. It keeps the directory's read lock until a CheckpointReader made
+// from it has checked the files and opened them, so that they are the ones the index names.
 class CheckpointIndex {
  public:
   // Throws InvalidArgument naming the index and the expected and actual value on any mismatch.
@@ -171,8 +172,15 @@ class CheckpointIndex {
   const CheckpointKey& key(const std::string& key) const;  // throws, naming the key, if absent
   // Every file a reader reads: the index, then each file the index names.
   const std::vector<std::string>& paths() const { return paths_; }
-  // What a CheckpointReader of this index holds while it lives: every file it names, whole.
-  std::uint64_t fileBytes() const;
+  // The stored bytes of the largest chunk, which a reader reads whole.
+  std::uint64_t largestChunkBytes() const;
+  // The most stored bytes a ChunkCache holds while boxes of at most `boxElements` go through a key in
+  // the order of its leading axis (CheckpointReader::readBox): the chunks a box overlaps, at most
+  // those that share a row with a chunk at either end of it, and those between, which the box spans.
+  std::uint64_t chunkCacheBytes(std::int64_t boxElements) const;
+  // Throws InvalidArgument, naming the checkpoint, `holder` and the sizes, when the files exceed the
+  // memory available: for what holds every tensor whole (consolidate).
+  void checkFitsInMemory(const std::string& holder) const;
 
  private:
   friend class CheckpointReader;
@@ -186,17 +194,21 @@ class CheckpointIndex {
   std::vector<File> files_;  // in the index's order
   std::map<std::string, CheckpointKey> keys_;
   std::map<std::string, CheckpointObject> objects_;
-  std::unique_ptr<tools::DirectoryReadLock> lock_;  // held until a reader has read the files
+  std::unique_ptr<tools::DirectoryReadLock> lock_;  // held until a reader has checked the files
 };
 
-// A checkpoint read and checked whole at construction: the index (CheckpointIndex), every file's
-// header against it, every checksum, and that each key's chunks tile its saved and its logical
-// tensor exactly once. Afterwards const and safe to share between rank threads.
+// A checkpoint checked whole at construction: the index (CheckpointIndex), every file's header
+// against it, every chunk's checksum, and that each key's chunks tile its saved and its logical
+// tensor exactly once. It holds none of the data: the files stay open, and each read takes the
+// chunks it needs from them, one whole chunk at a time, checked against its checksum again (a file
+// changed since is refused; one replaced is still read as it was checked). Afterwards const and safe
+// to share between rank threads.
 class CheckpointReader {
  public:
   // Throws InvalidArgument naming the file and the expected and actual value on any mismatch.
   explicit CheckpointReader(const std::string& dir) : CheckpointReader(CheckpointIndex(dir)) {}
-  // Reads the files `index` names, each only once its header agrees with the file's size.
+  // Reads the files `index` names, each only once its header agrees with the file's size, a chunk at
+  // a time, each chunk only if it fits in the memory available.
   explicit CheckpointReader(CheckpointIndex index);
 
   const std::map<std::string, CheckpointKey>& keys() const { return index_.keys(); }
@@ -214,19 +226,27 @@ class CheckpointReader {
   void checkObject(const ShardedObject& target) const;
   // The whole logical tensor of `key` (no pad rows) in the saved dtype, row-major.
   std::vector<char> consolidated(const std::string& key) const;
+  // The chunks of one key that the last box read overlapped, kept for the next: boxes read in order
+  // through a tensor then read each chunk once. One caller's: not to share between threads.
+  struct ChunkCache {
+    std::string key;
+    std::map<const CheckpointChunk*, std::vector<char>> chunks;
+  };
   // The box of the same tensor at `begin` of extent `shape` (one per axis), row-major in the saved
-  // dtype, into `out`: a part of consolidated(key) without the whole.
+  // dtype, into `out`: a part of consolidated(key) without the whole. Without a cache it reads every
+  // chunk the box overlaps.
   void readBox(const std::string& key, const std::vector<std::int64_t>& begin, const std::vector<std::int64_t>& shape,
-               char* out) const;
-  // Every file it read: the index, then each file the index names.
+               char* out, ChunkCache* cache = nullptr) const;
+  // Every file it reads: the index, then each file the index names.
   const std::vector<std::string>& paths() const { return index_.paths(); }
 
  private:
   CheckpointIndex index_;
-  std::map<std::string, std::vector<char>> files_;  // file -> its whole contents
-  std::map<std::string, std::size_t> dataStart_;     // file -> the byte its data starts at
-  // A chunk's stored bytes (its data_offsets, checked against its file's header).
-  const char* dataOf(const CheckpointChunk& chunk) const;
+  std::map<std::string, tools::InputFile> files_;   // file -> open since it was checked
+  std::map<std::string, std::uint64_t> dataStart_;  // file -> the byte its data starts at
+  // A chunk of `key` read whole (its data_offsets, checked against its file's header) and checked
+  // against its checksum.
+  std::vector<char> chunkData(const std::string& key, const CheckpointChunk& chunk) const;
 };
 
 }  // namespace tpsim

@@ -117,7 +117,7 @@ std::string InputFile::realPath() const {
   return real.string();
 }
 
-void InputFile::readAt(std::uint64_t offset, void* dst, std::size_t n, const std::string& what) {
+void InputFile::readAt(std::uint64_t offset, void* dst, std::size_t n, const std::string& what) const {
   std::size_t got = 0;
   while (got < n) {
     const ssize_t r = ::pread(fd_, static_cast<char*>(dst) + got, n - got, off_t(offset + got));

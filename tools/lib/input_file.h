@@ -54,7 +54,7 @@ class InputFile {
   // Exactly `n` bytes at `offset`, or at the current position (which moves past them). `what` names
   // them when the file ends first: "<where>: expected to read 8 bytes of header length, got 3 (the
   // file shrank while being read)".
-  void readAt(std::uint64_t offset, void* dst, std::size_t n, const std::string& what);
+  void readAt(std::uint64_t offset, void* dst, std::size_t n, const std::string& what) const;
   void read(void* dst, std::size_t n, const std::string& what);
 
   // Throws "<where>: expected a file of at most `limit` bytes, got S" when size() is larger.

@@ -38,13 +38,17 @@ std::optional<LayerKind::CheckpointSlot> checkpointSlotOf(const RunConfig& c, co
   return std::nullopt;
 }
 
+// Whether size `s` is its flag's, not read from a file or a checkpoint key.
+bool flagGives(const RunConfig& c, const SizeSpec& s, const SizeSources& sources) {
+  return s.tensor.empty() || (!checkpointSlotOf(c, s.tensor, sources) && sources.inputs == SizeSources::Inputs::kFlags);
+}
+
 // A size as a message names it: the checkpoint key or the file it is read from, or its flag.
 std::string sizeText(const RunConfig& c, const SizeSpec& s, const SizeSources& sources) {
-  if (s.tensor.empty()) return "--" + s.flag;
+  if (flagGives(c, s, sources)) return "--" + s.flag;
   if (const auto slot = checkpointSlotOf(c, s.tensor, sources))
     return detail::concat(s.description, " (checkpoint ", sources.checkpoint, ": key '", slot->key, "' dim ",
                           s.dim + (slot->index >= 0 ? 1 : 0), ")");
-  if (sources.inputs == SizeSources::Inputs::kFlags) return "--" + s.flag;
   return detail::concat(s.description, " (", s.tensor, ".npy dim ", s.dim, ")");
 }
 
@@ -299,6 +303,15 @@ void checkSizes(const RunConfig& c, const SizeSources& sources) {
       divisible(detail::concat(w.name, w.tpCutsDim0 ? "'s TP-local rows, " : "'s rows, ",
                                sizeText(c, sizeNamed(c, w.symbol), sources), w.tpCutsDim0 ? " / --tp" : ""),
                 sizeValue(c, w.symbol) / (w.tpCutsDim0 ? c.tp : 1), c.gtpRemat, "--gtp-remat (with --pad-for-alignment 0)");
+}
+
+void checkGivenSizes(const RunConfig& given, const std::set<std::string>& givenFlags, const RunConfig& sized,
+                     const SizeSources& sources) {
+  for (const SizeSpec& s : sized.layer->sizes()) {
+    if (!givenFlags.count(s.flag) || flagGives(sized, s, sources)) continue;
+    TPSIM_CHECK(given.*s.field == sized.*s.field, "--", s.flag, ": expected ", sized.*s.field, " (as ",
+                sizeText(sized, s, sources), " gives it) or no --", s.flag, ", got ", given.*s.field);
+  }
 }
 
 HeaderMap headersOf(const InputMap& in) {

@@ -14,6 +14,7 @@
 #include <memory>
 #include <optional>
 #include <random>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -290,6 +291,11 @@ struct SizeSources {
 // Checks the sizes against the kind's divisibility rules (sequence and batch splits, TP cuts,
 // GTP_remat's split of each weight's TP-local rows when --pad-for-alignment is 0).
 void checkSizes(const RunConfig& config, const SizeSources& sources);
+// A size flag given beside the files that fix that size (--load's, the checkpoint's) must agree
+// with them, or the files would overrule it unsaid: `given` holds the flags' values, `givenFlags`
+// the flags given (without dashes), `sized` the sizes the files give (checkInputHeaders).
+void checkGivenSizes(const RunConfig& given, const std::set<std::string>& givenFlags, const RunConfig& sized,
+                     const SizeSources& sources);
 HeaderMap headersOf(const InputMap& inputs);
 // Checks a run's tensors: every dim >= 1, each tensor present with the kind's rank, dtype and the
 // shape its sizes give, then checkSizes (checkInputHeaders); then each tensor's values: finite, token

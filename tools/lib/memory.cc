@@ -42,11 +42,11 @@ std::optional<double> readNumber(const std::string& file) {
 //              of tensors)
 //   inputs     the unsharded inputs in their dtypes (4 bytes an fp32 element, 8 a token id), held
 //              through the run and the verification
-//   checkpoint the files of --load-checkpoint (RunScope::checkpointBytes), held whole through the
-//              run, and 0.6d·Wp (1.1d·Wp where no rank keeps its results), this process's share of
-//              it: the buffers its ranks read their chunks into (measured)
-// then the larger of the run's working set and the verification's (the run hands what its ranks
-// freed back to the system before it verifies):
+//   checkpoint 0.6d·Wp (1.1d·Wp where no rank keeps its results), this process's share of it: the
+//              buffers its ranks read a --load-checkpoint's chunks into (measured)
+// then the largest of the run's working set (with a checkpoint's chunk a running rank, which each
+// reads whole), the verification's (the run hands what its ranks freed back to the system before it
+// verifies) and, with a checkpoint, the chunks that its pieces come from:
 //   copies     cT(fX·X + fY·Y) + R(oX·fX·X + oY·fY·Y) (+ 3T·n) + 2.5d·T(fP − fY)Y, c =
 //              LayerKind::runBytesPerActivation, (oX, oY) = LayerKind::runningBytesPerActivation
 //              ((0, 0); the grouped experts', fitted) and R the threads, the ranks running at once
@@ -227,16 +227,19 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   // most 8 bytes an element each).
   const double pieceElements = std::min(double(kInputPieceElements), largestNumel);
   const double cutting = 2 * 3 * 8 * std::ceil(pieceElements / 2) + 16 * pieceElements;
-  // A checkpoint's files, held whole by every process through the run, and what its ranks' loads
-  // leave resident: each reads its chunks into a host buffer and a backend tensor beside its shard.
-  // The results the ranks keep mostly reuse them; without those they stay (measured above the files
-  // and the same run's peak on generated data, on columns of 32M parameters at T = 1-8 on two
-  // threads: 0.05-0.56 of the parameters' bytes with the results kept, the most where the peak
-  // comes as the ranks load, and 0.41-1.07 without, in a build whose one process kept none either).
-  const double loads = (resultsKept ? 0.6 : 1.1) * fraction * activationBytes * held;
-  const double checkpoint = scope.checkpointBytes > 0 ? scope.checkpointBytes + loads : 0;
-  const double live = checkpoint + (scope.whole ? inputs + stacked + std::max({run, gathered, reference})
-                                                : inputShards + std::max(run, cutting));
+  // A checkpoint's reads: while the pieces are cut, the chunks the last one overlapped; as the ranks
+  // load, a chunk each; and what their loads leave resident: each reads its
+  // chunks into a host buffer and a backend tensor beside its shard. The results the ranks keep
+  // mostly reuse those; without them they stay (measured above the same run's peak on generated
+  // data, on columns of 32M parameters at T = 1-8 on two threads: 0.05-0.56 of the parameters'
+  // bytes with the results kept, the most where the peak comes as the ranks load, and 0.41-1.07
+  // without, in a build whose one process kept none either).
+  const CheckpointBuffers& ckpt = scope.checkpoint;
+  const double loads = ckpt.loaded ? (resultsKept ? 0.6 : 1.1) * fraction * activationBytes * held : 0;
+  const double cache = ckpt.loaded ? ckpt.cacheBytes : 0, ranksReading = ckpt.loaded ? threads * ckpt.chunkBytes : 0;
+  const double live = loads + (scope.whole ? inputs + stacked + std::max({run, shards + ranksReading, cache, gathered,
+                                                                          reference})
+                                           : inputShards + std::max({run, shards + ranksReading, cutting + cache}));
   return program + live + std::min(0.05 * live, 16.0 * (1 << 20));
 }
 
@@ -276,12 +279,12 @@ std::string bytesText(double bytes) {
 }
 
 void checkMemory(const RunConfig& c, const ShapeMap& shapes, VerifyMode verify, std::optional<std::int64_t> maxMemory,
-                 const std::string& loadDir, bool resultsRead, double checkpointBytes) {
+                 const std::string& loadDir, bool resultsRead, const CheckpointBuffers& checkpoint) {
   const int processes = jobProcesses(), local = jobLocalProcesses();
   const double first =
-      estimateRunBytes(c, shapes, verify, {resultsRead, processes, processes == 1 || resultsRead, checkpointBytes});
+      estimateRunBytes(c, shapes, verify, {resultsRead, processes, processes == 1 || resultsRead, checkpoint});
   const double other =
-      processes == 1 ? first : estimateRunBytes(c, shapes, verify, {resultsRead, processes, false, checkpointBytes});
+      processes == 1 ? first : estimateRunBytes(c, shapes, verify, {resultsRead, processes, false, checkpoint});
   // Every process checks the same figures: the largest process's, and the sum over this machine's,
   // process 0's counted wherever it runs.
   const double need = std::max(first, other), machine = first + (local - 1) * other;

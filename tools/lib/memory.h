@@ -15,18 +15,25 @@
 
 namespace tpsim::tools {
 
+// What a --load-checkpoint reads into memory at once (CheckpointIndex): the chunks the pieces cut
+// from its keys overlap (CheckpointIndex::chunkCacheBytes of pieces of kInputPieceElements), and its
+// largest chunk, which each rank's load reads whole.
+struct CheckpointBuffers {
+  bool loaded = false;
+  double cacheBytes = 0, chunkBytes = 0;
+};
+
 // What a run does besides its configuration that its memory depends on: whether its results are
 // read once it ends (verified, saved or returned; in a world spread over processes, otherwise no
 // rank keeps them), and, where its world is spread over an MPI job (docs/distributed.md), the job's
 // processes and whether this process holds the whole inputs and every result (process 0, when the
-// results are read) or only its ranks' shards, and the bytes of the checkpoint it loads
-// (CheckpointIndex::fileBytes: a CheckpointReader holds its files whole through the run). The
-// default: a run in one process whose results are read, with no checkpoint.
+// results are read) or only its ranks' shards, and the checkpoint it loads. The default: a run in
+// one process whose results are read, with no checkpoint.
 struct RunScope {
   bool resultsRead = true;
   int processes = 1;
   bool whole = true;
-  double checkpointBytes = 0;
+  CheckpointBuffers checkpoint;
 };
 
 // The peak resident memory, in bytes, of runSharded plus verify(`verify`) on inputs of `shapes`, in
@@ -47,10 +54,10 @@ std::optional<AvailableMemory> availableMemory();
 // "" for generated data (the size flags), or the --load directory. `resultsRead` as RunScope's. In
 // a job of several processes (tools/lib/job.h) the estimate of the largest process (process 0
 // holds the whole inputs and every result when they are read) is checked against --max-memory, and
-// the sum over this machine's processes against what is available. `checkpointBytes` as RunScope's.
+// the sum over this machine's processes against what is available. `checkpoint` as RunScope's.
 void checkMemory(const RunConfig& config, const ShapeMap& shapes, VerifyMode verify,
                  std::optional<std::int64_t> maxMemory, const std::string& loadDir, bool resultsRead = true,
-                 double checkpointBytes = 0);
+                 const CheckpointBuffers& checkpoint = {});
 
 // 1536 -> "1.5 KiB", 3221225472 -> "3.0 GiB": a size for a message.
 std::string bytesText(double bytes);

@@ -391,7 +391,9 @@ py::dict loadCheckpoint(const py::object& path) {
     TensorMap tensors;
     {
       py::gil_scoped_release unlocked;
-      const CheckpointReader reader(parsed.dir);
+      CheckpointIndex index(parsed.dir);
+      index.checkFitsInMemory("tpsim.checkpoint.load");
+      const CheckpointReader reader(std::move(index));
       for (const auto& [key, k] : reader.keys()) {
         const std::vector<char> bytes = reader.consolidated(key);
         std::vector<double> values(bytes.size() / dtypeSize(k.dtype));

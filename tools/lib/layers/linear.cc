@@ -97,22 +97,23 @@ class LinearKind : public LayerKind {
   double runBytesPerParameter(const RunConfig& c, double threads) const override {
     return 12 + (c.gtpRemat > 1 ? 2.0 : std::max(2.0, 4.5 * threads / double(c.tp)));
   }
-  // The reference holds |W| in float and takes W a block of rows at a time (linearReference); MXFP8
-  // weights first make their two copies in the run's dtype, the second while the first is held.
+  // The reference takes W a block of rows at a time (linearReference), then the products over the
+  // whole |W| in float; MXFP8 weights first make their two copies in the run's dtype, the second
+  // while the first is held.
   double referenceBytesPerParameter(const RunConfig& c) const override {
-    return c.weightFormat == WeightFormat::kNative ? 4 : kMxfp8ReferenceBytes + double(dtypeSize(c.dtype));
+    return c.weightFormat == WeightFormat::kNative ? 0 : kMxfp8ReferenceBytes + double(dtypeSize(c.dtype));
   }
-  // A block's rows of W (and of its dgrad copy under MXFP8) and of dW and its bound in double, W's
-  // rows packed for the products, and the bound's float product. Under MXFP8 the making of the
-  // copies is over before the blocks start, which go with the two copies and |W| of each (8 + 2d
-  // bytes an element, d the dtype's): the larger of the two counts.
+  // The larger of |W| in float (half a double an element) and a block's rows of W (and of its dgrad
+  // copy under MXFP8) and of dW and its bound in double, W's rows packed for the products, and the
+  // bound's float product. Under MXFP8 the making of the copies is over before the blocks start,
+  // which go with the two copies (2d bytes an element, d the dtype's): the larger of the two counts.
   double referenceIntermediates(const RunConfig& c, const ShapeMap& shapes) const override {
     const auto w = shapes.find("weight");
     if (w == shapes.end() || w->second.size() != 2) return 0;
     const std::int64_t n = w->second[0], k = w->second[1];
     const double block = double(blockRows(ReferenceOptions(), n, k) * k);
-    if (c.weightFormat == WeightFormat::kNative) return 4.5 * block;
-    const double making = kMxfp8ReferenceBytes + double(dtypeSize(c.dtype)), held = 8 + 2 * double(dtypeSize(c.dtype));
+    if (c.weightFormat == WeightFormat::kNative) return std::max(0.5 * double(n * k), 4.5 * block);
+    const double making = kMxfp8ReferenceBytes + double(dtypeSize(c.dtype)), held = 2 * double(dtypeSize(c.dtype));
     return std::max(0.0, 5.5 * block - (making - held) / 8 * double(n * k));
   }
   std::int64_t longestSum(const RunConfig& c) const override {
