@@ -283,6 +283,20 @@ case "$mode" in
       fail "checkpoint: estimate $est KiB, more than 1.5 times the largest peak ($most KiB)"
     [ $((4 * most)) -le "$one" ] ||
       fail "a process peaked at $most KiB with --load-checkpoint, more than a quarter of one process's $one KiB"
+    # Saved at T = 1, the weight is one chunk, which every process reads whole as its pieces are cut
+    # and as its rank loads: the estimate counts it (without, each process would be above it).
+    "$tpsim" ${args/--tp $p/--tp 1} --save-checkpoint "$tmp/checkpoint1" >/dev/null ||
+      fail "tpsim ${args/--tp $p/--tp 1} --save-checkpoint: exit $?"
+    spread_peaks run --layer column --batch 2 --seq 16 --tp "$p" --load-checkpoint "$tmp/checkpoint1" --verify none
+    [ $((2 * est)) -le $((3 * most)) ] ||
+      fail "checkpoint of one chunk: estimate $est KiB, more than 1.5 times the largest peak ($most KiB)"
+    # A row layer's weight is cut along its columns: each piece of rows overlaps every rank's chunk,
+    # all of which the cache then holds (without them counted, the estimate is 0.8 of the peak).
+    row="run --layer row --batch 2 --seq 16 --in-features 8192 --out-features 4096 --tp $p --verify none"
+    "$tpsim" $row --save-checkpoint "$tmp/row-checkpoint" >/dev/null || fail "tpsim $row --save-checkpoint: exit $?"
+    spread_peaks run --layer row --batch 2 --seq 16 --tp "$p" --load-checkpoint "$tmp/row-checkpoint" --verify none
+    [ $((2 * est)) -le $((3 * most)) ] ||
+      fail "row checkpoint: estimate $est KiB, more than 1.5 times the largest peak ($most KiB)"
     # The machine holds its P processes at once: a run each process alone would fit (about a third
     # of what is available: the estimate grows a little slower than the weight) is refused by all
     # of them, the P together being more. Each process may take at most a fifth of it, so that a

@@ -1074,7 +1074,7 @@ std::uint64_t CheckpointIndex::largestChunkBytes() const {
 std::uint64_t CheckpointIndex::chunkCacheBytes(std::int64_t boxElements) const {
   std::uint64_t most = 0;
   for (const auto& [name, k] : keys_) {
-    std::uint64_t band = 0;  // the most bytes of the chunks whose rows meet one chunk's
+    std::uint64_t band = 0, all = 0;  // the most bytes of the chunks whose rows meet one chunk's
     for (const CheckpointChunk& c : k.chunks) {
       std::uint64_t bytes = 0;
       for (const CheckpointChunk& other : k.chunks)
@@ -1082,8 +1082,9 @@ std::uint64_t CheckpointIndex::chunkCacheBytes(std::int64_t boxElements) const {
             c.globalOffset[0] < other.globalOffset[0] + other.localShape[0])
           bytes += other.dataEnd - other.dataBegin;
       band = std::max(band, bytes);
+      all += c.dataEnd - c.dataBegin;
     }
-    most = std::max(most, 2 * band + std::uint64_t(boxElements) * dtypeSize(k.dtype));
+    most = std::max(most, std::min(all, 2 * band + std::uint64_t(boxElements) * dtypeSize(k.dtype)));
   }
   return most;
 }

@@ -176,7 +176,8 @@ class CheckpointIndex {
   std::uint64_t largestChunkBytes() const;
   // The most stored bytes a ChunkCache holds while boxes of at most `boxElements` go through a key in
   // the order of its leading axis (CheckpointReader::readBox): the chunks a box overlaps, at most
-  // those that share a row with a chunk at either end of it, and those between, which the box spans.
+  // those that share a row with a chunk at either end of it, and those between, which the box spans;
+  // at most the key's.
   std::uint64_t chunkCacheBytes(std::int64_t boxElements) const;
   // Throws InvalidArgument, naming the checkpoint, `holder` and the sizes, when the files exceed the
   // memory available: for what holds every tensor whole (consolidate).
