@@ -829,9 +829,37 @@ TEST(CheckpointTiling, AQuarterMillionChunksAreReadInSeconds) {
   writeHandMade(dir, {kChunks}, chunks);
   const auto start = std::chrono::steady_clock::now();
   const CheckpointReader reader(dir);
+  // So is the chunk cache's bound, which a load sizes its memory by: one chunk of 4 bytes meets
+  // each row, so boxes of 1000 rows hold at most two such and those between.
+  EXPECT_EQ(CheckpointIndex(dir).chunkCacheBytes(1000), 2 * 4 + 1000 * 4);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_EQ(reader.key("x").chunks.size(), std::size_t(kChunks));
   EXPECT_LT(seconds, 60) << "pairwise checks take minutes";
+}
+
+// The chunk cache holds the chunks a box of rows meets: those that share a row with the chunk at
+// either end of it and those between, at most the key's. Rows cut into chunks: one chunk a row;
+// columns cut into chunks: every chunk meets every row, so the whole key.
+TEST(CheckpointTiling, TheChunkCacheBoundIsTheChunksABoxOfRowsMeets) {
+  const std::string dir = tempDir("cache");
+  std::vector<std::pair<Ints, Ints>> rows;
+  for (std::int64_t r = 0; r < 8; ++r) rows.push_back({{r, 0}, {1, 4}});  // 16 bytes each
+  writeHandMade(dir, {8, 4}, rows);
+  EXPECT_EQ(CheckpointIndex(dir).chunkCacheBytes(4), 2 * 16 + 4 * 4);
+  EXPECT_EQ(CheckpointIndex(dir).chunkCacheBytes(1000), 8 * 16);
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  writeHandMade(dir, {8, 4}, {{{0, 0}, {8, 2}}, {{0, 2}, {8, 2}}});  // 64 bytes each
+  EXPECT_EQ(CheckpointIndex(dir).chunkCacheBytes(4), 2 * 64);
+  EXPECT_EQ(CheckpointIndex(dir).largestChunkBytes(), 64u);
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  // Rows [0, 4) in two chunks of columns (32 bytes each), then a chunk a row: the rows of the first
+  // two meet both, the widest band.
+  std::vector<std::pair<Ints, Ints>> mixed = {{{0, 0}, {4, 2}}, {{0, 2}, {4, 2}}};
+  for (std::int64_t r = 4; r < 16; ++r) mixed.push_back({{r, 0}, {1, 4}});
+  writeHandMade(dir, {16, 4}, mixed);
+  EXPECT_EQ(CheckpointIndex(dir).chunkCacheBytes(1), 2 * 64 + 4);
 }
 
 // A safetensors header is read as strictly as the index; its data bytes are all indexed.

@@ -1074,16 +1074,30 @@ std::uint64_t CheckpointIndex::largestChunkBytes() const {
 std::uint64_t CheckpointIndex::chunkCacheBytes(std::int64_t boxElements) const {
   std::uint64_t most = 0;
   for (const auto& [name, k] : keys_) {
-    std::uint64_t band = 0, all = 0;  // the most bytes of the chunks whose rows meet one chunk's
+    // The chunks whose rows meet chunk c's are those that start before c ends, less those that end
+    // by its start: two sorted prefix sums, not a pass over every pair (a key may have 10^5 chunks).
+    using Edge = std::pair<std::int64_t, std::uint64_t>;  // a row, and the bytes of a chunk there
+    std::vector<Edge> starts, ends;
     for (const CheckpointChunk& c : k.chunks) {
-      std::uint64_t bytes = 0;
-      for (const CheckpointChunk& other : k.chunks)
-        if (other.globalOffset[0] < c.globalOffset[0] + c.localShape[0] &&
-            c.globalOffset[0] < other.globalOffset[0] + other.localShape[0])
-          bytes += other.dataEnd - other.dataBegin;
-      band = std::max(band, bytes);
-      all += c.dataEnd - c.dataBegin;
+      starts.push_back({c.globalOffset[0], c.dataEnd - c.dataBegin});
+      ends.push_back({c.globalOffset[0] + c.localShape[0], c.dataEnd - c.dataBegin});
     }
+    std::sort(starts.begin(), starts.end());
+    std::sort(ends.begin(), ends.end());
+    std::vector<std::uint64_t> startSums(1, 0), endSums(1, 0);  // the bytes of the first i edges
+    for (const Edge& e : starts) startSums.push_back(startSums.back() + e.second);
+    for (const Edge& e : ends) endSums.push_back(endSums.back() + e.second);
+    auto before = [](const std::vector<Edge>& edges, std::int64_t row, bool atRowToo) {
+      const auto at = atRowToo ? std::upper_bound(edges.begin(), edges.end(), Edge{row, UINT64_MAX})
+                               : std::lower_bound(edges.begin(), edges.end(), Edge{row, 0});
+      return std::size_t(at - edges.begin());
+    };
+    std::uint64_t band = 0;  // the most bytes of the chunks whose rows meet one chunk's
+    for (const CheckpointChunk& c : k.chunks) {
+      const std::int64_t first = c.globalOffset[0], end = first + c.localShape[0];
+      band = std::max(band, startSums[before(starts, end, false)] - endSums[before(ends, first, true)]);
+    }
+    const std::uint64_t all = startSums.back();
     most = std::max(most, std::min(all, 2 * band + std::uint64_t(boxElements) * dtypeSize(k.dtype)));
   }
   return most;
@@ -1207,12 +1221,12 @@ void CheckpointReader::load(const ShardedTensor& target, View dst, Compute& comp
 }
 
 std::vector<char> CheckpointReader::chunkData(const std::string& key, const CheckpointChunk& chunk) const {
-  const std::string cw = chunkWhere(index_.indexPath_, key, chunk);
   std::vector<char> data(std::size_t(chunk.dataEnd - chunk.dataBegin));
-  files_.at(chunk.file).readAt(dataStart_.at(chunk.file) + chunk.dataBegin, data.data(), data.size(), cw + " data");
+  files_.at(chunk.file).readAt(dataStart_.at(chunk.file) + chunk.dataBegin, data.data(), data.size(), "chunk data");
   const std::uint64_t sum = fnv1a64(data.data(), data.size());
-  TPSIM_CHECK(sum == chunk.checksum, cw, ": expected data checksum ", hex64(chunk.checksum), " (the index's), got ",
-              hex64(sum), "; the data is corrupt, or changed after it was checked");
+  TPSIM_CHECK(sum == chunk.checksum, chunkWhere(index_.indexPath_, key, chunk), ": expected data checksum ",
+              hex64(chunk.checksum), " (the index's), got ", hex64(sum),
+              "; the data is corrupt, or changed after it was checked");
   return data;
 }
 
