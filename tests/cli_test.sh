@@ -1088,6 +1088,13 @@ check ckpt-huge-shard 2 "huge-shard: expected a checkpoint whose files fit in me
 check ckpt-huge-shard-inspect 2 "tensor 'weight@0,0' [0, 512): expected the last tensor to end at the data's end" -- \
   timeout 60 "$tpsim" checkpoint inspect "$work/hostile/huge-shard"
 rm -rf "$work/hostile/huge-shard"
+# A load keeps every file of the checkpoint open: a soft limit on open files too low for them is
+# raised; a hard one is named.
+"$tpsim" run --layer column --tp 16 --out-features 32 --save-checkpoint "$work/ck-16" >/dev/null
+check ckpt-open-files 0 "sharded results agree" -- \
+  bash -c 'ulimit -Sn 40 && exec "$0" run --layer column --tp 2 --load-checkpoint "$1"' "$tpsim" "$work/ck-16"
+check ckpt-open-files-hard 2 "index.json: expected at most 8 files, which a load keeps open (the hard limit" -- \
+  bash -c 'ulimit -n 40 && exec "$0" run --layer column --tp 2 --load-checkpoint "$1"' "$tpsim" "$work/ck-16"
 # A chunk larger than the memory there is, with the header and the index grown to agree: a reader
 # holds one chunk at a time, whole, so it refuses this one from its data_offsets before reading it.
 hostile huge-chunk "$work/ck-small" sealed 'import os

@@ -11,6 +11,8 @@
 #include <unordered_map>
 #include <nlohmann/json.hpp>
 
+#include <sys/resource.h>
+
 #include "backends/errors.h"
 #include "backends/wire.h"
 #include "tools/lib/input_file.h"
@@ -1124,8 +1126,29 @@ const CheckpointKey& CheckpointIndex::key(const std::string& key) const {
   return it->second;
 }
 
+namespace {
+
+// A reader keeps every file of its checkpoint open: where they are more than the soft limit on open
+// descriptors leaves room for (ulimit -n, often 1024), the limit is raised, up to the hard one.
+void allowOpenFiles(std::size_t files, const std::string& where) {
+  constexpr rlim_t kOthers = 32;  // the process's own descriptors besides
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return;
+  const rlim_t want = rlim_t(files) + kOthers;
+  if (limit.rlim_cur < want) {
+    limit.rlim_cur = limit.rlim_max == RLIM_INFINITY ? want : std::min(want, limit.rlim_max);
+    if (::setrlimit(RLIMIT_NOFILE, &limit) != 0 || ::getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
+  }
+  TPSIM_CHECK(limit.rlim_cur == RLIM_INFINITY || limit.rlim_cur >= want, where, ": expected at most ",
+              limit.rlim_cur > kOthers ? limit.rlim_cur - kOthers : 0, " files, which a load keeps open (the hard "
+              "limit on open files, ulimit -Hn, is ", limit.rlim_max, "), got ", files);
+}
+
+}  // namespace
+
 CheckpointReader::CheckpointReader(CheckpointIndex index) : index_(std::move(index)) {
   const std::string& where = index_.indexPath_;
+  allowOpenFiles(index_.files_.size(), where);
   // Files: size, header checksum, header well-formed and consistent with the file's size.
   // file -> its tensors by name, each with whether a chunk names it
   std::map<std::string, std::unordered_map<std::string, std::pair<SafetensorsTensor, bool>>> headers;
