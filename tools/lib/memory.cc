@@ -44,9 +44,10 @@ std::optional<double> readNumber(const std::string& file) {
 //              through the run and the verification
 //   checkpoint 0.6d·Wp (1.1d·Wp where no rank keeps its results), this process's share of it: the
 //              buffers its ranks read a --load-checkpoint's chunks into (measured)
-// then the largest of the run's working set (with a checkpoint's chunk a running rank, which each
-// reads whole), the verification's (the run hands what its ranks freed back to the system before it
-// verifies) and, with a checkpoint, the chunks that its pieces come from:
+// then the largest of the run's working set, the verification's (the run hands what its ranks freed
+// back to the system before it verifies) and, with a checkpoint, the parameters' shards with a
+// chunk for each running rank (each reads its chunks whole as it loads), and the chunks that the
+// pieces cut from it come from:
 //   copies     cT(fX·X + fY·Y) + R(oX·fX·X + oY·fY·Y) (+ 3T·n) + 2.5d·T(fP − fY)Y, c =
 //              LayerKind::runBytesPerActivation, (oX, oY) = LayerKind::runningBytesPerActivation
 //              ((0, 0); the grouped experts', fitted) and R the threads, the ranks running at once
@@ -228,12 +229,12 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   const double pieceElements = std::min(double(kInputPieceElements), largestNumel);
   const double cutting = 2 * 3 * 8 * std::ceil(pieceElements / 2) + 16 * pieceElements;
   // A checkpoint's reads: while the pieces are cut, the chunks the last one overlapped; as the ranks
-  // load, a chunk each; and what their loads leave resident: each reads its
-  // chunks into a host buffer and a backend tensor beside its shard. The results the ranks keep
-  // mostly reuse those; without them they stay (measured above the same run's peak on generated
-  // data, on columns of 32M parameters at T = 1-8 on two threads: 0.05-0.56 of the parameters'
-  // bytes with the results kept, the most where the peak comes as the ranks load, and 0.41-1.07
-  // without, in a build whose one process kept none either).
+  // load, a chunk each; and what their loads leave resident: each reads its chunks into a host
+  // buffer and a backend tensor beside its shard. The results the ranks keep mostly reuse those;
+  // without them they stay (measured above the same run's peak on generated data, on columns of 32M
+  // parameters at T = 1-8 on two threads: 0.05-0.56 of the parameters' bytes with the results kept,
+  // the most where the peak comes as the ranks load, and 0.41-1.07 without, in a build whose one
+  // process kept none either).
   const CheckpointBuffers& ckpt = scope.checkpoint;
   const double loads = ckpt.loaded ? (resultsKept ? 0.6 : 1.1) * fraction * activationBytes * held : 0;
   const double cache = ckpt.loaded ? ckpt.cacheBytes : 0, ranksReading = ckpt.loaded ? threads * ckpt.chunkBytes : 0;
