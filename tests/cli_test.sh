@@ -43,6 +43,11 @@ check mxfp8-pad 2 "--pad-for-alignment: expected a positive multiple of 32 for -
   "$tpsim" run --layer column --gtp-remat 2 --weight-format mxfp8
 check mxfp8-embedding 2 "--weight-format mxfp8: applies to --layer column, row or mlp" -- \
   "$tpsim" run --layer embedding --weight-format mxfp8
+# A size flag the kind has no size for would be ignored unsaid.
+check size-flag-unused 2 "--vocab: applies to --layer embedding, got --layer column" -- \
+  "$tpsim" run --layer column --vocab 100
+check size-flag-unused-layout 2 "--experts: applies to --layer grouped-column or grouped-row, got --layer mlp" -- \
+  "$tpsim" layout --layer mlp --experts 2
 check run-rs-embeddings 0 "sharded results agree" -- "$tpsim" run --layer embedding --tp 2 --reduce-scatter-embeddings
 # Each rank's partial input gradient, stacked (T, s, b, K), checked against the partial products.
 check run-disable-grad-reduce 0 "(4, 8, 2, 16)" -- "$tpsim" run --layer column --tp 4 --bias --disable-grad-reduce

@@ -198,8 +198,9 @@ TEST_P(MemoryEstimate, CoversTheMeasuredPeakWithin30Percent) {
   for (const std::string& flag : {std::string("--tp"), std::to_string(tp), std::string("--threads"), std::string(shape.threads)})
     args.push_back(flag);
   const RunArgs parsed = parseRunArgs(args);
-  const double estimate = estimateRunBytes(parsed.config, tensorShapes(parsed.config), parsed.verify,
-                                          {parsed.verify != VerifyMode::kNone || !parsed.saveDir.empty()});
+  RunScope scope;
+  scope.resultsRead = parsed.verify != VerifyMode::kNone || !parsed.saveDir.empty();
+  const double estimate = estimateRunBytes(parsed.config, tensorShapes(parsed.config), parsed.verify, scope);
   std::vector<std::string> run{"run"};
   run.insert(run.end(), args.begin(), args.end());
   const Peak peak = peakOf(run);

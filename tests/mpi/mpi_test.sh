@@ -10,7 +10,8 @@
 #                                                   process holds only its ranks' shards: the same report
 #   mpi_test.sh MPIEXEC TPSIM runfail P             tpsim run over P processes: a rank's injected throw
 #                                                   ends every process with exit 3 and the same cause;
-#                                                   4 ranks over 3 processes: exit 2 from every process
+#                                                   4 ranks over 3 processes: exit 2 from every process;
+#                                                   a refusal in one process alone: exit 2 from each at once
 #   mpi_test.sh MPIEXEC DRIVER props P SEED CASES   split_props' random cases over P processes = in one process,
 #                                                   line for line (each names its seed, case and configuration)
 #   mpi_test.sh MPIEXEC TPSIM files P               tpsim run --trace (model clock) --save-checkpoint over P processes,
@@ -128,7 +129,9 @@ case "$mode" in
         embedding) sp="--reduce-scatter-embeddings" ;;
         *) sp="" ;;
       esac
-      for grid in "--tp 4 -G 3 -b 3 --tokens 24" "--tp 4 -b 3 --seq 12 $sp"; do
+      grids=("--tp 4 -G 3 -b 3" "--tp 4 -b 3 --seq 12 $sp")
+      [[ "$kind" != grouped-* ]] || grids=("--tp 4 -G 3 --tokens 24" "--tp 4")
+      for grid in "${grids[@]}"; do
         args="run --layer $kind $grid"
         "$tpsim" $args --save "$tmp/one" >"$tmp/one.txt" 2>&1 || fail "tpsim $args: exit $?: $(cat "$tmp/one.txt")"
         # 4 ranks do not spread over 3 processes (tpsim_mpi_placement covers the refusal): 2 there.
@@ -170,6 +173,22 @@ case "$mode" in
     [ "$rc" -eq 2 ] || fail "exit $rc, expected 2"
     n=$(grep -c "^tpsim run: --tp x --gtp-remat: a world of 4 ranks cannot spread over 3 processes" "$tmp/err" || true)
     [ "$n" -eq 3 ] || fail "$n processes reported the placement error, expected 3"
+    # A refusal one process meets alone (here its own --max-memory; on a cluster its machine's memory,
+    # or a file only it reads) ends every process at once with exit 2, not at the world's timeout.
+    p=2
+    for refusing in 0 1; do
+      printf '#!/bin/sh\n[ "${OMPI_COMM_WORLD_RANK:-0}" = %s ] && exec "%s" "$@" --max-memory 1K\nexec "%s" "$@"\n' \
+        "$refusing" "$2" "$2" >"$tmp/one-refuses"
+      chmod +x "$tmp/one-refuses"
+      driver=$tmp/one-refuses
+      spread run --layer mlp --tp 4 --timeout 60
+      [ "$rc" -eq 2 ] || fail "exit $rc, expected 2"
+      [ "$(grep -c "^process exit 2" "$tmp/err")" -eq 2 ] || fail "expected both processes to exit 2"
+      [ "$elapsed" -lt 30000 ] || fail "took $elapsed ms: the other process waited for the world's timeout"
+      grep -q "^tpsim run: expected a run that fits in memory" "$tmp/err" || fail "the refusing process did not say why"
+      grep -q "^tpsim run: process $refusing: expected a run that fits in memory" "$tmp/err" ||
+        fail "the other process did not name it"
+    done
     ;;
   props)
     seed=$5 cases=$6
@@ -186,7 +205,7 @@ case "$mode" in
   files)
     tpsim=$driver
     # Grids whose ranks spread over 2 and 3 processes: 12 ranks, and 6 for the expert layer.
-    for args in "--layer mlp --tp 4 -G 3 -b 3 --tokens 24" "--layer grouped-column --tp 2 -G 3 -b 3 --tokens 24" \
+    for args in "--layer mlp --tp 4 -G 3 -b 3" "--layer grouped-column --tp 2 -G 3 --tokens 24" \
                 "--layer embedding --tp 6 --reduce-scatter-embeddings --seq 12 --vocab 36" "--layer row --tp 6 -S --input-is-parallel --seq 12 -k 24"; do
       for where in one spread; do
         launch=()

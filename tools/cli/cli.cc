@@ -1,12 +1,19 @@
 #include "tools/cli/cli.h"
 
 #include <boost/program_options.hpp>
+#include <algorithm>
 #include <cctype>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
+#include <exception>
+#include <filesystem>
 #include <limits>
+#include <new>
 
 #include "backends/errors.h"
+#include "backends/world.h"
+#include "tools/lib/job.h"
 
 namespace po = boost::program_options;
 
@@ -18,6 +25,79 @@ const char kExitCodes[] =
     "  1  a result is outside its bound (or not finite)\n"
     "  2  bad input: flags, files, sizes, out of memory, or a path that cannot be read or written\n"
     "  3  the simulated world failed (a rank or a collective), or tpsim's own error\n";
+
+namespace {
+
+// One line on stderr, "tpsim <command>: <message>", and the exit code. The tools' own messages
+// already start with "tpsim run: " where they reach library callers too; that is not repeated.
+// Control bytes (a file's header, a path) shown as \xNN: an error message must not drive the terminal.
+std::string printableLines(const std::string& text) {
+  std::string out;
+  for (unsigned char ch : text) {
+    if (ch >= 0x20 && ch != 0x7f) {
+      out += char(ch);
+    } else if (ch == '\n') {
+      out += "\n";  // multi-line messages (a world failure's ranks) stay readable
+    } else {
+      char hex[5];
+      std::snprintf(hex, sizeof hex, "\\x%02x", ch);
+      out += hex;
+    }
+  }
+  return out;
+}
+
+// What needed more memory than the machine has, and where the command's sizes come from.
+std::string sizeSources(const std::string& command) {
+  const std::string shapes = "--seq, --batch, --in-features, --out-features, --ffn-hidden, --vocab, --tokens, --experts";
+  if (command == "bench")
+    return "the benchmark needs more than this machine has; its sizes come from --ranks, --bw-ranks, --max-bytes, "
+           "--tokens, --hidden, --ffn and --mlp-tp";
+  if (command == "layout")
+    return "the layout's layers need more than this machine has; their sizes come from " + shapes +
+           ", --tp, --gtp-remat and --pad-for-alignment";
+  if (command == "checkpoint") return "the checkpoint's tensors need more than this machine has";
+  return "the run needs more than this machine has; its size comes from " + shapes +
+         ", --tp, --gtp-remat and --pad-for-alignment, or from the --load files";
+}
+
+CommandFailure failed(const std::string& command, const std::string& kind, std::string message, int code) {
+  const std::string prefix = "tpsim " + command + ": ";
+  if (message.compare(0, prefix.size(), prefix) == 0) message.erase(0, prefix.size());
+  return {code, prefix + kind + printableLines(message) + "\n"};
+}
+
+}  // namespace
+
+bool isCommand(const std::string& command) {
+  return command == "demo" || command == "bench" || command == "run" || command == "layout" ||
+         command == "checkpoint" || command == "devices";
+}
+
+CommandFailure failureOf(const std::string& command, std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const UsageError& e) {
+    const bool known = isCommand(command);
+    const std::string name = known ? "tpsim " + command : "tpsim";
+    return {2, name + ": " + printableLines(e.message) + "\nTry '" + name + " --help'\n"};
+  } catch (const po::error& e) {
+    return {2, "tpsim " + command + ": " + printableLines(e.what()) + "\nTry 'tpsim " + command + " --help'\n"};
+  } catch (const JobRefusal& e) {
+    return failed(command, "", e.what(), e.code);
+  } catch (const WorldError& e) {
+    return failed(command, "the simulated world failed: ", e.what(), 3);
+  } catch (const InvalidArgument& e) {
+    return failed(command, "", e.what(), 2);
+  } catch (const std::filesystem::filesystem_error& e) {
+    return failed(command, "", "'" + e.path1().string() + "': expected a usable path, got '" + e.code().message() + "'",
+                  2);
+  } catch (const std::bad_alloc&) {
+    return failed(command, "", "out of memory: " + sizeSources(command), 2);
+  } catch (const std::exception& e) {
+    return failed(command, "", e.what(), 3);
+  }
+}
 
 boost::program_options::variables_map parseOptions(const std::vector<std::string>& args,
                                                    const boost::program_options::options_description& options) {
@@ -68,6 +148,21 @@ void addSizeOptions(po::options_description& size, RunConfig& c) {
       ("tokens", po::value(&c.tokens)->default_value(c.tokens), "grouped: routed tokens M, each to one expert")
       ("experts", po::value(&c.experts)->default_value(c.experts),
        "grouped: local experts E (also with --load: the weight<i>.npy files it reads)");
+}
+
+std::set<std::string> givenSizeFlags(const po::options_description& size, const po::variables_map& vm,
+                                     const RunConfig& c) {
+  std::set<std::string> given;
+  for (const auto& option : size.options()) {
+    const std::string& flag = option->long_name();
+    if (vm[flag].defaulted()) continue;
+    const std::vector<SizeSpec>& sizes = c.layer->sizes();
+    if (std::none_of(sizes.begin(), sizes.end(), [&](const SizeSpec& s) { return s.flag == flag; }))
+      throw UsageError{"--" + flag + ": applies to --layer " + layerKindsSizedBy(flag) + ", got --layer " +
+                       c.layer->name()};
+    given.insert(flag);
+  }
+  return given;
 }
 
 const LayerKind* parseLayer(const std::string& s) {

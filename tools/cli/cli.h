@@ -9,6 +9,7 @@
 #include <boost/program_options/variables_map.hpp>
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <optional>
 #include <set>
 #include <string>
@@ -25,6 +26,17 @@ namespace tpsim::tools {
 
 // The exit codes of every command, for the --help texts: a contract for outside harnesses.
 extern const char kExitCodes[];
+
+// Whether `command` is one of tpsim's commands (run, demo, ...).
+bool isCommand(const std::string& command);
+// What a command that threw `error` prints on stderr (its lines: "tpsim <command>: <message>", the
+// message's control bytes shown as \xNN) and its exit code (kExitCodes): bad input 2, a failed world
+// or tpsim's own error 3.
+struct CommandFailure {
+  int code = 0;
+  std::string text;
+};
+CommandFailure failureOf(const std::string& command, std::exception_ptr error);
 
 int demoMain(const std::vector<std::string>& args);
 int benchMain(const std::vector<std::string>& args);
@@ -112,6 +124,10 @@ boost::program_options::variables_map parseOptions(const std::vector<std::string
 void addParallelismOptions(boost::program_options::options_description& parallelism, RunConfig& c, std::string& layer);
 void addLayerOptions(boost::program_options::options_description& layerOptions, RunConfig& c);
 void addSizeOptions(boost::program_options::options_description& size, RunConfig& c);
+// The size flags of `size` given in `vm`. Throws UsageError for one that c's layer kind has no size
+// for (--vocab with --layer column): it would be ignored unsaid.
+std::set<std::string> givenSizeFlags(const boost::program_options::options_description& size,
+                                     const boost::program_options::variables_map& vm, const RunConfig& c);
 // --layer's value. Throws UsageError.
 const LayerKind* parseLayer(const std::string& text);
 // --layer's help: the kinds of the table.

@@ -39,6 +39,7 @@ LayoutArgs parseLayoutArgs(const std::vector<std::string>& args) {
   if (layer.empty()) throw UsageError{"--layer is required: " + layerKindNames()};
   if (vm.count("svg") && out.svg.empty()) throw UsageError{"--svg: expected a file name, got an empty path"};
   c.layer = parseLayer(layer);
+  givenSizeFlags(size, vm, c);
   applyLayerConventions(c);
   return out;
 }

@@ -43,46 +43,6 @@ const char* kUsage =
     "'tpsim <command> --help' lists a command's options; 'tpsim --version' the build.\n"
     "\n";
 
-// One line on stderr, "tpsim <command>: <message>", and the exit code. The tools' own messages
-// already start with "tpsim run: " where they reach library callers too; that is not repeated.
-// Control bytes (a file's header, a path) shown as \xNN: an error message must not drive the terminal.
-std::string printable(const std::string& text) {
-  std::string out;
-  for (unsigned char ch : text) {
-    if (ch >= 0x20 && ch != 0x7f) {
-      out += char(ch);
-    } else if (ch == '\n') {
-      out += "\n";  // multi-line messages (a world failure's ranks) stay readable
-    } else {
-      char hex[5];
-      std::snprintf(hex, sizeof hex, "\\x%02x", ch);
-      out += hex;
-    }
-  }
-  return out;
-}
-
-// What needed more memory than the machine has, and where the command's sizes come from.
-std::string sizeSources(const std::string& command) {
-  const std::string shapes = "--seq, --batch, --in-features, --out-features, --ffn-hidden, --vocab, --tokens, --experts";
-  if (command == "bench")
-    return "the benchmark needs more than this machine has; its sizes come from --ranks, --bw-ranks, --max-bytes, "
-           "--tokens, --hidden, --ffn and --mlp-tp";
-  if (command == "layout")
-    return "the layout's layers need more than this machine has; their sizes come from " + shapes +
-           ", --tp, --gtp-remat and --pad-for-alignment";
-  if (command == "checkpoint") return "the checkpoint's tensors need more than this machine has";
-  return "the run needs more than this machine has; its size comes from " + shapes +
-         ", --tp, --gtp-remat and --pad-for-alignment, or from the --load files";
-}
-
-int fail(const std::string& command, const std::string& kind, std::string message, int code) {
-  const std::string prefix = "tpsim " + command + ": ";
-  if (message.compare(0, prefix.size(), prefix) == 0) message.erase(0, prefix.size());
-  std::fprintf(stderr, "%s%s%s\n", prefix.c_str(), kind.c_str(), printable(message).c_str());
-  return code;
-}
-
 // Freed memory stays in the process for the next allocation. A command allocates tensors of tens of
 // MiB, frees them and allocates again, and a first touch of a fresh page costs 40-80x its reuse on
 // a virtual machine (1.2-3.7 s a GiB against 0.04): large blocks come from the heap, not from mmaps
@@ -101,18 +61,13 @@ void keepFreedMemory(bool oneHeap) {
 #endif
 }
 
-bool isCommand(const std::string& command) {
-  return command == "demo" || command == "bench" || command == "run" || command == "layout" ||
-         command == "checkpoint" || command == "devices";
-}
-
 // What a command prints is part of its result: output lost on stdout (a full disk, /dev/full) fails
 // the command with exit 2, as an output file that cannot be written does, unless it already failed.
 int checkStdout(const std::string& command, int code) {
   const bool flushed = std::fflush(stdout) == 0;
   const int error = errno;
   if (flushed && !std::ferror(stdout)) return code;
-  const std::string prefix = isCommand(command) ? "tpsim " + command : "tpsim";
+  const std::string prefix = tpsim::tools::isCommand(command) ? "tpsim " + command : "tpsim";
   std::fprintf(stderr, "%s: standard output: expected every line written, got '%s'\n", prefix.c_str(),
                flushed ? "an error on an earlier write" : std::strerror(error));
   return code == 0 ? 2 : code;
@@ -136,25 +91,10 @@ int runCommand(const std::string& command, const std::vector<std::string>& args)
       return 0;
     }
     throw tpsim::tools::UsageError{"unknown command '" + command + "'"};
-  } catch (const tpsim::tools::UsageError& e) {
-    const bool known = isCommand(command);
-    std::fprintf(stderr, "tpsim%s%s: %s\nTry 'tpsim%s%s --help'\n", known ? " " : "", known ? command.c_str() : "",
-                 printable(e.message).c_str(), known ? " " : "", known ? command.c_str() : "");
-    return 2;
-  } catch (const boost::program_options::error& e) {
-    std::fprintf(stderr, "tpsim %s: %s\nTry 'tpsim %s --help'\n", command.c_str(), printable(e.what()).c_str(),
-                 command.c_str());
-    return 2;
-  } catch (const tpsim::WorldError& e) {
-    return fail(command, "the simulated world failed: ", e.what(), 3);
-  } catch (const tpsim::InvalidArgument& e) {
-    return fail(command, "", e.what(), 2);
-  } catch (const std::filesystem::filesystem_error& e) {
-    return fail(command, "", "'" + e.path1().string() + "': expected a usable path, got '" + e.code().message() + "'", 2);
-  } catch (const std::bad_alloc&) {
-    return fail(command, "", "out of memory: " + sizeSources(command), 2);
-  } catch (const std::exception& e) {
-    return fail(command, "", e.what(), 3);
+  } catch (...) {
+    const tpsim::tools::CommandFailure failure = tpsim::tools::failureOf(command, std::current_exception());
+    std::fputs(failure.text.c_str(), stderr);
+    return failure.code;
   }
 }
 

@@ -10,6 +10,7 @@
 #if defined(__GLIBC__)
 #include <malloc.h>
 #endif
+#include <exception>
 #include <optional>
 #include <sstream>
 
@@ -338,8 +339,6 @@ RunArgs parseRunArgs(const std::vector<std::string>& args) {
     return out;
   }
   if (layer.empty()) throw UsageError{"--layer is required: " + layerKindNames()};
-  for (const auto& option : size.options())
-    if (!vm[option->long_name()].defaulted()) out.sizeFlags.insert(option->long_name());
   c.seed = parseSeed(seed);
   c.faults = parseInjections(injects);
   c.timeout = parseTimeout(timeout);
@@ -348,6 +347,7 @@ RunArgs parseRunArgs(const std::vector<std::string>& args) {
     if (vm.count(flag) && vm[flag].as<std::string>().empty())
       throw UsageError{std::string("--") + flag + ": expected a directory, got an empty path"};
   c.layer = parseLayer(layer);
+  out.sizeFlags = givenSizeFlags(size, vm, c);
   c.dtype = parseFloatDtype("dtype", dtype);
   if (!outputDtype.empty()) c.outputDtype = parseFloatDtype("output-dtype", outputDtype);
   if (mainGradDtype != "fp32" && mainGradDtype != "bf16")
@@ -380,18 +380,27 @@ RunArgs parseRunArgs(const std::vector<std::string>& args) {
   return out;
 }
 
-int runMain(const std::vector<std::string>& args) {
-  const RunArgs parsed = parseRunArgs(args);
-  if (!parsed.help.empty()) {
-    std::cout << parsed.help;
-    return 0;
-  }
-  Progress progress("tpsim run", progressWanted(parsed.quiet), parsed.progressAfter);
-  RunConfig c = parsed.config;
+namespace {
+
+// A run whose flags, sizes, memory and inputs are checked, before its world starts.
+struct PreparedRun {
+  RunConfig config;
+  HeaderMap headers;
+  std::optional<CheckpointReader> reader;
+  bool resultsRead = false;  // verified or saved
+  // Whether this process holds the inputs whole (one process; process 0 of several when it verifies
+  // or saves), or only its ranks' shards.
+  bool whole = true;
+  InputMap inputs;
+  InputShards shards;
+};
+
+void prepareRun(const RunArgs& parsed, Progress& progress, PreparedRun& out) {
+  RunConfig& c = out.config;
+  c = parsed.config;
   const std::string &loadDir = parsed.loadDir, &saveDir = parsed.saveDir;
   const std::string &loadCheckpoint = parsed.loadCheckpoint, &saveCheckpoint = parsed.saveCheckpoint;
   const VerifyMode verifyMode = parsed.verify;
-  const TraceOptions& trace = parsed.trace;
   // The checkpoint's index fixes the parameters' shapes and the shape flags before the memory check
   // reads them; its files are read once the run is known to fit, as --load's are.
   std::optional<CheckpointIndex> index;
@@ -407,7 +416,7 @@ int runMain(const std::vector<std::string>& args) {
   if (loadDir.empty()) checkSizes(c, sources);  // the files' sizes are believed once checkInputs has read them
   ShapeMap shapes = loadDir.empty() ? tensorShapes(c) : loadShapes(c, loadDir, !index);
   for (const auto& [name, shape] : paramShapes) shapes[name] = shape;
-  HeaderMap headers;
+  HeaderMap& headers = out.headers;
   for (const TensorSpec& t : c.layer->tensors(c))
     headers[t.name] = {shapes.at(t.name), t.idRange.empty() ? c.dtype : DType::kInt64};
   const RunConfig sized = checkInputHeaders(c, headers, sources);
@@ -416,37 +425,70 @@ int runMain(const std::vector<std::string>& args) {
   // Spread over processes, only process 0 verifies and saves: a process that does neither holds no
   // whole input, only its ranks' shards, cut from one tensor at a time; and when process 0 does
   // neither, no rank keeps its results (docs/distributed.md, "Memory").
-  const bool resultsRead = verifyMode != VerifyMode::kNone || !saveDir.empty();
+  out.resultsRead = verifyMode != VerifyMode::kNone || !saveDir.empty();
   const CheckpointBuffers buffers =
       index ? CheckpointBuffers{true, double(index->chunkCacheBytes(kInputPieceElements)),
                                 double(index->largestChunkBytes())}
             : CheckpointBuffers{};
-  checkMemory(c, shapes, verifyMode, parsed.maxMemory, loadDir, resultsRead, buffers);
+  checkMemory(c, shapes, verifyMode, parsed.maxMemory, loadDir, out.resultsRead, buffers);
   checkFileUses(c, parsed, index ? &*index : nullptr);
-  std::optional<CheckpointReader> reader;
+  std::optional<CheckpointReader>& reader = out.reader;
   if (index) reader.emplace(std::move(*index));
 
   if (!saveDir.empty()) prepareSaveDir("save", saveDir);
   if (!saveCheckpoint.empty()) prepareSaveDir("save-checkpoint", saveCheckpoint);
   progress.above([&] { std::printf("# tpsim run: %s\n", c.str().c_str()); });
   progress.phase(loadDir.empty() ? "generate" : "load");
-  const bool whole = jobProcesses() == 1 || (jobProcess() == 0 && resultsRead);
-  InputMap inputs;
+  out.whole = jobProcesses() == 1 || (jobProcess() == 0 && out.resultsRead);
+  InputMap& inputs = out.inputs;
   WholeInputs wholeInputs([&inputs](const std::string& name, StoredTensor t) { inputs[name] = std::move(t); });
-  ShardedInputs shardedInputs(sized, whole ? std::vector<TensorPlacement>{} : placementsOf(sized));
-  CheckedInputs checked(sized, sources, whole ? static_cast<InputSink&>(wholeInputs) : shardedInputs);
+  ShardedInputs shardedInputs(sized, out.whole ? std::vector<TensorPlacement>{} : placementsOf(sized));
+  CheckedInputs checked(sized, sources, out.whole ? static_cast<InputSink&>(wholeInputs) : shardedInputs);
   if (loadDir.empty()) generateInputs(c, checked);
   else load(c, loadDir, !reader, checked);
   if (reader) sendCheckpointParams(c, *reader, paramShapes, checked);
+  out.shards = shardedInputs.release();
 #if defined(__GLIBC__)
   // The pieces' and the generator's buffers, free now below the shards, go back to the system
   // (keepFreedMemory would keep them resident beside the run's).
-  if (!whole) malloc_trim(0);
+  if (!out.whole) malloc_trim(0);
 #endif
   // Once the sizes are checked, the layer's `_extra_state` entries, before the world runs: a
   // checkpoint without them is bad input, not a rank's failure.
   if (reader)
     for (const ShardedObject& o : checkpointObjectsOf(c)) reader->checkObject(o);
+}
+
+}  // namespace
+
+int runMain(const std::vector<std::string>& args) {
+  const RunArgs parsed = parseRunArgs(args);
+  if (!parsed.help.empty()) {
+    std::cout << parsed.help;
+    return 0;
+  }
+  Progress progress("tpsim run", progressWanted(parsed.quiet), parsed.progressAfter);
+  PreparedRun prepared;
+  std::exception_ptr refusal;
+  try {
+    prepareRun(parsed, progress, prepared);
+  } catch (...) {
+    refusal = std::current_exception();
+  }
+  // Agreed among the job's processes: each fails with the first one's failure, its first line.
+  const CommandFailure failure = refusal ? failureOf("run", refusal) : CommandFailure{};
+  const std::string prefix = "tpsim run: ", line = failure.text.substr(0, failure.text.find('\n'));
+  agreeToRun(refusal, failure.code, line.compare(0, prefix.size(), prefix) == 0 ? line.substr(prefix.size()) : line,
+             parsed.config.timeout);
+  const RunConfig& c = prepared.config;
+  const std::string &loadDir = parsed.loadDir, &saveDir = parsed.saveDir;
+  const std::string &loadCheckpoint = parsed.loadCheckpoint, &saveCheckpoint = parsed.saveCheckpoint;
+  const VerifyMode verifyMode = parsed.verify;
+  const TraceOptions& trace = parsed.trace;
+  const HeaderMap& headers = prepared.headers;
+  const InputMap& inputs = prepared.inputs;
+  std::optional<CheckpointReader>& reader = prepared.reader;
+  const bool resultsRead = prepared.resultsRead;
   progress.above([&] {
     std::printf("# inputs (%s%s%s):", loadDir.empty() ? "generated" : terminalText(loadDir).c_str(),
                 reader ? "; parameters from checkpoint " : "", reader ? terminalText(loadCheckpoint).c_str() : "");
@@ -457,8 +499,8 @@ int runMain(const std::vector<std::string>& args) {
   const CheckpointHooks hooks{reader ? &*reader : nullptr, saveCheckpoint.empty() ? nullptr : &writer};
   // One process keeps them all the same: its estimate's terms were measured with them kept.
   const KeptResults kept = resultsRead || jobProcesses() == 1 ? KeptResults::kSharded : KeptResults::kNone;
-  const RunResult result = whole ? runSharded(c, inputs, hooks, &progress, kept)
-                                 : runSharded(c, shardedInputs.release(), hooks, &progress, kept);
+  const RunResult result = prepared.whole ? runSharded(c, inputs, hooks, &progress, kept)
+                                          : runSharded(c, std::move(prepared.shards), hooks, &progress, kept);
   if (jobProcess() != 0) return 0;  // process 0 verifies, writes and reports (docs/distributed.md)
   std::size_t collectives = 0, splits = 0;
   for (const auto& events : result.trace)

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <sstream>
 
 #include "backends/errors.h"
 #include "backends/wire.h"
@@ -127,6 +128,27 @@ int leaveJob(int code) {
 }
 
 
+void agreeToRun(std::exception_ptr mine, int code, const std::string& message, std::chrono::milliseconds timeout) {
+  if (jobProcesses() > 1) {
+    // Process 0 picks the first failure, "P CODE MESSAGE", and every process gets it.
+    const std::vector<std::string> parts = session()->gather(mine ? detail::concat(code, " ", message) : "", timeout);
+    std::string first;
+    for (std::size_t p = 0; p < parts.size() && first.empty(); ++p)
+      if (!parts[p].empty()) first = detail::concat(p, " ", parts[p]);
+    const std::string agreed = session()->broadcast(first, timeout);
+    if (!agreed.empty() && !mine) {
+      std::istringstream in(agreed);
+      int process = 0, exitCode = 0;
+      in >> process >> exitCode;
+      in.get();
+      std::string text;
+      std::getline(in, text, '\0');
+      throw JobRefusal(exitCode, detail::concat("process ", process, ": ", text));
+    }
+  }
+  if (mine) std::rethrow_exception(mine);
+}
+
 void checkJobPlacement(const std::string& backend, int size) {
   if (!session()) return;
 #if TPSIM_HAVE_GPU
@@ -232,6 +254,9 @@ int jobLocalProcesses() { return 1; }
 bool jobRuns(int, int) { return true; }
 mpi::Session* jobSession() { return nullptr; }
 int leaveJob(int code) { return code; }
+void agreeToRun(std::exception_ptr mine, int, const std::string&, std::chrono::milliseconds) {
+  if (mine) std::rethrow_exception(mine);
+}
 std::unique_ptr<World> makeJobWorld(const std::string& backend, const WorldOptions& options) {
   return makeWorld(backend, options);
 }

@@ -4,8 +4,10 @@
 #pragma once
 
 #include <chrono>
+#include <exception>
 #include <map>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -36,6 +38,19 @@ bool jobRuns(int rank, int size);
 mpi::Session* jobSession();
 // Ends this process's part of the job with the command's exit code, returned (mpi::Session::finish).
 int leaveJob(int code);
+
+// A failure another process of the job met before its world started (agreeToRun): its exit code
+// and its message, "process P: ...".
+struct JobRefusal : std::runtime_error {
+  JobRefusal(int exitCode, const std::string& message) : std::runtime_error(message), code(exitCode) {}
+  int code;
+};
+// Every process's failure before its world starts, agreed at the same point in each: `mine` is this
+// process's (null for none), `code` and `message` its exit code and line. Where any process failed,
+// each rethrows its own, and each that did not throws JobRefusal with the first failed process's.
+// A process that failed alone (its machine's memory, a file only it reads) would otherwise leave
+// the others waiting in the world's first collective until their timeout. Waits at most `timeout`.
+void agreeToRun(std::exception_ptr mine, int code, const std::string& message, std::chrono::milliseconds timeout);
 
 // Throws UsageError (exit 2) when a world of `size` ranks on `backend` does not fit this job: the
 // simulator's ranks must spread evenly over the processes, the GPU backend's be one per process

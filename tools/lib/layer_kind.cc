@@ -100,6 +100,14 @@ std::string layerKindsTaking(LayerOption option) {
   return joinKinds(names);
 }
 
+std::string layerKindsSizedBy(const std::string& flag) {
+  std::vector<std::string> names;
+  for (const LayerKind* k : layerKinds())
+    if (std::any_of(k->sizes().begin(), k->sizes().end(), [&](const SizeSpec& s) { return s.flag == flag; }))
+      names.push_back(k->name());
+  return joinKinds(names);
+}
+
 std::string LayerKind::placementOf(const std::string& name) const {
   if (name == "input") return inputPlacement();
   if (name == "grad_output") return outputPlacement() + ".grad";

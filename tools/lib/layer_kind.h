@@ -216,6 +216,8 @@ const LayerKind* layerKind(const std::string& name);
 // "column, row, embedding or mlp": every kind, or those taking `option`, for messages.
 std::string layerKindNames();
 std::string layerKindsTaking(LayerOption option);
+// The same for the kinds whose shapes have the size of flag `flag` (without dashes: "vocab").
+std::string layerKindsSizedBy(const std::string& flag);
 
 // The spec of config's GTP_remat-sharded weights that tensor `name` is ("weight<i>" stands for
 // weight0, weight1, ...), or nullptr.
