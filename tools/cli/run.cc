@@ -89,6 +89,10 @@ void load(const RunConfig& c, const std::string& dir, bool withParams, InputSink
     sink.begin(f.name, {reader.shape(), want});
     for (std::int64_t first = 0; first < n; first += kInputPieceElements) {
       const std::int64_t count = std::min(kInputPieceElements, n - first);
+      if (!sink.wants(first, count)) {
+        reader.skip(count);
+        continue;
+      }
       reader.read(count, raw.data());
       convertElements(reader.dtype(), raw.data(), count, want, converted.data());
       sink.piece(first, count, converted.data());
@@ -192,6 +196,7 @@ void sendCheckpointParams(const RunConfig& c, const CheckpointReader& reader, co
       begin[rowAxis] = row;
       box[rowAxis] = std::min(pieceRows, shape[0] - row);
       const std::int64_t count = box[rowAxis] * rowElements;
+      if (!sink.wants(row * rowElements, count)) continue;
       reader.readBox(slot.key, begin, box, raw.data(), &cache);
       convertElements(k.dtype, raw.data(), count, c.dtype, converted.data());
       sink.piece(row * rowElements, count, converted.data());

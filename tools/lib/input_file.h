@@ -56,6 +56,8 @@ class InputFile {
   // file shrank while being read)".
   void readAt(std::uint64_t offset, void* dst, std::size_t n, const std::string& what) const;
   void read(void* dst, std::size_t n, const std::string& what);
+  // Moves the current position past `n` bytes without reading them.
+  void skip(std::uint64_t n) { position_ += n; }
 
   // Throws "<where>: expected a file of at most `limit` bytes, got S" when size() is larger.
   void checkSize(std::uint64_t limit) const;

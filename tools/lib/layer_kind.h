@@ -241,11 +241,14 @@ using HeaderMap = std::map<std::string, TensorHeader>;
 constexpr std::int64_t kInputPieceElements = std::int64_t(1) << 20;
 // Takes a run's input tensors one at a time, each in pieces: begin, then its elements
 // [offset, offset + count) in its dtype, in order and each once, then end. A taker that keeps only
-// parts of them (a process's shards) never holds a tensor whole.
+// parts of them (a process's shards) never holds a tensor whole, and a source that can skip a
+// piece (a file, a checkpoint) asks it first: a piece it does not want is not read, nor handed over.
 class InputSink {
  public:
   virtual ~InputSink() = default;
   virtual void begin(const std::string& name, const TensorHeader& header) = 0;
+  // Whether it keeps any of the elements [offset, offset + count) of the tensor begun.
+  virtual bool wants(std::int64_t /*offset*/, std::int64_t /*count*/) const { return true; }
   virtual void piece(std::int64_t offset, std::int64_t count, const char* bytes) = 0;
   virtual void end() = 0;
 };
@@ -310,7 +313,9 @@ RunConfig checkInputHeaders(const RunConfig& config, const HeaderMap& inputs, co
 void checkInputValues(const RunConfig& sized, const std::string& name, const StoredTensor& tensor,
                       const SizeSources& sources = {});
 // checkInputValues on the tensors an InputSink takes, a piece at a time, before handing each piece
-// on to `next`: the same checks and messages (a tensor's count of non-finite values at its end).
+// on to `next`: the same checks and messages (a tensor's count of non-finite values at its end), of
+// the pieces `next` wants (a process of several checks what its ranks read; tpsim run then agrees
+// on the first failure among them, agreeToRun).
 // Each tensor's header must be the one its sizes in `sized` give (a file may change after its
 // header sized the run).
 class CheckedInputs : public InputSink {
@@ -318,6 +323,7 @@ class CheckedInputs : public InputSink {
   CheckedInputs(const RunConfig& sized, const SizeSources& sources, InputSink& next)
       : sized_(sized), sources_(sources), next_(next) {}
   void begin(const std::string& name, const TensorHeader& header) override;
+  bool wants(std::int64_t offset, std::int64_t count) const override { return next_.wants(offset, count); }
   void piece(std::int64_t offset, std::int64_t count, const char* bytes) override;
   void end() override;
 

@@ -335,6 +335,7 @@ std::int64_t NpyReader::numel() const { return open_->numel; }
 void NpyReader::read(std::int64_t count, char* out) {
   open_->npy.file.read(out, std::size_t(count) * dtypeSize(dtype()), "data");
 }
+void NpyReader::skip(std::int64_t count) { open_->npy.file.skip(std::uint64_t(count) * dtypeSize(dtype())); }
 
 namespace {
 

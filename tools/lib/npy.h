@@ -45,6 +45,8 @@ class NpyReader {
   // The next `count` elements, dtypeSize(dtype()) bytes each, into `out`. Throws InvalidArgument
   // naming the file when it holds fewer than that now (it shrank since it was opened).
   void read(std::int64_t count, char* out);
+  // Moves past the next `count` elements without reading them.
+  void skip(std::int64_t count);
 
  private:
   struct Open;

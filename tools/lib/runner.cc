@@ -324,6 +324,15 @@ void ShardedInputs::begin(const std::string& name, const TensorHeader& header) {
       }
 }
 
+bool ShardedInputs::wants(std::int64_t offset, std::int64_t count) const {
+  for (const Cut& cut : cuts_) {
+    auto run = std::partition_point(cut.runs.begin(), cut.runs.end(),
+                                    [&](const ShardRun& r) { return r.from + r.n <= offset; });
+    if (run != cut.runs.end() && run->from < offset + count) return true;
+  }
+  return false;
+}
+
 void ShardedInputs::piece(std::int64_t offset, std::int64_t count, const char* bytes) {
   const std::int64_t end = offset + count;
   for (Cut& cut : cuts_) {

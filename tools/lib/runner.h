@@ -88,6 +88,7 @@ class ShardedInputs : public InputSink {
  public:
   ShardedInputs(const RunConfig& config, std::vector<TensorPlacement> placements);
   void begin(const std::string& name, const TensorHeader& header) override;
+  bool wants(std::int64_t offset, std::int64_t count) const override;
   void piece(std::int64_t offset, std::int64_t count, const char* bytes) override;
   void end() override;
   InputShards release() { return std::move(shards_); }
