@@ -443,6 +443,13 @@ npy "$work/nan/weight.npy" "(2, 2)" "$one$one$one$one"
 npy "$work/nan/grad_output.npy" "(1, 1, 2)" "$one$one"
 check nan-input 2 "tpsim run: input.npy: expected finite values, got 1 NaN or Inf, the first at flat index 1" -- \
   "$tpsim" run --layer column --tp 1 --load "$work/nan"
+# A refused run leaves nothing behind: --save's directory is made once the inputs are checked.
+check nan-input-save 2 "tpsim run: input.npy: expected finite values" -- \
+  "$tpsim" run --layer column --tp 1 --load "$work/nan" --save "$work/nan-saved" --save-checkpoint "$work/nan-ck"
+if [ -e "$work/nan-saved" ] || [ -e "$work/nan-ck" ]; then
+  echo "FAIL nan-input-save: the refused run made its --save or --save-checkpoint directory"
+  failures=$((failures + 1))
+fi
 npy "$work/inf/input.npy" "(1, 1, 2)" "$big$big"
 npy "$work/inf/weight.npy" "(2, 2)" "$big$big$big$big"
 npy "$work/inf/grad_output.npy" "(1, 1, 2)" "$one$one"

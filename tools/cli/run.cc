@@ -101,8 +101,17 @@ void load(const RunConfig& c, const std::string& dir, bool withParams, InputSink
   }
 }
 
-// --save DIR or --save-checkpoint DIR, before the run: an existing directory, or one created now.
-void prepareSaveDir(const std::string& flag, const std::string& dir) {
+// --save DIR or --save-checkpoint DIR, before the inputs are read: an existing directory, or a path
+// below the nearest one that exists, where it can be created.
+void checkSaveDir(const std::string& flag, const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::path existing = std::filesystem::absolute(dir, ec);
+  while (!ec && !std::filesystem::exists(existing, ec) && existing.has_relative_path()) existing = existing.parent_path();
+  TPSIM_CHECK(!ec && std::filesystem::is_directory(existing, ec), "--", flag, ": expected a directory or a path where "
+              "one can be created, got '", dir, "' (", ec ? ec.message() : existing.string() + " is not a directory", ")");
+}
+// The same, created once the run's inputs are read and checked: a refused run leaves nothing behind.
+void makeSaveDir(const std::string& flag, const std::string& dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   TPSIM_CHECK(!ec && std::filesystem::is_directory(dir), "--", flag, ": expected a directory or a path where one can "
@@ -440,8 +449,8 @@ void prepareRun(const RunArgs& parsed, Progress& progress, PreparedRun& out) {
   std::optional<CheckpointReader>& reader = out.reader;
   if (index) reader.emplace(std::move(*index));
 
-  if (!saveDir.empty()) prepareSaveDir("save", saveDir);
-  if (!saveCheckpoint.empty()) prepareSaveDir("save-checkpoint", saveCheckpoint);
+  if (!saveDir.empty()) checkSaveDir("save", saveDir);
+  if (!saveCheckpoint.empty()) checkSaveDir("save-checkpoint", saveCheckpoint);
   progress.above([&] { std::printf("# tpsim run: %s\n", c.str().c_str()); });
   progress.phase(loadDir.empty() ? "generate" : "load");
   out.whole = jobProcesses() == 1 || (jobProcess() == 0 && out.resultsRead);
@@ -462,6 +471,10 @@ void prepareRun(const RunArgs& parsed, Progress& progress, PreparedRun& out) {
   // checkpoint without them is bad input, not a rank's failure.
   if (reader)
     for (const ShardedObject& o : checkpointObjectsOf(c)) reader->checkObject(o);
+  if (jobProcess() == 0) {  // which writes them (docs/distributed.md)
+    if (!saveDir.empty()) makeSaveDir("save", saveDir);
+    if (!saveCheckpoint.empty()) makeSaveDir("save-checkpoint", saveCheckpoint);
+  }
 }
 
 }  // namespace
