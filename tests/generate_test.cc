@@ -71,6 +71,28 @@ TEST(Generate, DrawNormalsHandsOverOrderedPiecesOfAtMostAPiece) {
   EXPECT_EQ(got, standardDraws(theirs, 1.0, DType::kFloat32, n));
 }
 
+// The pieces a taker does not want are drawn but not handed over: the others are the same bytes
+// at the same offsets, and the stream goes on as if every piece had been taken.
+TEST(Generate, DrawNormalsSkipsThePiecesNotWantedButDrawsThem) {
+  const std::int64_t n = 3 * kInputPieceElements + 3;
+  std::mt19937_64 ours(7), theirs(7);
+  std::vector<std::int64_t> offsets;
+  std::vector<char> got;
+  drawNormals(
+      ours, 1.0, DType::kFloat32, n, nullptr,
+      [&](std::int64_t offset, std::int64_t count, const char* bytes) {
+        offsets.push_back(offset);
+        got.insert(got.end(), bytes, bytes + count * 4);
+      },
+      [](std::int64_t offset, std::int64_t) { return offset / kInputPieceElements % 2 == 1; });
+  const std::vector<char> all = standardDraws(theirs, 1.0, DType::kFloat32, n);
+  EXPECT_EQ(offsets, (std::vector<std::int64_t>{kInputPieceElements, 3 * kInputPieceElements}));
+  std::vector<char> wanted(all.begin() + kInputPieceElements * 4, all.begin() + 2 * kInputPieceElements * 4);
+  wanted.insert(wanted.end(), all.begin() + 3 * kInputPieceElements * 4, all.end());
+  EXPECT_EQ(got, wanted);
+  EXPECT_EQ(ours(), theirs());
+}
+
 using testing::errorOf;
 
 // Keeps the pieces it takes, for CheckedInputs to hand them to.

@@ -200,6 +200,10 @@ case "$mode" in
     spread "${flags[@]}" --load "$tmp/nan" --save-checkpoint "$tmp/ck-spread"
     [ "$rc" -eq 0 ] || fail "exit $rc, expected 0"
     diff -r "$tmp/ck-one" "$tmp/ck-spread" || fail "the checkpoint of 2 processes differs from one process's"
+    # Generated: each process computes only the pieces its ranks hold, but draws the whole stream.
+    spread "${flags[@]}" --save-checkpoint "$tmp/ck-generated"
+    [ "$rc" -eq 0 ] || fail "exit $rc, expected 0"
+    diff -r "$tmp/ck-one" "$tmp/ck-generated" || fail "the checkpoint of 2 processes' generated data differs"
     # And from that checkpoint, whose pieces each process reads only where its ranks hold them.
     spread "${flags[@]}" --load-checkpoint "$tmp/ck-one" --save-checkpoint "$tmp/ck-again"
     [ "$rc" -eq 0 ] || fail "exit $rc, expected 0"

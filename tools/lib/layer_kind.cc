@@ -156,7 +156,8 @@ ShapeMap tensorShapes(const RunConfig& c) {
 }
 
 void drawNormals(std::mt19937_64& rng, double sigma, DType dtype, std::int64_t n, sim::HostPool* pool,
-                 const std::function<void(std::int64_t, std::int64_t, const char*)>& piece) {
+                 const std::function<void(std::int64_t, std::int64_t, const char*)>& piece,
+                 const std::function<bool(std::int64_t, std::int64_t)>& wants) {
   // A block of pairs is drawn while the previous block's normals are computed and stored; a block
   // of 2^19 pairs (2^20 elements) is tens of milliseconds, a progress point.
   constexpr std::int64_t kBlockPairs = std::int64_t(1) << 19, kParts = 8;
@@ -192,8 +193,10 @@ void drawNormals(std::mt19937_64& rng, double sigma, DType dtype, std::int64_t n
   for (std::int64_t b = 0; b < blocks; ++b) {
     throwIfStopped(stop, "tpsim run");
     const std::int64_t count = std::int64_t(current.size() / 3), first = 2 * b * kBlockPairs;
+    const std::int64_t elements = std::min(kInputPieceElements, n - first);
+    const bool wanted = !wants || wants(first, elements);
     // Task 0 draws the next block; the others turn parts of this one into normals.
-    sim::runTasks(pool, 1 + kParts, [&](std::int64_t task) {
+    sim::runTasks(pool, 1 + (wanted ? kParts : 0), [&](std::int64_t task) {
       if (task == 0) {
         if (b + 1 < blocks) drawBlock(b + 1, next);
         return;
@@ -208,7 +211,7 @@ void drawNormals(std::mt19937_64& rng, double sigma, DType dtype, std::int64_t n
         if (first + 2 * i + 1 < n) store(2 * i + 1, x * mult);
       }
     });
-    piece(first, std::min(kInputPieceElements, n - first), out.data());
+    if (wanted) piece(first, elements, out.data());
     current.swap(next);
   }
 }
@@ -258,10 +261,10 @@ void generateInputs(const RunConfig& c, InputSink& sink) {
     for (std::int64_t d : header.shape) n *= d;
     sink.begin(t.name, header);
     if (t.idRange.empty()) {
-      drawNormals(rng, t.sigma, header.dtype, n, pool ? &*pool : nullptr,
-                  [&sink](std::int64_t offset, std::int64_t count, const char* bytes) {
-                    sink.piece(offset, count, bytes);
-                  });
+      drawNormals(
+          rng, t.sigma, header.dtype, n, pool ? &*pool : nullptr,
+          [&sink](std::int64_t offset, std::int64_t count, const char* bytes) { sink.piece(offset, count, bytes); },
+          [&sink](std::int64_t offset, std::int64_t count) { return sink.wants(offset, count); });
       sink.end();
       continue;
     }

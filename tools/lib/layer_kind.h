@@ -279,9 +279,11 @@ void generateInputs(const RunConfig& config, InputSink& sink);
 // kInputPieceElements at a time: bit for bit that loop, and rng left as it leaves it. Only the
 // uniforms and the disc test run in order, on the calling thread; logarithms, roots and stores run
 // on `pool` (on the calling thread after each block's draws when it is null) beside the next block's
-// draws.
+// draws, and only for the pieces `wants` (offset, count) wants, when it is given: the others are
+// drawn, to keep the stream, but neither computed nor handed over.
 void drawNormals(std::mt19937_64& rng, double sigma, DType dtype, std::int64_t n, sim::HostPool* pool,
-                 const std::function<void(std::int64_t, std::int64_t, const char*)>& piece);
+                 const std::function<void(std::int64_t, std::int64_t, const char*)>& piece,
+                 const std::function<bool(std::int64_t, std::int64_t)>& wants = {});
 // config with its sizes read from `shapes` (loaded files or a checkpoint's tensors): each size from
 // its own tensor's dim, where `shapes` has that tensor.
 RunConfig withSizesOf(RunConfig config, const ShapeMap& shapes);
