@@ -28,8 +28,6 @@ const char kExitCodes[] =
 
 namespace {
 
-// One line on stderr, "tpsim <command>: <message>", and the exit code. The tools' own messages
-// already start with "tpsim run: " where they reach library callers too; that is not repeated.
 // Control bytes (a file's header, a path) shown as \xNN: an error message must not drive the terminal.
 std::string printableLines(const std::string& text) {
   std::string out;
@@ -49,7 +47,8 @@ std::string printableLines(const std::string& text) {
 
 // What needed more memory than the machine has, and where the command's sizes come from.
 std::string sizeSources(const std::string& command) {
-  const std::string shapes = "--seq, --batch, --in-features, --out-features, --ffn-hidden, --vocab, --tokens, --experts";
+  const std::string shapes =
+      "--seq, --batch, --in-features, --out-features, --ffn-hidden, --vocab, --tokens, --experts";
   if (command == "bench")
     return "the benchmark needs more than this machine has; its sizes come from --ranks, --bw-ranks, --max-bytes, "
            "--tokens, --hidden, --ffn and --mlp-tp";
@@ -61,6 +60,8 @@ std::string sizeSources(const std::string& command) {
          ", --tp, --gtp-remat and --pad-for-alignment, or from the --load files";
 }
 
+// One line, "tpsim <command>: <message>", and the exit code. The tools' own messages already start
+// with "tpsim run: " where they reach library callers too; that is not repeated.
 CommandFailure failed(const std::string& command, const std::string& kind, std::string message, int code) {
   const std::string prefix = "tpsim " + command + ": ";
   if (message.compare(0, prefix.size(), prefix) == 0) message.erase(0, prefix.size());

@@ -1,20 +1,15 @@
 // tpsim: the command line. Subcommand first (`tpsim demo`, `tpsim bench`), then its options.
-#include <boost/program_options/errors.hpp>
 #include <cerrno>
 #include <climits>
 #include <cstdio>
 #include <cstring>
 #include <exception>
-#include <filesystem>
 #if defined(__GLIBC__)
 #include <malloc.h>
 #endif
-#include <new>
 #include <string>
 #include <vector>
 
-#include "backends/errors.h"
-#include "backends/world.h"
 #include "tools/lib/backend.h"
 #include "tools/lib/job.h"
 #include "tools/cli/cli.h"

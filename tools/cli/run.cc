@@ -106,9 +106,11 @@ void load(const RunConfig& c, const std::string& dir, bool withParams, InputSink
 void checkSaveDir(const std::string& flag, const std::string& dir) {
   std::error_code ec;
   std::filesystem::path existing = std::filesystem::absolute(dir, ec);
-  while (!ec && !std::filesystem::exists(existing, ec) && existing.has_relative_path()) existing = existing.parent_path();
+  while (!ec && !std::filesystem::exists(existing, ec) && existing.has_relative_path())
+    existing = existing.parent_path();
   TPSIM_CHECK(!ec && std::filesystem::is_directory(existing, ec), "--", flag, ": expected a directory or a path where "
-              "one can be created, got '", dir, "' (", ec ? ec.message() : existing.string() + " is not a directory", ")");
+              "one can be created, got '", dir, "' (",
+              ec ? ec.message() : existing.string() + " is not a directory", ")");
 }
 // The same, created once the run's inputs are read and checked: a refused run leaves nothing behind.
 void makeSaveDir(const std::string& flag, const std::string& dir) {
