@@ -9,6 +9,7 @@
 #include <cstring>
 #include <deque>
 #include <future>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -100,6 +101,7 @@ struct Session::Impl {
   int nextWorld = 0;  // worlds made so far: a world's key, the same in every process
   int nextGather = 0;
   int nextBroadcast = 0;
+  std::map<int, int> sentTo, receivedFrom;  // send and receive's parts, by peer
   int localProcess = 0;  // among the processes on this machine (MPI_COMM_TYPE_SHARED)
   int localProcesses = 1;
 
@@ -118,6 +120,10 @@ struct Session::Impl {
   std::vector<std::shared_ptr<std::string>> abandoned;
 
   void send(const std::vector<int>& to, Tag tag, std::string payload) {
+    // One message each (MPI's counts are ints).
+    if (payload.size() > std::size_t(std::numeric_limits<int>::max()))
+      throw Error(detail::concat("mpi: a message of ", payload.size(), " bytes to another process; at most ",
+                                 std::numeric_limits<int>::max(), " go in one"));
     auto shared = std::make_shared<std::string>(std::move(payload));
     std::lock_guard<std::mutex> lock(mu);
     for (int p : to) outbox.emplace_back(p, tag, shared);
@@ -469,6 +475,35 @@ std::vector<std::string> Session::gather(std::string mine, std::chrono::millisec
                                    " ms for the ranks' results of process(es) ", missing));
       }
     }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+void Session::send(int to, std::string part) {
+  Impl& s = *impl_;
+  TPSIM_INTERNAL_ASSERT(to >= 0 && to < s.processes && to != s.process, "Session::send to process ", to);
+  s.send({to}, kPart, keyed(detail::concat("s", s.sentTo[to]++), std::move(part)));
+}
+
+std::string Session::receive(int from, std::chrono::milliseconds timeout) {
+  Impl& s = *impl_;
+  TPSIM_INTERNAL_ASSERT(from >= 0 && from < s.processes && from != s.process, "Session::receive from process ", from);
+  const std::string key = detail::concat("s", s.receivedFrom[from]++);
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      auto it = s.parts.find(key);
+      if (it != s.parts.end() && it->second.count(from)) {
+        std::string got = std::move(it->second[from]);
+        it->second.erase(from);
+        if (it->second.empty()) s.parts.erase(it);
+        return got;
+      }
+    }
+    if (Clock::now() > deadline)
+      throw Error(detail::concat("mpi: process ", s.process, " waited more than ", timeout.count(),
+                                 " ms for process ", from, "'s part"));
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
 }

@@ -62,6 +62,12 @@ class Session {
   // at the same point. Throws Error when it has not come within `timeout`.
   std::string broadcast(std::string fromProcess0, std::chrono::milliseconds timeout);
 
+  // Sends `part` to process `to`, which takes it with receive(): parts from one process to another
+  // are taken in the order sent. Returns at once; the session's thread sends it.
+  void send(int to, std::string part);
+  // The next part process `from` sent this one. Throws Error when it has not come within `timeout`.
+  std::string receive(int from, std::chrono::milliseconds timeout);
+
   // Runs `fn` on the one thread that makes this process's MPI calls (MPI_THREAD_SERIALIZED), between
   // its polls, and returns once fn has, rethrowing what it threw: how a caller makes MPI calls of its
   // own, on a communicator other than the session's. While fn blocks in MPI, the session's messages

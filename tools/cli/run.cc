@@ -398,6 +398,38 @@ RunArgs parseRunArgs(const std::vector<std::string>& args) {
 
 namespace {
 
+// Takes every tensor into `shards`, and those named in `whole` whole as well, into `kept`: what a
+// process of a spread world whose reference splits keeps of the inputs (PartInputs).
+class ShardsAndWhole final : public InputSink {
+ public:
+  ShardsAndWhole(InputSink& shards, std::vector<std::string> whole, InputMap& kept)
+      : shards_(shards), whole_(std::move(whole)), wholeInputs_([&kept](const std::string& name, StoredTensor t) {
+          kept[name] = std::move(t);
+        }) {}
+  void begin(const std::string& name, const TensorHeader& header) override {
+    shards_.begin(name, header);
+    keeping_ = std::count(whole_.begin(), whole_.end(), name) != 0;
+    if (keeping_) wholeInputs_.begin(name, header);
+  }
+  bool wants(std::int64_t offset, std::int64_t count) const override {
+    return keeping_ || shards_.wants(offset, count);
+  }
+  void piece(std::int64_t offset, std::int64_t count, const char* bytes) override {
+    shards_.piece(offset, count, bytes);
+    if (keeping_) wholeInputs_.piece(offset, count, bytes);
+  }
+  void end() override {
+    shards_.end();
+    if (keeping_) wholeInputs_.end();
+  }
+
+ private:
+  InputSink& shards_;
+  const std::vector<std::string> whole_;
+  WholeInputs wholeInputs_;
+  bool keeping_ = false;
+};
+
 // A run whose flags, sizes, memory and inputs are checked, before its world starts.
 struct PreparedRun {
   RunConfig config;
@@ -407,8 +439,12 @@ struct PreparedRun {
   // Whether this process holds the inputs whole (one process; process 0 of several when it verifies
   // or saves), or only its ranks' shards.
   bool whole = true;
+  // Spread over processes whose reference splits (LayerKind::partResults): every process verifies
+  // its part, from its part of the inputs, and keeps its part's results (docs/distributed.md).
+  bool part = false;
   InputMap inputs;
   InputShards shards;
+  PartInputs partInputs;
 };
 
 void prepareRun(const RunArgs& parsed, Progress& progress, PreparedRun& out) {
@@ -442,11 +478,13 @@ void prepareRun(const RunArgs& parsed, Progress& progress, PreparedRun& out) {
   // whole input, only its ranks' shards, cut from one tensor at a time; and when process 0 does
   // neither, no rank keeps its results (docs/distributed.md, "Memory").
   out.resultsRead = verifyMode != VerifyMode::kNone || !saveDir.empty();
+  out.part = jobProcesses() > 1 && verifyMode != VerifyMode::kNone && saveDir.empty() &&
+             !c.layer->partResults(sized).empty();
   const CheckpointBuffers buffers =
       index ? CheckpointBuffers{true, double(index->chunkCacheBytes(kInputPieceElements)),
                                 double(index->largestChunkBytes())}
             : CheckpointBuffers{};
-  checkMemory(c, shapes, verifyMode, parsed.maxMemory, loadDir, out.resultsRead, buffers);
+  checkMemory(c, shapes, verifyMode, parsed.maxMemory, loadDir, out.resultsRead, buffers, out.part);
   checkFileUses(c, parsed, index ? &*index : nullptr);
   std::optional<CheckpointReader>& reader = out.reader;
   if (index) reader.emplace(std::move(*index));
@@ -455,15 +493,23 @@ void prepareRun(const RunArgs& parsed, Progress& progress, PreparedRun& out) {
   if (!saveCheckpoint.empty()) checkSaveDir("save-checkpoint", saveCheckpoint);
   progress.above([&] { std::printf("# tpsim run: %s\n", c.str().c_str()); });
   progress.phase(loadDir.empty() ? "generate" : "load");
-  out.whole = jobProcesses() == 1 || (jobProcess() == 0 && out.resultsRead);
+  out.whole = jobProcesses() == 1 || (jobProcess() == 0 && out.resultsRead && !out.part);
   InputMap& inputs = out.inputs;
   WholeInputs wholeInputs([&inputs](const std::string& name, StoredTensor t) { inputs[name] = std::move(t); });
-  ShardedInputs shardedInputs(sized, out.whole ? std::vector<TensorPlacement>{} : placementsOf(sized));
-  CheckedInputs checked(sized, sources, out.whole ? static_cast<InputSink&>(wholeInputs) : shardedInputs);
+  const std::vector<TensorPlacement> placements = out.whole ? std::vector<TensorPlacement>{} : placementsOf(sized);
+  ShardedInputs shardedInputs(sized, placements);
+  InputMap partWhole;
+  ShardsAndWhole shardsAndWhole(
+      shardedInputs, out.part ? partWholeInputs(sized, placements) : std::vector<std::string>{}, partWhole);
+  CheckedInputs checked(sized, sources,
+                        out.whole  ? static_cast<InputSink&>(wholeInputs)
+                        : out.part ? static_cast<InputSink&>(shardsAndWhole)
+                                   : shardedInputs);
   if (loadDir.empty()) generateInputs(c, checked);
   else load(c, loadDir, !reader, checked);
   if (reader) sendCheckpointParams(c, *reader, paramShapes, checked);
   out.shards = shardedInputs.release();
+  if (out.part) out.partInputs = partInputs(sized, placements, out.shards, std::move(partWhole));
 #if defined(__GLIBC__)
   // The pieces' and the generator's buffers, free now below the shards, go back to the system
   // (keepFreedMemory would keep them resident beside the run's).
@@ -518,10 +564,25 @@ int runMain(const std::vector<std::string>& args) {
   CheckpointWriter writer(c.layer->name());
   const CheckpointHooks hooks{reader ? &*reader : nullptr, saveCheckpoint.empty() ? nullptr : &writer};
   // One process keeps them all the same: its estimate's terms were measured with them kept.
-  const KeptResults kept = resultsRead || jobProcesses() == 1 ? KeptResults::kSharded : KeptResults::kNone;
+  const KeptResults kept = prepared.part                           ? KeptResults::kPart
+                           : resultsRead || jobProcesses() == 1 ? KeptResults::kSharded
+                                                                 : KeptResults::kNone;
   const RunResult result = prepared.whole ? runSharded(c, inputs, hooks, &progress, kept)
                                           : runSharded(c, std::move(prepared.shards), hooks, &progress, kept);
-  if (jobProcess() != 0) return 0;  // process 0 verifies, writes and reports (docs/distributed.md)
+  // Process 0 verifies, writes and reports, or every process verifies its part (docs/distributed.md).
+  std::vector<Verdict> verdicts;
+  if (verifyMode != VerifyMode::kNone && (jobProcess() == 0 || prepared.part)) {
+    progress.phase("verify");
+#if defined(__GLIBC__)
+    // The ranks' freed memory stays resident (keepFreedMemory), in pieces between the kept results
+    // that the reference's larger blocks do not fit in: handing it back first lowers a GTP_remat run's
+    // peak by a fifth and makes it vary half as much from run to run (docs/memory.md).
+    malloc_trim(0);
+#endif
+    verdicts = prepared.part ? verifyPart(c, prepared.partInputs, result, verifyMode)
+                             : verify(c, inputs, result, verifyMode);
+  }
+  if (jobProcess() != 0) return 0;
   std::size_t collectives = 0, splits = 0;
   for (const auto& events : result.trace)
     for (const auto& e : events) ++(e.op == "split" ? splits : collectives);
@@ -532,14 +593,6 @@ int runMain(const std::vector<std::string>& args) {
   bool ok = true;
   std::string notes;
   if (verifyMode != VerifyMode::kNone) {
-    progress.phase("verify");
-#if defined(__GLIBC__)
-    // The ranks' freed memory stays resident (keepFreedMemory), in pieces between the kept results
-    // that the reference's larger blocks do not fit in: handing it back first lowers a GTP_remat run's
-    // peak by a fifth and makes it vary half as much from run to run (docs/memory.md).
-    malloc_trim(0);
-#endif
-    const std::vector<Verdict> verdicts = verify(c, inputs, result, verifyMode);
     for (const Verdict& v : verdicts) {
       ok = ok && v.outside == 0;
       notes += outsideNote(v) + nonFiniteNote(v);

@@ -113,7 +113,8 @@ struct MatrixRect {
 // r.rows · r.cols); and into `farthest`, for each element, the copy farthest from it (a NaN
 // farthest of all), the element itself where every copy equals it. Copies of a partial axis differ
 // by design and are not compared, nor are pad rows. A replicated result a rank holds wrongly is
-// then seen, whichever rank assemble read. Returns whether any copy differs.
+// then seen, whichever rank assemble read. A rank whose tensor has no shape and no data is another
+// process's: r must lie in the ranks here. Returns whether any copy differs.
 bool assembleRect(const TensorPlacement& placement, const std::function<const StoredTensor&(int t, int g)>& local,
                   const MatrixRect& r, std::vector<double>& value, std::vector<double>& farthest);
 

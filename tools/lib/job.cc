@@ -149,6 +149,28 @@ void agreeToRun(std::exception_ptr mine, int code, const std::string& message, s
   if (mine) std::rethrow_exception(mine);
 }
 
+std::vector<std::string> gatherJob(std::string mine, std::chrono::milliseconds timeout) {
+  if (jobProcesses() == 1) return {std::move(mine)};
+  return session()->gather(std::move(mine), timeout);
+}
+
+std::vector<std::string> allGatherJob(std::string mine, std::chrono::milliseconds timeout) {
+  if (jobProcesses() == 1) return {std::move(mine)};
+  std::string packed;
+  for (const std::string& part : session()->gather(std::move(mine), timeout)) wire::putString(packed, part);
+  const std::string all = session()->broadcast(std::move(packed), timeout);
+  wire::Reader in(all, "the processes' gathered parts");
+  std::vector<std::string> out;
+  for (int p = 0; p < jobProcesses(); ++p) out.push_back(in.getString());
+  return out;
+}
+
+void sendToProcess(int to, std::string part) { session()->send(to, std::move(part)); }
+
+std::string receiveFromProcess(int from, std::chrono::milliseconds timeout) {
+  return session()->receive(from, timeout);
+}
+
 void checkJobPlacement(const std::string& backend, int size) {
   if (!session()) return;
 #if TPSIM_HAVE_GPU
@@ -256,6 +278,13 @@ mpi::Session* jobSession() { return nullptr; }
 int leaveJob(int code) { return code; }
 void agreeToRun(std::exception_ptr mine, int, const std::string&, std::chrono::milliseconds) {
   if (mine) std::rethrow_exception(mine);
+}
+std::vector<std::string> gatherJob(std::string mine, std::chrono::milliseconds) { return {std::move(mine)}; }
+std::vector<std::string> allGatherJob(std::string mine, std::chrono::milliseconds) { return {std::move(mine)}; }
+void sendToProcess(int to, std::string) { TPSIM_INTERNAL_ASSERT(false, "sendToProcess(", to, ") in one process"); }
+std::string receiveFromProcess(int from, std::chrono::milliseconds) {
+  TPSIM_INTERNAL_ASSERT(false, "receiveFromProcess(", from, ") in one process");
+  return {};
 }
 std::unique_ptr<World> makeJobWorld(const std::string& backend, const WorldOptions& options) {
   return makeWorld(backend, options);

@@ -52,6 +52,16 @@ struct JobRefusal : std::runtime_error {
 // the others waiting in the world's first collective until their timeout. Waits at most `timeout`.
 void agreeToRun(std::exception_ptr mine, int code, const std::string& message, std::chrono::milliseconds timeout);
 
+// Process 0 gets every process's `mine`, in process order; the others get nothing. Every process
+// calls it at the same point; each waits at most `timeout`.
+std::vector<std::string> gatherJob(std::string mine, std::chrono::milliseconds timeout);
+// Every process gets every process's `mine`, in process order (gathered to process 0, then sent on).
+std::vector<std::string> allGatherJob(std::string mine, std::chrono::milliseconds timeout);
+// Sends `part` to process `to`; the next part process `from` sent this one, waited for at most
+// `timeout` (parts from one process to another come in the order sent).
+void sendToProcess(int to, std::string part);
+std::string receiveFromProcess(int from, std::chrono::milliseconds timeout);
+
 // Throws UsageError (exit 2) when a world of `size` ranks on `backend` does not fit this job: the
 // simulator's ranks must spread evenly over the processes, the GPU backend's be one per process
 // (under a launcher, even of one process).

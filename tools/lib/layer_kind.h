@@ -147,7 +147,11 @@ class LayerKind {
   // Per-rank intermediates a step holds beyond its tensors, and what the reference holds at once
   // beyond its results, in elements (the memory estimate's terms; 0 for a single GEMM).
   virtual double stepIntermediates(const RunConfig&, const ShapeMap&) const { return 0; }
-  virtual double referenceIntermediates(const RunConfig&, const ShapeMap&) const { return 0; }
+  // A part of the reference (ReferencePart) computes `part` of the split dimension (1: all of it).
+  virtual double referenceIntermediates(const RunConfig&, const ShapeMap&, double part) const {
+    (void)part;
+    return 0;
+  }
   // Bytes the run holds per element of each rank's input and grad_output: them, their results and
   // the holes freed conversions leave between them (13, measured on the linear kinds).
   virtual double runBytesPerActivation(const RunConfig&) const { return 13; }
@@ -203,6 +207,10 @@ class LayerKind {
   }
   virtual std::unique_ptr<LayerModules> build(const LayerContext& context, const ModelParallelConfig& mp,
                                               const RunConfig& config) const = 0;
+  // Where the reference splits (ReferencePart) for config: the results that each part checks where
+  // their ranks hold them, each element on one rank; none where it does not split. The parts' rows
+  // are those of the parameters TP splits; the other inputs each part holds whole.
+  virtual std::vector<std::string> partResults(const RunConfig&) const { return {}; }
   // The dense results and their relative bounds, sent to `sink` (tools/lib/reference.h).
   virtual void reference(const ReferenceOptions& options, const InputMap& inputs, ReferenceSink& sink) const = 0;
 };

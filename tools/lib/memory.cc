@@ -99,6 +99,11 @@ std::optional<double> readNumber(const std::string& file) {
 //              (measured)
 // and 5% of all that, at most 16 MiB: freed blocks the heap's arenas keep resident, between live ones
 // and below their trim thresholds (measured).
+// A process of a spread world verifying its part (RunScope::part) holds the inputs but the
+// parameters whole and its share of these, keeps its share of the parameters' results (the first
+// also every rank's other results, gathered), and its reference counts its share of the
+// parameters, its blocks at most its rows, and the sums over the split dimension it sends or
+// receives, one vector at a time (16 bytes an element of grad_output).
 double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode verify, const RunScope& scope) {
   const double T = c.tp, G = c.gtpRemat;
   // This process's ranks, and their share of the world's.
@@ -132,10 +137,11 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   const double program =
       ((TPSIM_HAVE_GPU ? 11.25 : 9.5) + (P > 1 ? 20 : 0)) * (1 << 20) + 48.0 * 1024 * here;
   const LayerKind::RankShare share = c.layer->rankShare(c);
-  double inputs = 0, largestNumel = 0, inputShards = 0;
+  double inputs = 0, largestNumel = 0, inputShards = 0, parameterBytes = 0;
   for (const TensorSpec& t : c.layer->tensors(c)) {
     const double bytes = double(dtypeSize(t.idRange.empty() ? c.dtype : DType::kInt64)) * numel(shapes, t.name);
     inputs += bytes;
+    if (t.role == TensorRole::kParameter) parameterBytes += bytes;
     largestNumel = std::max(largestNumel, numel(shapes, t.name));
     // A process that does not hold them whole keeps its ranks' shards, at T shares for the activations.
     const double shards = t.role == TensorRole::kParameter ? bytes
@@ -207,12 +213,24 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   const double floatMagnitudePacking = sim::upperGemmBf16Runs() || !c.layer->packsOperands()
                                            ? 0
                                            : 4 * std::min(double(1 << 23), std::max({x, y, w}));
-  const bool verifies = verify != VerifyMode::kNone && scope.whole;
+  const bool verifies = verify != VerifyMode::kNone && (scope.whole || scope.part);
+  // Verifying its part, a process holds the inputs but the parameters whole, its part of these, and
+  // the results of its ranks' rows; the first also every rank's other results, gathered. The sums
+  // over the split dimension go to the first one vector at a time, as it asks: as sent, received and
+  // taken (16 bytes an element of grad_output in each).
+  const double keptActivations = activationBytes * T * (share.input * x + share.output * y);
+  const double partInputs = scope.part ? inputs - parameterBytes + fraction * parameterBytes : 0;
+  const double partKept = fraction * gradBytes * held + (scope.first ? keptActivations : 0);
+  const double partGathered = scope.part && scope.first && P > 1 ? keptActivations * (2 - fraction) : 0;
+  const double sumsReceived = scope.part && P > 1 ? 16 * y : 0;
+  const double parameters = scope.part ? fraction * w : w;
   const double reference = !verifies ? 0
-                                     : kept + c.layer->referenceBytesPerActivation(c) * (x + y) +
-                                           c.layer->referenceBytesPerParameter(c) * w +
-                                           16 * std::min(double(1 << 20), std::max({x, y, w})) +
-                                           8 * c.layer->referenceIntermediates(c, shapes) + floatMagnitudePacking;
+                                     : (scope.part ? partKept + sumsReceived : kept) +
+                                           c.layer->referenceBytesPerActivation(c) * (x + y) +
+                                           c.layer->referenceBytesPerParameter(c) * parameters +
+                                           16 * std::min(double(1 << 20), std::max({x, y, parameters})) +
+                                           8 * c.layer->referenceIntermediates(c, shapes, scope.part ? fraction : 1) +
+                                           floatMagnitudePacking;
   // Process 0 of a job gathers the other processes' results, each process's as one message it then
   // unpacks.
   const double gathered = P > 1 && scope.whole ? kept * (2 - fraction) : 0;
@@ -238,9 +256,12 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   const CheckpointBuffers& ckpt = scope.checkpoint;
   const double loads = ckpt.loaded ? (resultsKept ? 0.6 : 1.1) * fraction * activationBytes * held : 0;
   const double cache = ckpt.loaded ? ckpt.cacheBytes : 0, ranksReading = ckpt.loaded ? threads * ckpt.chunkBytes : 0;
-  const double live = loads + (scope.whole ? inputs + stacked + std::max({run, shards + ranksReading, cache, gathered,
-                                                                          reference})
-                                           : inputShards + std::max({run, shards + ranksReading, cutting + cache}));
+  const double live =
+      loads + (scope.whole ? inputs + stacked + std::max({run, shards + ranksReading, cache, gathered, reference})
+               : scope.part
+                   ? partInputs + inputShards +
+                         std::max({run, shards + ranksReading, cutting + cache, partGathered, reference})
+                   : inputShards + std::max({run, shards + ranksReading, cutting + cache}));
   return program + live + std::min(0.05 * live, 16.0 * (1 << 20));
 }
 
@@ -280,12 +301,13 @@ std::string bytesText(double bytes) {
 }
 
 void checkMemory(const RunConfig& c, const ShapeMap& shapes, VerifyMode verify, std::optional<std::int64_t> maxMemory,
-                 const std::string& loadDir, bool resultsRead, const CheckpointBuffers& checkpoint) {
+                 const std::string& loadDir, bool resultsRead, const CheckpointBuffers& checkpoint, bool part) {
   const int processes = jobProcesses(), local = jobLocalProcesses();
-  const double first =
-      estimateRunBytes(c, shapes, verify, {resultsRead, processes, processes == 1 || resultsRead, checkpoint});
-  const double other =
-      processes == 1 ? first : estimateRunBytes(c, shapes, verify, {resultsRead, processes, false, checkpoint});
+  const double first = estimateRunBytes(
+      c, shapes, verify, {resultsRead, processes, processes == 1 || (resultsRead && !part), checkpoint, part, true});
+  const double other = processes == 1 ? first
+                                      : estimateRunBytes(c, shapes, verify,
+                                                         {resultsRead, processes, false, checkpoint, part, false});
   // Every process checks the same figures: the largest process's, and the sum over this machine's,
   // process 0's counted wherever it runs.
   const double need = std::max(first, other), machine = first + (local - 1) * other;

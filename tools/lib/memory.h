@@ -27,13 +27,16 @@ struct CheckpointBuffers {
 // read once it ends (verified, saved or returned; in a world spread over processes, otherwise no
 // rank keeps them), and, where its world is spread over an MPI job (docs/distributed.md), the job's
 // processes and whether this process holds the whole inputs and every result (process 0, when the
-// results are read) or only its ranks' shards, and the checkpoint it loads. The default: a run in
-// one process whose results are read, with no checkpoint.
+// results are read) or only its ranks' shards, and the checkpoint it loads; and, where the
+// kind's reference splits (LayerKind::partResults), whether every process verifies its part, and
+// whether this process is the first, which also gathers the results that do not split. The
+// default: a run in one process whose results are read, with no checkpoint.
 struct RunScope {
   bool resultsRead = true;
   int processes = 1;
   bool whole = true;
   CheckpointBuffers checkpoint;
+  bool part = false, first = true;
 };
 
 // The peak resident memory, in bytes, of runSharded plus verify(`verify`) on inputs of `shapes`, in
@@ -54,10 +57,11 @@ std::optional<AvailableMemory> availableMemory();
 // "" for generated data (the size flags), or the --load directory. `resultsRead` as RunScope's. In
 // a job of several processes (tools/lib/job.h) the estimate of the largest process (process 0
 // holds the whole inputs and every result when they are read) is checked against --max-memory, and
-// the sum over this machine's processes against what is available. `checkpoint` as RunScope's.
+// the sum over this machine's processes against what is available. `checkpoint` and `part` as
+// RunScope's.
 void checkMemory(const RunConfig& config, const ShapeMap& shapes, VerifyMode verify,
                  std::optional<std::int64_t> maxMemory, const std::string& loadDir, bool resultsRead = true,
-                 const CheckpointBuffers& checkpoint = {});
+                 const CheckpointBuffers& checkpoint = {}, bool part = false);
 
 // 1536 -> "1.5 KiB", 3221225472 -> "3.0 GiB": a size for a message.
 std::string bytesText(double bytes);

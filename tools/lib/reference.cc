@@ -349,18 +349,31 @@ double halfSubnormal(DType dtype) {
 // smallest subnormal δ, at most T + 3 times per path (the GEMM, the MLP's two extra stages, the T
 // partial sums), and a later GEMM multiplies an intermediate's error by at most the ℓ1 norm S of
 // its other operand (1.13·S through GeLU'). Hence (T + 3)·δ·(1 + 1.13·S), with S the largest ℓ1
-// norm of an input: nothing for fp32 and bf16, a few ulps of fp16's subnormals.
+// norm of an input: nothing for fp32 and bf16, a few ulps of fp16's subnormals. A part's split
+// inputs' norms are the sum of the parts' (whose rounding differs from one sum's in the last bit).
 double underflowAllowance(const ReferenceOptions& o, const InputMap& inputs) {
   const double delta = std::max(halfSubnormal(o.computeDtype), halfSubnormal(o.outputDtype));
   if (delta == 0) return 0;
-  double l1 = 0;
+  std::vector<double> norms;  // by input, in name order
   for (const auto& [name, t] : inputs) {
-    if (t.dtype == DType::kInt64) continue;
     double sum = 0;
-    const std::int64_t n = t.numel();
+    const std::int64_t n = t.dtype == DType::kInt64 ? 0 : t.numel();
     for (std::int64_t i = 0; i < n; ++i) sum += std::fabs(t.at(i));
-    l1 = std::max(l1, sum);
+    norms.push_back(sum);
   }
+  if (o.part) {
+    const std::vector<double> all = o.part->allGather(norms);
+    std::size_t i = 0;
+    for (const auto& [name, t] : inputs) {
+      if (std::count(o.part->split.begin(), o.part->split.end(), name)) {
+        norms[i] = 0;
+        for (std::size_t at = i; at < all.size(); at += norms.size()) norms[i] += all[at];
+      }
+      ++i;
+    }
+  }
+  double l1 = 0;
+  for (double norm : norms) l1 = std::max(l1, norm);
   return (o.tp + 3) * delta * (1 + 1.13 * l1);
 }
 
@@ -701,26 +714,41 @@ void mlpReference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& 
   const StoredTensor &w1f = quantized ? w1fMxfp8 : w1, &w1d = quantized ? w1dMxfp8 : w1;
   const StoredTensor &w2f = quantized ? w2fMxfp8 : w2, &w2d = quantized ? w2dMxfp8 : w2;
   const MatrixView X = viewOf(x), dY = viewOf(dy);
-  const std::int64_t tokens = X.rows(), h = X.cols(), f = w1.shape[0];
+  // F, and the rows of it this reference computes: all, or a part's, of which alone it holds W1's
+  // rows, W2's columns and b1.
+  const ReferencePart* part = o.part;
+  TPSIM_INTERNAL_ASSERT(!part || !quantized, "mlpReference: a part of MXFP8 weights");
+  const std::int64_t tokens = X.rows(), h = X.cols(), f = part ? part->whole : w1.shape[0];
+  const std::int64_t fBegin = part ? part->begin : 0, fEnd = part ? part->end : f, fHere = fEnd - fBegin;
+  TPSIM_INTERNAL_ASSERT(w1.shape[0] == fHere && w2.shape[1] == fHere && b1.numel() == fHere,
+                        "mlpReference: weights of ", shapeText(w1.shape), " and ", shapeText(w2.shape), " for rows [",
+                        fBegin, ", ", fEnd, ") of F");
   const double uAcc = o.accumulationUnit;
   const DType c = o.computeDtype;
   const int stages = 3, T = o.tp;  // the GEMM's rounding and the MLP's two more; the T partial sums
   const Upper aX = upperAbs(X), adY = upperAbs(dY);
   // |W1| and |W2| exist a block at a time as well, each block scaled by its whole matrix's exponent,
   // so that they hold what the whole matrices' Uppers would.
-  auto absExponent = [](const StoredTensor& w) {
-    return upperExponent(largestFinite(w.numel(), [&w](std::int64_t i) { return std::fabs(w.at(i)); }));
+  auto largest = [](const StoredTensor& w) {
+    return largestFinite(w.numel(), [&w](std::int64_t i) { return std::fabs(w.at(i)); });
   };
-  const int eW1 = absExponent(w1f), eW2 = absExponent(w2f);
-  const int eW1d = quantized ? absExponent(w1d) : eW1, eW2d = quantized ? absExponent(w2d) : eW2;
-  // Rows [f0, f0 + fb) of a (F, h) weight, or columns [f0, f0 + fb) of an (h, F) one, in double.
-  auto rowsInto = [h](const StoredTensor& w, std::int64_t f0, std::int64_t fb, std::vector<double>& out) {
+  double largestW1 = largest(w1f), largestW2 = largest(w2f);
+  if (part) {  // the whole weights'
+    const std::vector<double> all = part->allGather({largestW1, largestW2});
+    for (std::size_t i = 0; i + 1 < all.size(); i += 2)
+      largestW1 = std::max(largestW1, all[i]), largestW2 = std::max(largestW2, all[i + 1]);
+  }
+  const int eW1 = upperExponent(largestW1), eW2 = upperExponent(largestW2);
+  const int eW1d = quantized ? upperExponent(largest(w1d)) : eW1, eW2d = quantized ? upperExponent(largest(w2d)) : eW2;
+  // Rows [f0, f0 + fb) of F of a (F, h) weight, or columns [f0, f0 + fb) of an (h, F) one, in double.
+  auto rowsInto = [h, fBegin](const StoredTensor& w, std::int64_t f0, std::int64_t fb, std::vector<double>& out) {
     out.resize(std::size_t(fb * h));
-    readDoubles(w, f0 * h, fb * h, out.data());
+    readDoubles(w, (f0 - fBegin) * h, fb * h, out.data());
   };
-  auto columnsInto = [h, f](const StoredTensor& w, std::int64_t f0, std::int64_t fb, std::vector<double>& out) {
+  auto columnsInto = [h, fBegin, fHere](const StoredTensor& w, std::int64_t f0, std::int64_t fb,
+                                        std::vector<double>& out) {
     out.resize(std::size_t(h * fb));
-    for (std::int64_t r = 0; r < h; ++r) readDoubles(w, r * f + f0, fb, out.data() + r * fb);
+    for (std::int64_t r = 0; r < h; ++r) readDoubles(w, r * fHere + f0 - fBegin, fb, out.data() + r * fb);
   };
   auto absInto = [](const std::vector<double>& block, std::int64_t rows, std::int64_t cols, int exponent, Upper& u) {
     upperInto(rows, cols, [d = block.data()](std::int64_t i) { return std::fabs(d[i]); }, exponent, u);
@@ -749,20 +777,27 @@ void mlpReference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& 
   // buffers that stay in use (fresh memory is dear: freshVector), each weight is read once, the
   // weight gradients' rows and columns of a block are sent once it is done, and the results that
   // sum over F (y, dX) add the blocks' products, in block order. The blocks depend on the shapes
-  // alone.
+  // alone; a part's start at its first row. Where a row of a weight gradient falls in its block
+  // changes no bit of it or of its bound (each is one product's row, its bound's operands scaled
+  // by powers of two).
   const std::int64_t fBlock = blockRows(o, f, tokens);
+  std::vector<std::pair<std::int64_t, std::int64_t>> blocks;  // (first row, rows)
+  for (std::int64_t f0 = fBegin; f0 < fEnd; f0 += fBlock) blocks.emplace_back(f0, std::min(fBlock, fEnd - f0));
   auto zeros = [](std::int64_t rows, std::int64_t cols) {
     return Mat{rows, cols, freshVector<double>(rows * cols)};
   };
   sink.result("output", withLast(x.shape, h), o.outputDtype);
   sink.result("input.grad", x.shape, c);
-  sink.result("fc1.weight.grad", w1.shape, c);
-  sink.result("fc1.bias.grad", b1.shape, c);
-  sink.result("fc2.weight.grad", w2.shape, c);
+  sink.result("fc1.weight.grad", {f, h}, c);
+  sink.result("fc1.bias.grad", {f}, c);
+  sink.result("fc2.weight.grad", {h, f}, c);
   sink.result("fc2.bias.grad", b2.shape, c);
   Mat y = zeros(tokens, h), boundY = zeros(tokens, h), dX = zeros(tokens, h), boundX = zeros(tokens, h);
-  std::vector<double> db1(std::size_t(f), 0.0), db1Bound(std::size_t(f), 0.0);
-  const std::int64_t bufferSize = tokens * std::min(f, fBlock), weightBlock = h * std::min(f, fBlock);
+  std::vector<double> db1(std::size_t(fHere), 0.0), db1Bound(std::size_t(fHere), 0.0);
+  bool later = false;  // y and dX add to the earlier blocks'
+  std::int64_t mostRows = 0;
+  for (const auto& block : blocks) mostRows = std::max(mostRows, block.second);
+  const std::int64_t bufferSize = tokens * mostRows, weightBlock = h * mostRows;
   std::vector<double> A = freshVector<double>(bufferSize), dGelu = freshVector<double>(bufferSize),
                       dH = freshVector<double>(bufferSize), aH = freshVector<double>(bufferSize),
                       adA = freshVector<double>(bufferSize);
@@ -770,9 +805,9 @@ void mlpReference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& 
   std::vector<double> dW1 = freshVector<double>(weightBlock), boundW1 = freshVector<double>(weightBlock),
                       dW2 = freshVector<double>(weightBlock), boundW2 = freshVector<double>(weightBlock);
   Upper left;  // the bounds' (tokens, block) operands: |intermediate| · rel + its carried error
-  for (std::int64_t f0 = 0; f0 < f; f0 += fBlock) {
-    const std::int64_t fb = std::min(fBlock, f - f0), n = tokens * fb;
-    const bool later = f0 > 0;  // y and dX add to the earlier blocks'
+  for (auto block = blocks.begin(); block != blocks.end(); ++block, later = true) {
+    const std::int64_t f0 = block->first, fb = block->second;
+    const std::int64_t n = tokens * fb;
     auto operand = [&](double rel, const std::vector<double>& value, double carried,
                        const std::vector<double>& magnitude) -> const Upper& {
       upperInto(tokens, fb, [&, v = value.data(), m = magnitude.data()](std::int64_t i) {
@@ -801,7 +836,7 @@ void mlpReference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& 
     upperProductInto(aX.map(), aX.exponent, aW1b.map().transpose(), aW1b.exponent, aH.data(), fb, false);
     forChunks(n, [&](std::int64_t begin, std::int64_t end) {
       for (std::int64_t i = begin, j = begin % fb; i < end; ++i, j = j + 1 == fb ? 0 : j + 1) {
-        const double z = A[std::size_t(i)] + b1.values[std::size_t(f0 + j)], cdf = normalCdf(z);
+        const double z = A[std::size_t(i)] + b1.values[std::size_t(f0 - fBegin + j)], cdf = normalCdf(z);
         A[std::size_t(i)] = z * cdf;
         dGelu[std::size_t(i)] = cdf + z * normalPdf(z);
       }
@@ -834,16 +869,30 @@ void mlpReference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& 
     for (std::int64_t i = 0; i < tokens; ++i)
       for (std::int64_t j = 0; j < fb; ++j) {
         const std::size_t at = std::size_t(i * fb + j);
-        db1[std::size_t(f0 + j)] += dH[at];
-        db1Bound[std::size_t(f0 + j)] += relB1 * std::fabs(dH[at]) + dhErr * adA[at];
+        db1[std::size_t(f0 - fBegin + j)] += dH[at];
+        db1Bound[std::size_t(f0 - fBegin + j)] += relB1 * std::fabs(dH[at]) + dhErr * adA[at];
       }
   }
+  sink.block("fc1.bias.grad", {0, fBegin, 1, fHere, fHere, db1.data(), db1Bound.data()});
+  if (part && part->index > 0) {  // the first part adds the others' sums to its own
+    for (const Mat* sums : {&y, &boundY, &dX, &boundX}) part->send(sums->v);
+    return;
+  }
+  std::vector<double> theirs;
+  for (int from = 1; part && from < part->count; ++from)
+    for (Mat* sums : {&y, &boundY, &dX, &boundX}) {
+      part->receive(from, theirs);
+      TPSIM_INTERNAL_ASSERT(theirs.size() == sums->v.size(), "mlpReference: part ", from, " sent ", theirs.size(),
+                            " sums for ", sums->v.size());
+      forChunks(std::int64_t(theirs.size()), [&](std::int64_t begin, std::int64_t end) {
+        for (std::int64_t i = begin; i < end; ++i) sums->v[std::size_t(i)] += theirs[std::size_t(i)];
+      });
+    }
   addRows(y, b2.values);
   addRows(boundY, evaluate(relY * viewOf(b2).cwiseAbs()).v);
 
   sink.block("output", {0, 0, tokens, h, h, y.v.data(), boundY.v.data()});
   sink.block("input.grad", {0, 0, tokens, h, h, dX.v.data(), boundX.v.data()});
-  sink.block("fc1.bias.grad", {0, 0, 1, f, f, db1.data(), db1Bound.data()});
   Checked db2 = checked(uAcc, b2.shape, c, Mat{1, h, columnSums(dY)}, Mat{1, h, absColumnSums(dY)}, tokens,
                         roundings(stages + T, c));
   sink.block("fc2.bias.grad", {0, 0, 1, h, h, db2.value.values.data(), db2.bound.data()});

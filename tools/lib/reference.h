@@ -12,8 +12,10 @@
 // docs/bounds.md gives it per layer kind, with the tests that pin it and show how tight it is.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "core/mxfp8.h"
 #include "core/placement.h"
@@ -26,6 +28,26 @@ class LayerKind;  // tools/lib/layer_kind.h
 struct Checked {
   HostTensor value;  // the dense result
   std::vector<double> bound;
+};
+
+// A part of a reference that splits: in a world spread over processes, each process computes the
+// blocks of the split dimension (the MLP's F) that its ranks hold, with that dimension's rows of the
+// weights only, and checks the results of those rows where they are (docs/distributed.md,
+// "Verification"). The parts run at once; each sums its own blocks over the split dimension, and
+// the first part (rows [0, ...)) adds the others' sums to its own, in part order, and alone sends
+// those results: their values differ from one process's in the last bits of a double.
+struct ReferencePart {
+  int index = 0, count = 1;
+  std::int64_t begin = 0, end = 0;  // the rows of the split dimension this part computes
+  std::int64_t whole = 0;           // the split dimension's size
+  // The inputs this part holds only the rows of (the weights' blocks; the others it holds whole).
+  std::vector<std::string> split;
+  // Every part's `mine`, in part order, to every part (each calls it at the same points): the whole
+  // weights' largest magnitudes and the inputs' ℓ1 norms, summed in part order.
+  std::function<std::vector<double>(const std::vector<double>& mine)> allGather;
+  // A part's sums over the split dimension, one vector at a time, from the others to the first.
+  std::function<void(const std::vector<double>& sums)> send;
+  std::function<void(int from, std::vector<double>& sums)> receive;
 };
 
 struct ReferenceOptions {
@@ -57,6 +79,8 @@ struct ReferenceOptions {
   // intermediate, a linear of its weight. With it the MLP's values change only by double rounding
   // and its bounds by their float rounding; a linear's results change no bit.
   std::int64_t blockElements = std::int64_t(1) << 21;
+  // The part this reference computes (LayerKind::partResults says which kinds split); null: all.
+  const ReferencePart* part = nullptr;
 };
 
 // A rectangle of one result's reference, the result seen as a (numel / last dim, last dim) matrix:

@@ -17,6 +17,7 @@
 #include "core/process_groups.h"
 #include "core/rank_grid.h"
 #include "tools/lib/backend.h"
+#include "backends/wire.h"
 #include "tools/lib/job.h"
 
 namespace tpsim::tools {
@@ -26,7 +27,7 @@ namespace {
 struct PerRank {
   std::mutex mu;
   std::vector<std::map<std::string, StoredTensor>> results;
-  std::vector<TensorPlacement> placements;  // rank 0's
+  std::vector<TensorPlacement> placements;  // the first rank's here
   void put(int rank, const std::string& name, StoredTensor t) {
     std::lock_guard<std::mutex> lock(mu);
     results[rank][name] = std::move(t);
@@ -144,6 +145,8 @@ RunResult runShardedFrom(const RunConfig& config, const ShapeMap& shapes, const 
   const LayerGrid grid(c.tp, c.gtpRemat);
   PerRank per;
   per.results.resize(std::size_t(grid.size()));
+  int firstHere = 0;
+  while (!jobRuns(firstHere, grid.size())) ++firstHere;
   WorldOptions wo;
   wo.size = grid.size();
   wo.threads = c.threads;
@@ -168,12 +171,10 @@ RunResult runShardedFrom(const RunConfig& config, const ShapeMap& shapes, const 
     RankLayer layer(ctx, grid, c, true);
     const int t = layer.pg.tp().rank(), g = layer.pg.gtpRemat().rank();
     const std::vector<TensorPlacement> placements = layer.modules->placements();
-    if (r == 0) {
-      per.placements = placements;
-      if (hooks.save)
-        for (const TensorPlacement& p : placements)
-          if (p.role == TensorRole::kParameter) hooks.save->describe(p);
-    }
+    if (r == firstHere) per.placements = placements;
+    if (r == 0 && hooks.save)
+      for (const TensorPlacement& p : placements)
+        if (p.role == TensorRole::kParameter) hooks.save->describe(p);
     auto shard = [&](const std::string& input) {
       return shardOfInput(placementNamed(placements, inputPlacements.at(input)), input, r, t, g);
     };
@@ -223,10 +224,20 @@ RunResult runShardedFrom(const RunConfig& config, const ShapeMap& shapes, const 
   // which would otherwise take their place beside it in the one heap (tools/cli/main.cc keeps it).
   if (jobProcesses() > 1 && kept != KeptResults::kNone) malloc_trim(0);
 #endif
-  // Spread over an MPI job, process 0 assembles every rank's results; the other processes are done.
+  // Spread over an MPI job, process 0 assembles every rank's results but those each process keeps
+  // (kPart); the other processes are then done.
+  const std::vector<std::string> keptHere =
+      kept == KeptResults::kPart ? kind.partResults(c) : std::vector<std::string>{};
+  std::vector<std::map<std::string, StoredTensor>> here(per.results.size());
+  for (std::size_t rank = 0; rank < here.size(); ++rank)
+    for (const std::string& name : keptHere)
+      if (auto it = per.results[rank].find(name); it != per.results[rank].end()) {
+        here[rank][name] = std::move(it->second);
+        per.results[rank].erase(it);
+      }
   std::vector<std::vector<TraceEvent>> trace = world->trace();
   gatherRanks(per.results, trace, records, hooks.save, c.timeout);
-  if (jobProcess() != 0) return {};
+  if (jobProcess() != 0 && keptHere.empty()) return {};
   RunResult r;
   r.trace = std::move(trace);
   r.records = std::move(records);
@@ -237,12 +248,21 @@ RunResult runShardedFrom(const RunConfig& config, const ShapeMap& shapes, const 
   // Each result with the placement that puts its ranks' tensors together.
   auto placement = [&](const std::string& name) { return placementNamed(r.placements, name); };
   auto put = [&](const std::string& name, const TensorPlacement& p, double divisor = 1) {
+    const bool keptThere = std::count(keptHere.begin(), keptHere.end(), name) != 0;
+    if (!keptThere && jobProcess() != 0) return;  // process 0's
     ShardedResult& result = r.sharded[name];
     result.placement = p;
     result.divisor = divisor;
     for (int g = 0; g < p.gtp.size; ++g)
-      for (int t = 0; t < p.tp.size; ++t)
-        result.ranks.push_back(std::move(per.results[std::size_t(grid.rank(t, g))].at(name)));
+      for (int t = 0; t < p.tp.size; ++t) {
+        auto& ranks = keptThere ? here : per.results;
+        const int rank = grid.rank(t, g);
+        auto it = ranks[std::size_t(rank)].find(name);
+        TPSIM_INTERNAL_ASSERT(it != ranks[std::size_t(rank)].end() || (keptThere && !jobRuns(rank, grid.size())),
+                              "no ", name, " of rank ", rank);
+        result.ranks.push_back(it == ranks[std::size_t(rank)].end() ? StoredTensor{} : std::move(it->second));
+        if (jobRuns(rank, grid.size()) || !keptThere) result.dtype = result.ranks.back().dtype;
+      }
   };
   put("output", placement(kind.outputPlacement()));
   if (per.results.front().count("input.grad")) {
@@ -271,7 +291,7 @@ RunResult runShardedFrom(const RunConfig& config, const ShapeMap& shapes, const 
   per.results.clear();
   if (kept == KeptResults::kAssembled)
     for (const auto& [name, result] : r.sharded) {
-      HostTensor whole{result.placement.shape, result.ranks.front().dtype, {}};
+      HostTensor whole{result.placement.shape, result.dtype, {}};
       std::vector<double> farthest;
       const bool differs = readRect(result, MatrixRect{0, 0, whole.numel() / whole.shape.back(), whole.shape.back()},
                                     whole.values, farthest);
@@ -280,7 +300,7 @@ RunResult runShardedFrom(const RunConfig& config, const ShapeMap& shapes, const 
     }
   std::vector<std::string> names;
   for (const auto& [name, t] : r.sharded) names.push_back(name);
-  std::vector<std::string> expected = resultNames(c);
+  std::vector<std::string> expected = jobProcess() == 0 ? resultNames(c) : keptHere;
   std::sort(expected.begin(), expected.end());
   TPSIM_INTERNAL_ASSERT(names == expected, "runSharded: results other than resultNames() lists");
   return r;
@@ -411,13 +431,15 @@ struct VerifiedResult {
 };
 
 // Checks the reference block by block, as it arrives, against the results.
+// A part (ReferencePart) checks only the results it has: announced others are not its own.
 class VerifySink final : public ReferenceSink {
  public:
-  VerifySink(const RunConfig& c, std::map<std::string, VerifiedResult> results, VerifyMode mode)
-      : c_(c), results_(std::move(results)), mode_(mode) {}
+  VerifySink(const RunConfig& c, std::map<std::string, VerifiedResult> results, VerifyMode mode, bool part = false)
+      : c_(c), results_(std::move(results)), mode_(mode), part_(part) {}
 
   void result(const std::string& name, const std::vector<std::int64_t>& shape, DType) override {
     auto it = results_.find(name);
+    if (part_ && it == results_.end()) return;
     TPSIM_INTERNAL_ASSERT(it != results_.end(), "no sharded result named ", name);
     TPSIM_INTERNAL_ASSERT(it->second.shape == shape, name, ": sharded ", shapeText(it->second.shape), " vs dense ",
                           shapeText(shape));
@@ -482,9 +504,37 @@ class VerifySink final : public ReferenceSink {
   const RunConfig& c_;
   const std::map<std::string, VerifiedResult> results_;
   const VerifyMode mode_;
+  const bool part_;
   std::map<std::string, Verdict> verdicts_;
   std::vector<double> value_, farthest_;  // the block being checked
 };
+
+// Readers of the results as the ranks here hold them.
+std::map<std::string, VerifiedResult> readersOf(const RunResult& result) {
+  std::map<std::string, VerifiedResult> results;
+  for (const auto& [name, sharded] : result.sharded)
+    results[name] = {sharded.placement.shape, sharded.dtype,
+                     [&sharded = sharded](const MatrixRect& rect, std::vector<double>& value,
+                                          std::vector<double>& farthest) { readRect(sharded, rect, value, farthest); }};
+  return results;
+}
+
+void putVerdict(std::string& out, const Verdict& v) {
+  wire::putString(out, v.name);
+  wire::putString(out, v.shape);
+  for (double x : {v.maxError, v.maxBound, v.slack, v.firstOutsideError, v.firstOutsideBound}) wire::put(out, x);
+  for (std::int64_t x : {v.outside, v.firstOutside, v.nonFinite, v.firstNonFinite}) wire::put(out, x);
+}
+
+Verdict getVerdict(wire::Reader& in) {
+  Verdict v;
+  v.name = in.getString();
+  v.shape = in.getString();
+  for (double* x : {&v.maxError, &v.maxBound, &v.slack, &v.firstOutsideError, &v.firstOutsideBound})
+    *x = in.get<double>();
+  for (std::int64_t* x : {&v.outside, &v.firstOutside, &v.nonFinite, &v.firstNonFinite}) *x = in.get<std::int64_t>();
+  return v;
+}
 
 std::vector<Verdict> verifyResults(const RunConfig& c, const InputMap& inputs, VerifyMode mode,
                                    const std::vector<TensorPlacement>& placements,
@@ -509,13 +559,128 @@ std::map<std::string, Checked> referenceFor(const RunConfig& c, const InputMap& 
 }
 
 std::vector<Verdict> verify(const RunConfig& c, const InputMap& inputs, const RunResult& result, VerifyMode mode) {
-  std::map<std::string, VerifiedResult> results;
-  for (const auto& [name, sharded] : result.sharded)
-    results[name] = {sharded.placement.shape, sharded.ranks.front().dtype,
-                     [&sharded = sharded](const MatrixRect& rect, std::vector<double>& value, std::vector<double>& farthest) {
-                       readRect(sharded, rect, value, farthest);
-                     }};
-  return verifyResults(c, inputs, mode, result.placements, std::move(results));
+  return verifyResults(c, inputs, mode, result.placements, readersOf(result));
+}
+
+std::vector<std::string> partWholeInputs(const RunConfig& c, const std::vector<TensorPlacement>& placements) {
+  std::vector<std::string> names;
+  for (const TensorSpec& t : c.layer->tensors(c))
+    if (t.role != TensorRole::kParameter || placementNamed(placements, t.name).tp.kind != AxisKind::kShard)
+      names.push_back(t.name);
+  return names;
+}
+
+PartInputs partInputs(const RunConfig& c, const std::vector<TensorPlacement>& placements, const InputShards& shards,
+                      InputMap whole) {
+  PartInputs out;
+  out.inputs = std::move(whole);
+  const LayerGrid grid(c.tp, c.gtpRemat);
+  TPSIM_INTERNAL_ASSERT(grid.gtpRemat() == 1, "partInputs: GTP_remat cuts the ranks' rows");
+  for (const TensorSpec& spec : c.layer->tensors(c)) {
+    if (out.inputs.count(spec.name)) continue;
+    const TensorPlacement& p = placementNamed(placements, spec.name);
+    const int dim = p.tp.dim;
+    // The ranks here hold consecutive slices along dim, in rank order (stride 1: one block each).
+    std::int64_t begin = -1, end = -1;
+    std::vector<std::pair<const StoredTensor*, Range>> slices;
+    for (int t = 0; t < grid.tp(); ++t) {
+      if (!jobRuns(grid.rank(t, 0), grid.size())) continue;
+      const std::vector<Block> blocks = blocksOf(p, t, 0);
+      TPSIM_INTERNAL_ASSERT(blocks.size() == 1, spec.name, ": ", blocks.size(), " blocks on TP rank ", t);
+      const Range along = blocks.front().global[std::size_t(dim)];
+      TPSIM_INTERNAL_ASSERT(begin < 0 || along.begin == end, spec.name, ": the ranks here hold rows apart");
+      if (begin < 0) begin = along.begin;
+      end = along.end;
+      slices.emplace_back(&shards.ranks.at(std::size_t(grid.rank(t, 0))).at(spec.name), along);
+    }
+    TPSIM_INTERNAL_ASSERT(out.split.empty() || (begin == out.begin && end == out.end), spec.name, ": rows [", begin,
+                          ", ", end, ") apart from [", out.begin, ", ", out.end, ")");
+    out.begin = begin, out.end = end, out.whole = p.shape[std::size_t(dim)];
+    out.split.push_back(spec.name);
+    // Each slice's rows along dim for every index of the dims before it.
+    std::vector<std::int64_t> shape = p.shape;
+    shape[std::size_t(dim)] = end - begin;
+    std::int64_t outer = 1, inner = 1;
+    for (int d = 0; d < dim; ++d) outer *= shape[std::size_t(d)];
+    for (int d = dim + 1; d < int(shape.size()); ++d) inner *= shape[std::size_t(d)];
+    const std::size_t size = dtypeSize(slices.front().first->dtype);
+    StoredTensor joined{shape, slices.front().first->dtype, {}};
+    resizeFresh(joined.bytes, std::size_t(joined.numel()) * size);
+    for (const auto& [slice, along] : slices) {
+      const std::size_t run = std::size_t(along.size() * inner) * size;
+      for (std::int64_t o = 0; o < outer; ++o) {
+        const std::size_t at = std::size_t((o * (end - begin) + along.begin - begin) * inner) * size;
+        std::memcpy(joined.bytes.data() + at, slice->bytes.data() + std::size_t(o) * run, run);
+      }
+    }
+    out.inputs[spec.name] = std::move(joined);
+  }
+  return out;
+}
+
+std::vector<Verdict> verifyPart(const RunConfig& c, const PartInputs& in, const RunResult& result, VerifyMode mode) {
+  if (mode == VerifyMode::kNone) return {};
+  ReferencePart part;
+  part.index = jobProcess(), part.count = jobProcesses();
+  part.begin = in.begin, part.end = in.end, part.whole = in.whole, part.split = in.split;
+  auto bytesOf = [](const std::vector<double>& v) {
+    return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(double));
+  };
+  auto doublesOf = [](const std::string& bytes, std::vector<double>& out) {
+    const std::size_t at = out.size();
+    out.resize(at + bytes.size() / sizeof(double));
+    std::memcpy(out.data() + at, bytes.data(), bytes.size() / sizeof(double) * sizeof(double));
+  };
+  part.allGather = [&](const std::vector<double>& mine) {
+    std::vector<double> all;
+    for (const std::string& theirs : allGatherJob(bytesOf(mine), c.timeout)) doublesOf(theirs, all);
+    return all;
+  };
+  // One vector at a time, when the first part asks for it: not every part's at once in its memory.
+  part.send = [&](const std::vector<double>& sums) {
+    receiveFromProcess(0, c.timeout);
+    sendToProcess(0, bytesOf(sums));
+  };
+  part.receive = [&](int from, std::vector<double>& sums) {
+    sendToProcess(from, "");
+    sums.clear();
+    doublesOf(receiveFromProcess(from, c.timeout), sums);
+  };
+  ReferenceOptions o = referenceOptions(c, result.placements);
+  o.part = &part;
+  VerifySink sink(c, readersOf(result), mode, true);
+  streamReference(o, in.inputs, sink);
+  std::string mine;
+  for (const Verdict& v : sink.verdicts()) putVerdict(mine, v);
+  const std::vector<std::string> parts = gatherJob(std::move(mine), c.timeout);
+  std::map<std::string, Verdict> merged;
+  for (const std::string& theirs : parts) {
+    wire::Reader reader(theirs, "a process's verdicts");
+    while (reader.at() < theirs.size()) {
+      const Verdict v = getVerdict(reader);
+      auto [it, first] = merged.emplace(v.name, v);
+      if (!first) mergeVerdict(it->second, v);
+    }
+  }
+  std::vector<Verdict> out;
+  for (const auto& [name, v] : merged) out.push_back(v);
+  return out;
+}
+
+void mergeVerdict(Verdict& into, const Verdict& v) {
+  if (!std::isnan(into.maxError) && (std::isnan(v.maxError) || v.maxError > into.maxError)) into.maxError = v.maxError;
+  into.maxBound = std::max(into.maxBound, v.maxBound);
+  into.slack = std::isnan(into.slack) || std::isnan(v.slack) ? std::numeric_limits<double>::quiet_NaN()
+                                                              : std::min(into.slack, v.slack);
+  if (v.outside > 0 && (into.outside == 0 || v.firstOutside < into.firstOutside)) {
+    into.firstOutside = v.firstOutside;
+    into.firstOutsideError = v.firstOutsideError;
+    into.firstOutsideBound = v.firstOutsideBound;
+  }
+  into.outside += v.outside;
+  if (v.nonFinite > 0 && (into.nonFinite == 0 || v.firstNonFinite < into.firstNonFinite))
+    into.firstNonFinite = v.firstNonFinite;
+  into.nonFinite += v.nonFinite;
 }
 
 std::vector<Verdict> verify(const RunConfig& c, const InputMap& inputs, const TensorMap& results, VerifyMode mode,

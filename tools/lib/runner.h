@@ -30,10 +30,12 @@ namespace tpsim::tools {
 
 // A result as the ranks hold it, read in place (assembleRect) or put together (assembled): rank
 // (t, g)'s tensor is ranks[g · T + t], T = placement.tp.size, and the assembled sum is divided by
-// `divisor` (G for the GTP_remat peers' MEAN over a parameter they replicate, else 1).
+// `divisor` (G for the GTP_remat peers' MEAN over a parameter they replicate, else 1). A rank another
+// process runs holds an empty tensor (KeptResults::kPart).
 struct ShardedResult {
   TensorPlacement placement;
   std::vector<StoredTensor> ranks;
+  DType dtype = DType::kFloat32;  // the ranks'
   double divisor = 1;
 
   const StoredTensor& local(int t, int g) const { return ranks[std::size_t(g * placement.tp.size + t)]; }
@@ -65,8 +67,10 @@ struct CheckpointHooks {
 // What runSharded keeps of the results: put together (RunResult::results and otherCopies) besides
 // as the ranks hold them (RunResult::sharded); only the latter, what verify and saving read in
 // place; or none, where nothing reads them (the trace and records are kept): a world spread over
-// processes then moves none of them to process 0.
-enum class KeptResults { kAssembled, kSharded, kNone };
+// processes then moves none of them to process 0; or, spread over processes whose reference splits
+// (LayerKind::partResults), those results where their ranks are, in every process, and the others
+// as kSharded in process 0.
+enum class KeptResults { kAssembled, kSharded, kNone, kPart };
 
 // Checks the configuration and the inputs (checkInputs), and checkCheckpointable with a hook, then
 // runs forward and backward on every rank. With `progress`, its phases are forward and backward
@@ -153,6 +157,27 @@ std::vector<Verdict> verify(const RunConfig& config, const InputMap& inputs, con
 // The same for a run's result, read from the ranks' tensors in place (RunResult::sharded).
 std::vector<Verdict> verify(const RunConfig& config, const InputMap& inputs, const RunResult& result,
                             VerifyMode mode = VerifyMode::kBound);
+// What a process of a spread world whose reference splits (LayerKind::partResults) holds for its part
+// of the reference: the inputs it reads, each parameter TP splits as this process's ranks' shards
+// joined (rows [begin, end) of the split dimension, of `whole`), the others whole.
+struct PartInputs {
+  InputMap inputs;
+  std::int64_t begin = 0, end = 0, whole = 0;
+  std::vector<std::string> split;  // the parameters held in part
+};
+// The names of config's inputs that such a process holds whole (`placements`: placementsOf config).
+std::vector<std::string> partWholeInputs(const RunConfig& config, const std::vector<TensorPlacement>& placements);
+// Its part, from its ranks' shards of the split parameters (before they run) and the whole others.
+PartInputs partInputs(const RunConfig& config, const std::vector<TensorPlacement>& placements,
+                      const InputShards& shards, InputMap whole);
+// verify() in each process of such a world, its results kept as KeptResults::kPart: this process's
+// part of the reference, checked where the results are; process 0 returns every process's verdicts
+// merged (the table one process prints), the others none.
+std::vector<Verdict> verifyPart(const RunConfig& config, const PartInputs& inputs, const RunResult& result,
+                                VerifyMode mode);
+// v's counts and extremes added to `into`'s: verdicts of disjoint elements of one result as one.
+void mergeVerdict(Verdict& into, const Verdict& v);
+
 // The verification table as `tpsim run` prints it: a header line, then a row per verdict (tensor,
 // shape, max|err|, bound, slack, #outside, result).
 std::string verificationTable(const std::vector<Verdict>& verdicts);

@@ -113,7 +113,7 @@ class EmbeddingKind final : public LayerKind {
   // The table's gradient is a scatter-add, not a product: the reference reads the table in place
   // and holds a block of the gradient's rows and their bounds in double (embeddingReference).
   double referenceBytesPerParameter(const RunConfig&) const override { return 0; }
-  double referenceIntermediates(const RunConfig&, const ShapeMap& shapes) const override {
+  double referenceIntermediates(const RunConfig&, const ShapeMap& shapes, double) const override {
     const auto w = shapes.find("weight");
     if (w == shapes.end() || w->second.size() != 2) return 0;
     const std::int64_t v = w->second[0], h = w->second[1];

@@ -171,7 +171,7 @@ class GroupedKind final : public LayerKind {
   // for that expert alone, and its weight in blocks of rows (linearLayer).
   double referenceBytesPerActivation(const RunConfig& c) const override { return 52.0 / double(c.experts); }
   double referenceBytesPerParameter(const RunConfig& c) const override { return 4.0 / double(c.experts); }
-  double referenceIntermediates(const RunConfig& c, const ShapeMap&) const override {
+  double referenceIntermediates(const RunConfig& c, const ShapeMap&, double) const override {
     return 4.5 * double(blockRows(ReferenceOptions(), c.outFeatures, c.inFeatures) * c.inFeatures);
   }
   // The experts' weights and biases are saved as one key each, expert i at index i of its leading axis.

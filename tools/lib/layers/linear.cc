@@ -107,7 +107,7 @@ class LinearKind : public LayerKind {
   // copy under MXFP8) and of dW and its bound in double, W's rows packed for the products, and the
   // bound's float product. Under MXFP8 the making of the copies is over before the blocks start,
   // which go with the two copies (2d bytes an element, d the dtype's): the larger of the two counts.
-  double referenceIntermediates(const RunConfig& c, const ShapeMap& shapes) const override {
+  double referenceIntermediates(const RunConfig& c, const ShapeMap& shapes, double) const override {
     const auto w = shapes.find("weight");
     if (w == shapes.end() || w->second.size() != 2) return 0;
     const std::int64_t n = w->second[0], k = w->second[1];

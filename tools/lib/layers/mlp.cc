@@ -125,11 +125,13 @@ class MlpKind final : public LayerKind {
   // weight's block is also packed for the products, in double and in float (at most 32 MiB each),
   // and its gradient's bound is made in a float product first (measured where the weights are the
   // run: a few tokens, so that a block is all of F).
-  double referenceIntermediates(const RunConfig& c, const ShapeMap& shapes) const override {
+  // A part's blocks are at most its rows of F.
+  double referenceIntermediates(const RunConfig& c, const ShapeMap& shapes, double part) const override {
     double tokens = 0;
     const double h = hiddenElements(shapes, tokens);
     const double f = tokens > 0 ? h / tokens : 0;
-    const double block = tokens * double(blockRows(ReferenceOptions(), std::int64_t(f), std::int64_t(tokens)));
+    const double rows = double(blockRows(ReferenceOptions(), std::int64_t(f), std::int64_t(tokens)));
+    const double block = tokens * std::min(std::ceil(part * f), rows);
     const auto in = shapes.find("input");
     const double features = in == shapes.end() || in->second.empty() ? 0 : double(in->second.back());
     const double weightBlock = features * (tokens > 0 ? block / tokens : 0);
@@ -146,6 +148,12 @@ class MlpKind final : public LayerKind {
   std::unique_ptr<LayerModules> build(const LayerContext& lc, const ModelParallelConfig& mp,
                                       const RunConfig& c) const override {
     return std::make_unique<MlpModules>(lc, mp, c);
+  }
+  // F's: the rows of W1 and b1 and the columns of W2 that the parts' TP ranks hold, without GTP_remat
+  // (which cuts a rank's rows among its peers) or MXFP8 (quantized per TP rank, before the blocks).
+  std::vector<std::string> partResults(const RunConfig& c) const override {
+    if (c.gtpRemat > 1 || c.weightFormat != WeightFormat::kNative) return {};
+    return {"fc1.bias.grad", "fc1.weight.grad", "fc2.weight.grad"};
   }
   void reference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& sink) const override {
     mlpReference(o, in, sink);
