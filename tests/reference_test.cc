@@ -206,7 +206,7 @@ class PartsFabric {
  public:
   explicit PartsFabric(int parts) : parts_(parts), gathered_(std::size_t(parts)), passed_(std::size_t(parts)) {}
 
-  ReferencePart part(int p, std::int64_t f, const std::vector<std::string>& split) {
+  ReferencePart part(int p, std::int64_t f, const std::map<std::string, int>& split) {
     ReferencePart out;
     out.index = p, out.count = parts_;
     out.begin = f / parts_ * p, out.end = f / parts_ * (p + 1), out.whole = f, out.split = split;
@@ -274,43 +274,36 @@ class PartsSink final : public ReferenceSink {
   std::map<std::string, std::int64_t> cols;
 };
 
-// An MLP at T = 4 (F = 1200 in blocks of 256), whole and in 2 and 4 parts (blocks from each part's
-// first row: 256, 256, 88 and 256, 44): each element once; the gradients of F's rows those of the
-// whole bit for bit (fp32: the parts' sums of ℓ1 norms change no bound), the sums over F within
-// 1e-9 of their bound of the whole's and their bounds within 1e-5 (each part rounds its bounds'
-// products to float on its own, as blocks do): nothing a verdict sees.
-TEST(Reference, MlpInPartsOfWholeRanksGivesTheWhole) {
-  const std::int64_t h = 5, f = 1200;
-  std::mt19937_64 rng(19);
-  auto random = [&rng](std::vector<std::int64_t> shape) { return randomTensor(std::move(shape), rng); };
-  const TensorMap in = {{"input", random({2, 3, h})},     {"grad_output", random({2, 3, h})},
-                        {"fc1.weight", random({f, h})},   {"fc1.bias", random({f})},
-                        {"fc2.weight", random({h, f})},   {"fc2.bias", random({h})}};
-  ReferenceOptions whole;
-  whole.layer = layerKind("mlp");
-  whole.tp = 4;
-  whole.blockElements = 6 * 256;
+// Rows [begin, begin + rows) along dim (0 or 1) of a vector or matrix.
+HostTensor sliceAlong(const HostTensor& t, int dim, std::int64_t begin, std::int64_t rows) {
+  const std::int64_t cols = t.shape.back(), outer = dim == 0 ? 1 : t.numel() / cols;
+  const std::int64_t run = dim == 0 ? rows * (t.shape.size() == 1 ? 1 : cols) : rows;
+  const std::int64_t from = dim == 0 ? begin * (t.shape.size() == 1 ? 1 : cols) : begin;
+  HostTensor out{t.shape, t.dtype, {}};
+  out.shape[std::size_t(dim)] = rows;
+  for (std::int64_t o = 0; o < outer; ++o)
+    out.values.insert(out.values.end(), t.values.begin() + o * cols + from, t.values.begin() + o * cols + from + run);
+  return out;
+}
+
+// `whole`'s reference in 2 and 4 parts of the split dimension (`size`), on threads, each part
+// holding the rows of the `split` inputs (dimension each) from begin = size / parts · part: each
+// element sent once; the sums over the split dimension (`sums`) within 1e-9 of their bound of the
+// whole's and their bounds within 1e-5 (each part rounds its bounds' products to float on its own,
+// as blocks do), every other result the whole's bit for bit (fp32: the parts' sums of ℓ1 norms
+// change no bound). Nothing a verdict sees.
+void expectPartsGiveTheWhole(const ReferenceOptions& whole, const TensorMap& in, std::int64_t size,
+                             const std::map<std::string, int>& split, const std::vector<std::string>& sums) {
   const std::map<std::string, Checked> want = denseReference(whole, storedOf(in));
   for (const int parts : {2, 4}) {
     PartsFabric fabric(parts);
     PartsSink sink;
     std::vector<std::thread> threads;
     for (int p = 0; p < parts; ++p) {
-      const std::int64_t begin = f / parts * p, rows = f / parts;
       TensorMap mine = in;
-      mine["fc1.weight"] = HostTensor{{rows, h}, DType::kFloat32,
-                                      {in.at("fc1.weight").values.begin() + begin * h,
-                                       in.at("fc1.weight").values.begin() + (begin + rows) * h}};
-      mine["fc1.bias"] = HostTensor{{rows}, DType::kFloat32,
-                                    {in.at("fc1.bias").values.begin() + begin,
-                                     in.at("fc1.bias").values.begin() + begin + rows}};
-      HostTensor w2{{h, rows}, DType::kFloat32, {}};
-      for (std::int64_t r = 0; r < h; ++r)
-        w2.values.insert(w2.values.end(), in.at("fc2.weight").values.begin() + r * f + begin,
-                         in.at("fc2.weight").values.begin() + r * f + begin + rows);
-      mine["fc2.weight"] = std::move(w2);
+      for (const auto& [name, dim] : split) mine[name] = sliceAlong(in.at(name), dim, size / parts * p, size / parts);
       threads.emplace_back([&, p, mine = storedOf(mine)] {
-        const ReferencePart part = fabric.part(p, f, {"fc1.bias", "fc1.weight", "fc2.weight"});
+        const ReferencePart part = fabric.part(p, size, split);
         ReferenceOptions o = whole;
         o.part = &part;
         streamReference(o, mine, sink);
@@ -322,7 +315,7 @@ TEST(Reference, MlpInPartsOfWholeRanksGivesTheWhole) {
       for (std::size_t i = 0; i < c.bound.size(); ++i) {
         ASSERT_EQ(sink.sent.at(name)[i], 1) << name << " element " << i << ", " << parts << " parts";
         const double value = sink.value.at(name)[i], bound = sink.bound.at(name)[i];
-        if (name == "output" || name == "input.grad") {
+        if (std::count(sums.begin(), sums.end(), name)) {
           ASSERT_NEAR(value, c.value.values[i], 1e-9 * c.bound[i]) << name << " element " << i << ", " << parts;
           ASSERT_NEAR(bound, c.bound[i], 1e-5 * c.bound[i]) << name << " element " << i << ", " << parts;
         } else {
@@ -331,6 +324,68 @@ TEST(Reference, MlpInPartsOfWholeRanksGivesTheWhole) {
         }
       }
     }
+  }
+}
+
+// An MLP at T = 4 (F = 1200 in blocks of 256), whole and in 2 and 4 parts (blocks from each part's
+// first row: 256, 256, 88 and 256, 44): output and input.grad sum over F.
+TEST(Reference, MlpInPartsOfWholeRanksGivesTheWhole) {
+  const std::int64_t h = 5, f = 1200;
+  std::mt19937_64 rng(19);
+  auto random = [&rng](std::vector<std::int64_t> shape) { return randomTensor(std::move(shape), rng); };
+  const TensorMap in = {{"input", random({2, 3, h})},     {"grad_output", random({2, 3, h})},
+                        {"fc1.weight", random({f, h})},   {"fc1.bias", random({f})},
+                        {"fc2.weight", random({h, f})},   {"fc2.bias", random({h})}};
+  ReferenceOptions whole;
+  whole.layer = layerKind("mlp");
+  whole.tp = 4;
+  whole.blockElements = 6 * 256;
+  expectPartsGiveTheWhole(whole, in, f, {{"fc1.bias", 0}, {"fc1.weight", 0}, {"fc2.weight", 1}},
+                          {"output", "input.grad"});
+}
+
+// A column (N = 1200 split, in blocks of 256 rows of the weight) and a row (K = 1200 split, N = 700
+// in blocks of 256) at T = 4, whole and in 2 and 4 parts: the column's input.grad sums over N, the
+// row's output over K; its bias.grad comes from the first part alone.
+TEST(Reference, LinearInPartsOfWholeRanksGivesTheWhole) {
+  const std::int64_t wide = 1200, narrow = 5, rowN = 700;
+  std::mt19937_64 rng(23);
+  auto random = [&rng](std::vector<std::int64_t> shape) { return randomTensor(std::move(shape), rng); };
+  ReferenceOptions column;
+  column.layer = layerKind("column");
+  column.tp = 4;
+  column.blockElements = narrow * 256;
+  const TensorMap columnIn = {{"input", random({2, 3, narrow})}, {"weight", random({wide, narrow})},
+                              {"bias", random({wide})},          {"grad_output", random({2, 3, wide})}};
+  expectPartsGiveTheWhole(column, columnIn, wide, {{"weight", 0}, {"bias", 0}}, {"input.grad"});
+  ReferenceOptions row = column;
+  row.layer = layerKind("row");
+  const TensorMap rowIn = {{"input", random({2, 3, wide})}, {"weight", random({rowN, wide})},
+                           {"bias", random({rowN})},        {"grad_output", random({2, 3, rowN})}};
+  expectPartsGiveTheWhole(row, rowIn, wide, {{"weight", 1}}, {"output"});
+}
+
+// An embedding of 1200 rows (in blocks of 256) at T = 4, whole and in 2 and 4 parts of its
+// vocabulary, its output reduce-scattered and not: every result the whole's bit for bit (each
+// token's row comes from one part, and the others add zeros).
+TEST(Reference, EmbeddingInPartsOfWholeRanksGivesTheWhole) {
+  const std::int64_t vocab = 1200, h = 5;
+  std::mt19937_64 rng(29);
+  std::vector<double> ids;
+  for (int i = 0; i < 24; ++i) ids.push_back(double(rng() % vocab));
+  ids.front() = 0, ids.back() = vocab - 1, ids[1] = vocab / 2, ids[2] = vocab / 2 - 1;  // parts' edges
+  for (const bool reduceScatter : {false, true}) {
+    ReferenceOptions whole;
+    whole.layer = layerKind("embedding");
+    whole.tp = 4;
+    whole.blockElements = h * 256;
+    whole.reduceScatterEmbeddings = reduceScatter;
+    const std::vector<std::int64_t> output = reduceScatter ? std::vector<std::int64_t>{6, 4, h}
+                                                           : std::vector<std::int64_t>{4, 6, h};
+    const TensorMap in = {{"input", HostTensor{{4, 6}, DType::kInt64, ids}},
+                          {"weight", randomTensor({vocab, h}, rng)},
+                          {"grad_output", randomTensor(output, rng)}};
+    expectPartsGiveTheWhole(whole, in, vocab, {{"weight", 0}}, {});
   }
 }
 

@@ -103,7 +103,7 @@ std::optional<double> readNumber(const std::string& file) {
 // parameters whole and its share of these, keeps its share of the parameters' results (the first
 // also every rank's other results, gathered), and its reference counts its share of the
 // parameters, its blocks at most its rows, and the sums over the split dimension it sends or
-// receives, one vector at a time (16 bytes an element of grad_output).
+// receives, one vector at a time (16 bytes an element of the larger activation).
 double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode verify, const RunScope& scope) {
   const double T = c.tp, G = c.gtpRemat;
   // This process's ranks, and their share of the world's.
@@ -217,12 +217,13 @@ double estimateRunBytes(const RunConfig& c, const ShapeMap& shapes, VerifyMode v
   // Verifying its part, a process holds the inputs but the parameters whole, its part of these, and
   // the results of its ranks' rows; the first also every rank's other results, gathered. The sums
   // over the split dimension go to the first one vector at a time, as it asks: as sent, received and
-  // taken (16 bytes an element of grad_output in each).
+  // taken (16 bytes an element of the larger activation, the MLP's output or input.grad, a column's
+  // input.grad, a row's output, in each).
   const double keptActivations = activationBytes * T * (share.input * x + share.output * y);
   const double partInputs = scope.part ? inputs - parameterBytes + fraction * parameterBytes : 0;
   const double partKept = fraction * gradBytes * held + (scope.first ? keptActivations : 0);
   const double partGathered = scope.part && scope.first && P > 1 ? keptActivations * (2 - fraction) : 0;
-  const double sumsReceived = scope.part && P > 1 ? 16 * y : 0;
+  const double sumsReceived = scope.part && P > 1 ? 16 * std::max(x, y) : 0;
   const double parameters = scope.part ? fraction * w : w;
   const double reference = !verifies ? 0
                                      : (scope.part ? partKept + sumsReceived : kept) +

@@ -236,12 +236,14 @@ Upper upperAbs(MatrixView m) {
 // (1 − u)^-(K+2) >= (1 + u)^K: s <= F·ŝ + F²·(2K + 2)·2^-e after dividing by (1 − u)^2 as well.
 // That spare (1 − u)^-2 >= 1 + 2^-23 covers the double product's own error (1 + 2^-53)^K for K <
 // 2^29 and the few roundings of this scaling back; (2K + 2)·2^-1074 covers the double product's
-// underflow.
+// underflow. A product that is a part's share of a longer sum (ReferencePart) takes that sum's
+// length for K (`sumLength`): a K above the product's own only raises the bound, and the parts'
+// bounds then add to the whole's but for their float roundings.
 template <class Lhs, class Rhs>
 void upperProductInto(const Lhs& lhs, int lhsExponent, const Rhs& rhs, int rhsExponent, double* out, std::int64_t ld,
-                      bool add, MagnitudeGemm gemm = bestMagnitudeGemm()) {
+                      bool add, MagnitudeGemm gemm = bestMagnitudeGemm(), std::int64_t sumLength = 0) {
   const bool bf16 = gemm == MagnitudeGemm::kBf16;
-  const std::int64_t rows = lhs.rows(), cols = rhs.cols(), depth = lhs.cols();
+  const std::int64_t rows = lhs.rows(), cols = rhs.cols(), own = lhs.cols(), depth = std::max(own, sumLength);
   const double f = std::pow(1 - 0x1p-24, -double(depth + 2));
   const int exponent = lhsExponent + rhsExponent;
   const double floor = std::ldexp(f * f * double(2 * depth + 2), exponent - (bf16 ? 126 : 150)) +
@@ -253,8 +255,8 @@ void upperProductInto(const Lhs& lhs, int lhsExponent, const Rhs& rhs, int rhsEx
   thread_local std::vector<float> product;
   if (product.size() < std::size_t(rows * cols)) product = freshVector<float>(rows * cols);
   if (bf16)
-    sim::upperGemmBf16(rows, cols, depth, strided<float>(lhs, 0, 0), strided<float>(rhs, 0, 0), product.data(), cols,
-                       poolIf(2.0 * double(rows) * double(cols) * double(depth) >= 1e7));
+    sim::upperGemmBf16(rows, cols, own, strided<float>(lhs, 0, 0), strided<float>(rhs, 0, 0), product.data(), cols,
+                       poolIf(2.0 * double(rows) * double(cols) * double(own) >= 1e7));
   else
     productInto<float>(lhs, rhs, product.data(), cols);
   forChunks(rows * cols, [&, t = product.data()](std::int64_t begin, std::int64_t end) {
@@ -269,16 +271,13 @@ void upperProductInto(const Lhs& lhs, int lhsExponent, const Rhs& rhs, int rhsEx
 
 template <class Lhs, class Rhs>
 Mat upperProduct(const Lhs& lhs, int lhsExponent, const Rhs& rhs, int rhsExponent,
-                 MagnitudeGemm gemm = bestMagnitudeGemm()) {
+                 MagnitudeGemm gemm = bestMagnitudeGemm(), std::int64_t sumLength = 0) {
   Mat out{lhs.rows(), rhs.cols(), freshVector<double>(lhs.rows() * rhs.cols())};
-  upperProductInto(lhs, lhsExponent, rhs, rhsExponent, out.v.data(), out.cols, false, gemm);
+  upperProductInto(lhs, lhsExponent, rhs, rhsExponent, out.v.data(), out.cols, false, gemm, sumLength);
   return out;
 }
 
-// The bounds' products: a·bᵀ and a·b, with a: (M, K).
-Mat upperLinear(const Upper& a, const Upper& b) {
-  return upperProduct(a.map(), a.exponent, b.map().transpose(), b.exponent);
-}
+// The bounds' product a·b, with a: (M, K).
 Mat upperMatmul(const Upper& a, const Upper& b, MagnitudeGemm gemm = bestMagnitudeGemm()) {
   return upperProduct(a.map(), a.exponent, b.map(), b.exponent, gemm);
 }
@@ -365,7 +364,7 @@ double underflowAllowance(const ReferenceOptions& o, const InputMap& inputs) {
     const std::vector<double> all = o.part->allGather(norms);
     std::size_t i = 0;
     for (const auto& [name, t] : inputs) {
-      if (std::count(o.part->split.begin(), o.part->split.end(), name)) {
+      if (o.part->split.count(name)) {
         norms[i] = 0;
         for (std::size_t at = i; at < all.size(); at += norms.size()) norms[i] += all[at];
       }
@@ -439,19 +438,36 @@ Upper upperAbs(const StoredTensor& m) {
 // The blocks change no bit: y's columns and dW's rows are computed as by one product, and the
 // blocks, a multiple of the packed kernels' K block (kKc, 256) each, add to input.grad in the order
 // of one product's K blocks; its bound and y's are products of the whole |W|.
+// A part (o.part) holds the weight's rows [nBegin, nBegin + n) of N (a column's, with the bias's) or
+// its columns [kBegin, kBegin + k) of K (a row's) and sends every result itself, returning none: the
+// results of its own rows or columns where they lie, and the sums over the split dimension (a
+// column's input.grad, a row's output) through the first part, which adds the others' and sends them
+// (a row's bias.grad with them).
 std::map<std::string, Checked> linearLayer(const ReferenceOptions& o, const HostTensor& x, const StoredTensor& wFprop,
                                           const StoredTensor& wDgrad, const HostTensor* b, const HostTensor& dy,
                                           const std::string& weight, bool inputGrad, ReferenceSink& sink) {
   const MatrixView X = viewOf(x), dY = viewOf(dy);
-  const std::int64_t tokens = X.rows(), k = X.cols(), n = wFprop.shape[0];
+  const ReferencePart* part = o.part;
+  const int splitDim = part ? part->split.at(weight) : -1;
+  TPSIM_INTERNAL_ASSERT(!part || (&wDgrad == &wFprop && inputGrad), "linearLayer: a part of MXFP8 weights or of "
+                        "disable_grad_reduce");
+  const std::int64_t tokens = X.rows(), n = wFprop.shape[0], k = wFprop.shape[1];
+  const std::int64_t nBegin = splitDim == 0 ? part->begin : 0, kBegin = splitDim == 1 ? part->begin : 0;
+  const std::int64_t nWhole = splitDim == 0 ? part->whole : n, kWhole = splitDim == 1 ? part->whole : k;
+  TPSIM_INTERNAL_ASSERT(X.cols() == kWhole && dY.cols() == nWhole && (!b || b->numel() == (splitDim == 1 ? nWhole : n)),
+                        "linearLayer: ", weight, " of ", shapeText(wFprop.shape), " for input ", X.cols(),
+                        " and grad_output ", dY.cols(), " wide");
+  const auto Xk = X.middleCols(kBegin, k);  // the input's columns the weight here multiplies
   const bool sameDgrad = &wDgrad == &wFprop;
   const Upper aX = upperAbs(X), adY = upperAbs(dY);
   const DType c = o.computeDtype;
   const int stages = 1 + o.tp;  // the GEMM's (or the sum's) rounding; T partial sums rounded and added
-  sink.result("output", withLast(x.shape, n), o.outputDtype);
+  const std::vector<std::int64_t> biasShape = b ? withLast(b->shape, splitDim == 0 ? nWhole : n)
+                                                : std::vector<std::int64_t>{};
+  sink.result("output", withLast(x.shape, nWhole), o.outputDtype);
   if (inputGrad) sink.result("input.grad", x.shape, c);
-  sink.result(weight + ".grad", wFprop.shape, c);
-  if (b) sink.result("bias.grad", b->shape, c);
+  sink.result(weight + ".grad", {nWhole, kWhole}, c);
+  if (b) sink.result("bias.grad", biasShape, c);
 
   const std::int64_t block = blockRows(o, n, k);
   const double relW = relativeBound(o.accumulationUnit, tokens, wgradRoundings(o, weight + ".grad"));
@@ -465,17 +481,17 @@ std::map<std::string, Checked> linearLayer(const ReferenceOptions& o, const Host
       const std::int64_t nb = std::min(block, n - n0);
       readDoubles(wFprop, n0 * k, nb * k, wBlock.data());
       const MatrixView Wb(wBlock.data(), nb, k);
-      const auto dYb = dY.middleCols(n0, nb);
-      productInto<double>(X, Wb.transpose(), y.v.data() + n0, n);
+      const auto dYb = dY.middleCols(nBegin + n0, nb);
+      productInto<double>(Xk, Wb.transpose(), y.v.data() + n0, n);
       if (inputGrad) {
         if (!sameDgrad) readDoubles(wDgrad, n0 * k, nb * k, wdBlock.data());
         productInto<double>(dYb, sameDgrad ? Wb : MatrixView(wdBlock.data(), nb, k), dX.v.data(), k, n0 > 0);
       }
-      productInto<double>(dYb.transpose(), X, dW.data(), k);
-      upperProductInto(adY.map().middleCols(n0, nb).transpose(), adY.exponent, aX.map(), aX.exponent, boundW.data(), k,
-                       false);
+      productInto<double>(dYb.transpose(), Xk, dW.data(), k);
+      upperProductInto(adY.map().middleCols(nBegin + n0, nb).transpose(), adY.exponent,
+                       aX.map().middleCols(kBegin, k), aX.exponent, boundW.data(), k, false);
       for (std::int64_t i = 0; i < nb * k; ++i) boundW[std::size_t(i)] *= relW;
-      sink.block(weight + ".grad", {n0, 0, nb, k, k, dW.data(), boundW.data()});
+      sink.block(weight + ".grad", {nBegin + n0, kBegin, nb, k, k, dW.data(), boundW.data()});
     }
   };
   weightBlocks();
@@ -486,29 +502,79 @@ std::map<std::string, Checked> linearLayer(const ReferenceOptions& o, const Host
 #if defined(__GLIBC__)
   malloc_trim(0);
 #endif
+  // |W| scaled by the whole weight's exponent: a part's bounds are the whole's.
+  auto upperWeight = [part](const StoredTensor& w) {
+    auto value = [&w](std::int64_t i) { return std::fabs(w.at(i)); };
+    double largest = largestFinite(w.numel(), value);
+    if (part)
+      for (double theirs : part->allGather({largest})) largest = std::max(largest, theirs);
+    Upper u;
+    upperInto(w.shape[0], w.shape[1], value, upperExponent(largest), u);
+    return u;
+  };
   Mat ay, dXBound;
   {
-    const Upper aW = upperAbs(wFprop);
-    ay = upperLinear(aX, aW);
-    if (inputGrad && sameDgrad) dXBound = upperMatmul(adY, aW);
+    const Upper aW = upperWeight(wFprop);
+    ay = upperProduct(aX.map().middleCols(kBegin, k), aX.exponent, aW.map().transpose(), aW.exponent,
+                      bestMagnitudeGemm(), kWhole);
+    if (inputGrad && sameDgrad)
+      dXBound = upperProduct(adY.map().middleCols(nBegin, n), adY.exponent, aW.map(), aW.exponent,
+                             bestMagnitudeGemm(), nWhole);
   }
   if (inputGrad && !sameDgrad) dXBound = upperMatmul(adY, upperAbs(wDgrad));
-  if (b) {
+  const bool sumsOutput = splitDim == 1;  // a row part's output is its share of the sum over K
+  if (b && !sumsOutput) {
     addRows(y, b->values);
     addRows(ay, absColumnSums(viewOf(*b)));
   }
   std::map<std::string, Checked> whole;
-  whole["output"] = checked(o.accumulationUnit, withLast(x.shape, n), o.outputDtype, std::move(y), std::move(ay), k,
-                            roundings(stages, o.outputDtype));
+  whole["output"] = checked(o.accumulationUnit, withLast(x.shape, n), o.outputDtype, std::move(y), std::move(ay),
+                            kWhole, roundings(stages, o.outputDtype));
   if (inputGrad)
-    whole["input.grad"] = checked(o.accumulationUnit, x.shape, c, std::move(dX), std::move(dXBound), n,
-                                  roundings(stages, c));
+    whole["input.grad"] = checked(o.accumulationUnit, withLast(x.shape, k), c, std::move(dX), std::move(dXBound),
+                                  nWhole, roundings(stages, c));
   if (b) {
     Mat db{1, dY.cols(), columnSums(dY)}, adb{1, dY.cols(), absColumnSums(dY)};
-    whole["bias.grad"] = checked(o.accumulationUnit, b->shape, c, std::move(db), std::move(adb), tokens,
+    whole["bias.grad"] = checked(o.accumulationUnit, biasShape, c, std::move(db), std::move(adb), tokens,
                                  roundings(stages, c));
   }
-  return whole;
+  if (!part) return whole;
+
+  // A part's results: first the sum over the split dimension, then the rest where they lie.
+  Checked& sum = whole.at(sumsOutput ? "output" : "input.grad");
+  if (part->index > 0) {
+    // The sums' relative bounds are the same in every part (their length is the whole's).
+    part->send(sum.value.values);
+    part->send(sum.bound);
+    whole.erase(sumsOutput ? "output" : "input.grad");
+    if (sumsOutput) whole.erase("bias.grad");  // the first part's
+  } else {
+    std::vector<double> theirs;
+    for (int from = 1; from < part->count; ++from)
+      for (std::vector<double>* sums : {&sum.value.values, &sum.bound}) {
+        part->receive(from, theirs);
+        TPSIM_INTERNAL_ASSERT(theirs.size() == sums->size(), "linearLayer: part ", from, " sent ", theirs.size(),
+                              " sums for ", sums->size());
+        for (std::size_t i = 0; i < theirs.size(); ++i) (*sums)[i] += theirs[i];
+      }
+  }
+  if (sumsOutput && whole.count("output") && b) {
+    Mat total{tokens, nWhole, std::move(sum.value.values)}, totalBound{tokens, nWhole, std::move(sum.bound)};
+    addRows(total, b->values);
+    const double rel = relativeBound(o.accumulationUnit, kWhole, roundings(stages, o.outputDtype));
+    addRows(totalBound, evaluate(rel * viewOf(*b).cwiseAbs()).v);
+    sum.value.values = std::move(total.v), sum.bound = std::move(totalBound.v);
+  }
+  // Each where it lies in the whole result: the part's own columns, or all of the whole's.
+  for (auto& [name, result] : whole) {
+    const std::int64_t cols = result.value.shape.back(), rows = result.value.numel() / cols;
+    std::int64_t col = 0, width = cols, from = 0;
+    if (name == "output" && !sumsOutput) col = nBegin;
+    if (name == "input.grad" && sumsOutput) col = kBegin;
+    if (name == "bias.grad" && !sumsOutput) col = from = nBegin, width = n;  // its slice of the whole's sums
+    sink.block(name, {0, col, rows, width, cols, result.value.values.data() + from, result.bound.data() + from});
+  }
+  return {};
 }
 
 // A column layer's input gradient under disable_grad_reduce: for each TP rank t, dY over its
@@ -645,23 +711,43 @@ void linearReference(const ReferenceOptions& o, const InputMap& in, ReferenceSin
 void embeddingReference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& sink) {
   const StoredTensor& w = need(in, "weight");
   const HostTensor ids = needHost(in, "input");  // (b, s)
-  const std::int64_t vocab = w.shape[0], h = w.shape[1], tokens = ids.numel();
+  // A part (o.part) holds the table's rows [vBegin, vBegin + rows): it looks up the tokens whose ids
+  // fall there, zeros for the others, so that the parts' lookups add to the whole's exactly (each
+  // element is one part's), and sends its rows of the gradient.
+  const ReferencePart* part = o.part;
+  const std::int64_t rows = w.shape[0], h = w.shape[1], tokens = ids.numel();
+  const std::int64_t vBegin = part ? part->begin : 0, vocab = part ? part->whole : rows;
   const std::vector<std::int64_t> outputShape =
       o.reduceScatterEmbeddings ? std::vector<std::int64_t>{ids.shape[1], ids.shape[0], h}
                                 : std::vector<std::int64_t>{ids.shape[0], ids.shape[1], h};
   sink.result("output", outputShape, w.dtype);
-  sink.result("weight.grad", w.shape, w.dtype);
+  sink.result("weight.grad", {vocab, h}, w.dtype);
+  auto here = [&](double id) { return id >= double(vBegin) && id < double(vBegin + rows); };
   {  // the looked-up rows: exact, but for the reduction's roundings
     HostTensor e{{ids.shape[0], ids.shape[1], h}, w.dtype, freshVector<double>(tokens * h)};
     for (std::int64_t i = 0; i < tokens; ++i)
-      readDoubles(w, std::int64_t(ids.values[std::size_t(i)]) * h, h, e.values.data() + i * h);
+      if (here(ids.values[std::size_t(i)]))
+        readDoubles(w, (std::int64_t(ids.values[std::size_t(i)]) - vBegin) * h, h, e.values.data() + i * h);
     if (o.reduceScatterEmbeddings) e = swap01(e);  // (s, b, h)
     Mat eMat{tokens, h, std::move(e.values)};
     Mat magnitude = absMat(eMat);
     std::map<std::string, Checked> output;
-    output["output"] = checked(o.accumulationUnit, outputShape, w.dtype, std::move(eMat), std::move(magnitude), 0,
-                               roundings(1 + o.tp, w.dtype));
-    sendBlocks(output, sink);
+    Checked& out = output["output"] = checked(o.accumulationUnit, outputShape, w.dtype, std::move(eMat),
+                                              std::move(magnitude), 0, roundings(1 + o.tp, w.dtype));
+    if (part && part->index > 0) {
+      part->send(out.value.values);
+      part->send(out.bound);
+    } else {
+      std::vector<double> theirs;
+      for (int from = 1; part && from < part->count; ++from)
+        for (std::vector<double>* sums : {&out.value.values, &out.bound}) {
+          part->receive(from, theirs);
+          TPSIM_INTERNAL_ASSERT(theirs.size() == sums->size(), "embeddingReference: part ", from, " sent ",
+                                theirs.size(), " sums for ", sums->size());
+          for (std::size_t i = 0; i < theirs.size(); ++i) (*sums)[i] += theirs[i];
+        }
+      sendBlocks(output, sink);
+    }
   }
   // The table's gradient, a scatter-add of grad_output's rows, a block of the table's rows at a time:
   // each row's tokens in token order, as one pass over the tokens adds them.
@@ -672,13 +758,14 @@ void embeddingReference(const ReferenceOptions& o, const InputMap& in, Reference
   std::stable_sort(byId.begin(), byId.end(), [&](std::int64_t a, std::int64_t b) {
     return ids.values[std::size_t(a)] < ids.values[std::size_t(b)];
   });
-  const std::int64_t block = blockRows(o, vocab, h);
+  const std::int64_t block = blockRows(o, rows, h);
   const double relW = relativeBound(o.accumulationUnit, tokens, wgradRoundings(o, "weight.grad"));
-  std::vector<double> dW = freshVector<double>(std::min(vocab, block) * h),
-                      boundW = freshVector<double>(std::min(vocab, block) * h);
-  auto token = byId.begin();
-  for (std::int64_t v0 = 0; v0 < vocab; v0 += block) {
-    const std::int64_t nb = std::min(block, vocab - v0);
+  std::vector<double> dW = freshVector<double>(std::min(rows, block) * h),
+                      boundW = freshVector<double>(std::min(rows, block) * h);
+  auto token = std::partition_point(byId.begin(), byId.end(),
+                                    [&](std::int64_t i) { return ids.values[std::size_t(i)] < double(vBegin); });
+  for (std::int64_t v0 = vBegin; v0 < vBegin + rows; v0 += block) {
+    const std::int64_t nb = std::min(block, vBegin + rows - v0);
     std::fill_n(dW.begin(), nb * h, 0.0);
     std::fill_n(boundW.begin(), nb * h, 0.0);
     for (; token != byId.end() && ids.values[std::size_t(*token)] < double(v0 + nb); ++token) {

@@ -31,17 +31,19 @@ struct Checked {
 };
 
 // A part of a reference that splits: in a world spread over processes, each process computes the
-// blocks of the split dimension (the MLP's F) that its ranks hold, with that dimension's rows of the
-// weights only, and checks the results of those rows where they are (docs/distributed.md,
-// "Verification"). The parts run at once; each sums its own blocks over the split dimension, and
-// the first part (rows [0, ...)) adds the others' sums to its own, in part order, and alone sends
-// those results: their values differ from one process's in the last bits of a double.
+// blocks of the split dimension (the MLP's F, a column's N, a row's K) that its ranks hold, with
+// that dimension's rows of the weights only, and checks the results of those rows where they are
+// (docs/distributed.md, "Verification"). The parts run at once; each sums its own blocks over the
+// split dimension, and the first part (rows [0, ...)) adds the others' sums to its own, in part
+// order, and alone sends those results: their values differ from one process's in the last bits of
+// a double.
 struct ReferencePart {
   int index = 0, count = 1;
   std::int64_t begin = 0, end = 0;  // the rows of the split dimension this part computes
   std::int64_t whole = 0;           // the split dimension's size
-  // The inputs this part holds only the rows of (the weights' blocks; the others it holds whole).
-  std::vector<std::string> split;
+  // The inputs this part holds only the rows of, each with the dimension it cuts (the weights'
+  // blocks; the other inputs it holds whole).
+  std::map<std::string, int> split;
   // Every part's `mine`, in part order, to every part (each calls it at the same points): the whole
   // weights' largest magnitudes and the inputs' ℓ1 norms, summed in part order.
   std::function<std::vector<double>(const std::vector<double>& mine)> allGather;

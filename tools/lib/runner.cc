@@ -228,6 +228,8 @@ RunResult runShardedFrom(const RunConfig& config, const ShapeMap& shapes, const 
   // (kPart); the other processes are then done.
   const std::vector<std::string> keptHere =
       kept == KeptResults::kPart ? kind.partResults(c) : std::vector<std::string>{};
+  const bool inputGrad = std::any_of(per.results.begin(), per.results.end(),
+                                     [](const auto& rank) { return rank.count("input.grad") != 0; });
   std::vector<std::map<std::string, StoredTensor>> here(per.results.size());
   for (std::size_t rank = 0; rank < here.size(); ++rank)
     for (const std::string& name : keptHere)
@@ -265,7 +267,7 @@ RunResult runShardedFrom(const RunConfig& config, const ShapeMap& shapes, const 
       }
   };
   put("output", placement(kind.outputPlacement()));
-  if (per.results.front().count("input.grad")) {
+  if (inputGrad) {
     const TensorPlacement dx = placement(kind.inputPlacement() + ".grad");
     if (dx.tp.kind == AxisKind::kPartial && c.disableGradReduce) {
       // Left partial for its caller: every TP rank's partial sum, stacked. A partial sum the layer
@@ -596,7 +598,7 @@ PartInputs partInputs(const RunConfig& c, const std::vector<TensorPlacement>& pl
     TPSIM_INTERNAL_ASSERT(out.split.empty() || (begin == out.begin && end == out.end), spec.name, ": rows [", begin,
                           ", ", end, ") apart from [", out.begin, ", ", out.end, ")");
     out.begin = begin, out.end = end, out.whole = p.shape[std::size_t(dim)];
-    out.split.push_back(spec.name);
+    out.split[spec.name] = dim;
     // Each slice's rows along dim for every index of the dims before it.
     std::vector<std::int64_t> shape = p.shape;
     shape[std::size_t(dim)] = end - begin;

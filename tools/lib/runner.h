@@ -163,7 +163,7 @@ std::vector<Verdict> verify(const RunConfig& config, const InputMap& inputs, con
 struct PartInputs {
   InputMap inputs;
   std::int64_t begin = 0, end = 0, whole = 0;
-  std::vector<std::string> split;  // the parameters held in part
+  std::map<std::string, int> split;  // the parameters held in part, each with the dimension it cuts
 };
 // The names of config's inputs that such a process holds whole (`placements`: placementsOf config).
 std::vector<std::string> partWholeInputs(const RunConfig& config, const std::vector<TensorPlacement>& placements);

@@ -1,5 +1,6 @@
 // --layer embedding: VocabParallelEmbedding on int64 ids (b, s), weight (V, h) cut along V.
 #include <algorithm>
+#include <cmath>
 
 #include "core/checkpoint.h"
 #include "core/embedding.h"
@@ -113,11 +114,18 @@ class EmbeddingKind final : public LayerKind {
   // The table's gradient is a scatter-add, not a product: the reference reads the table in place
   // and holds a block of the gradient's rows and their bounds in double (embeddingReference).
   double referenceBytesPerParameter(const RunConfig&) const override { return 0; }
-  double referenceIntermediates(const RunConfig&, const ShapeMap& shapes, double) const override {
+  // A part of the reference holds its share of the table's rows.
+  double referenceIntermediates(const RunConfig&, const ShapeMap& shapes, double part) const override {
     const auto w = shapes.find("weight");
     if (w == shapes.end() || w->second.size() != 2) return 0;
-    const std::int64_t v = w->second[0], h = w->second[1];
+    const std::int64_t v = std::int64_t(std::ceil(part * double(w->second[0]))), h = w->second[1];
     return 2 * double(blockRows(ReferenceOptions(), v, h) * h);
+  }
+  // The vocabulary's rows that the parts' TP ranks hold, without GTP_remat: each process checks its
+  // rows of the table's gradient where they are; the lookups add up at process 0.
+  std::vector<std::string> partResults(const RunConfig& c) const override {
+    if (c.gtpRemat > 1) return {};
+    return {"weight.grad"};
   }
   std::unique_ptr<LayerModules> build(const LayerContext& lc, const ModelParallelConfig& mp,
                                       const RunConfig& c) const override {

@@ -107,10 +107,12 @@ class LinearKind : public LayerKind {
   // copy under MXFP8) and of dW and its bound in double, W's rows packed for the products, and the
   // bound's float product. Under MXFP8 the making of the copies is over before the blocks start,
   // which go with the two copies (2d bytes an element, d the dtype's): the larger of the two counts.
-  double referenceIntermediates(const RunConfig& c, const ShapeMap& shapes, double) const override {
+  // A part of the reference holds its share of the weight's rows (a column's) or columns (a row's).
+  double referenceIntermediates(const RunConfig& c, const ShapeMap& shapes, double part) const override {
     const auto w = shapes.find("weight");
     if (w == shapes.end() || w->second.size() != 2) return 0;
-    const std::int64_t n = w->second[0], k = w->second[1];
+    std::int64_t n = w->second[0], k = w->second[1];
+    (cutsOutput_ ? n : k) = std::int64_t(std::ceil(part * double(cutsOutput_ ? n : k)));
     const double block = double(blockRows(ReferenceOptions(), n, k) * k);
     if (c.weightFormat == WeightFormat::kNative) return std::max(0.5 * double(n * k), 4.5 * block);
     const double making = kMxfp8ReferenceBytes + double(dtypeSize(c.dtype)), held = 2 * double(dtypeSize(c.dtype));
@@ -122,6 +124,17 @@ class LinearKind : public LayerKind {
   std::unique_ptr<LayerModules> build(const LayerContext& lc, const ModelParallelConfig& mp,
                                       const RunConfig& c) const override {
     return std::make_unique<LinearModules<Linear>>(lc, mp, c);
+  }
+  // N's rows of the weight and bias (column) or K's columns of the weight (row) that the parts' TP
+  // ranks hold, one block each (stride 1), without GTP_remat, MXFP8 weights or disable_grad_reduce;
+  // where the results of those rows are split among the ranks: the column's output not gathered,
+  // the row's input.grad where its input comes parallel.
+  std::vector<std::string> partResults(const RunConfig& c) const override {
+    if (c.gtpRemat > 1 || c.weightFormat != WeightFormat::kNative || c.stride > 1 || c.disableGradReduce) return {};
+    if (cutsOutput_ ? c.gatherOutput : !c.inputIsParallel) return {};
+    std::vector<std::string> results = {cutsOutput_ ? "output" : "input.grad", "weight.grad"};
+    if (cutsOutput_ && c.bias) results.push_back("bias.grad");
+    return results;
   }
   void reference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& sink) const override {
     linearReference(o, in, sink);
