@@ -12,12 +12,12 @@
 
 #include "backends/errors.h"
 #include "backends/huge_pages.h"
+#include "backends/wire.h"
 #include "core/grad_stats.h"
 #include "core/gtp.h"
 #include "core/process_groups.h"
 #include "core/rank_grid.h"
 #include "tools/lib/backend.h"
-#include "backends/wire.h"
 #include "tools/lib/job.h"
 
 namespace tpsim::tools {
