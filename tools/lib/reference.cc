@@ -428,6 +428,27 @@ Upper upperAbs(const StoredTensor& m) {
   return upper(m.shape[0], m.shape[1], [&m](std::int64_t i) { return std::fabs(m.at(i)); });
 }
 
+// The parts' sums over the split dimension (ReferencePart): every part but the first sends its
+// `sums`, one vector at a time, and the first adds the others' to its own, in part order. Whether
+// this part is the first, the one that goes on to send those results.
+bool sumParts(const ReferencePart& part, const std::vector<std::vector<double>*>& sums) {
+  if (part.index > 0) {
+    for (const std::vector<double>* mine : sums) part.send(*mine);
+    return false;
+  }
+  std::vector<double> theirs;
+  for (int from = 1; from < part.count; ++from)
+    for (std::vector<double>* mine : sums) {
+      part.receive(from, theirs);
+      TPSIM_INTERNAL_ASSERT(theirs.size() == mine->size(), "part ", from, " sent ", theirs.size(), " sums for ",
+                            mine->size());
+      forChunks(std::int64_t(theirs.size()), [&](std::int64_t begin, std::int64_t end) {
+        for (std::int64_t i = begin; i < end; ++i) (*mine)[std::size_t(i)] += theirs[std::size_t(i)];
+      });
+    }
+  return true;
+}
+
 // One linear layer y = x·Wᵀ + b and its gradients: output, input.grad (when inputGrad),
 // <weight>.grad and bias.grad, each announced to `sink`; `weight` names the weight as its placement
 // does. wFprop and wDgrad are the weight as the forward and the dgrad GEMM read it (W itself unless
@@ -541,22 +562,11 @@ std::map<std::string, Checked> linearLayer(const ReferenceOptions& o, const Host
   if (!part) return whole;
 
   // A part's results: first the sum over the split dimension, then the rest where they lie.
+  // The sums' relative bounds are the same in every part (their length is the whole's).
   Checked& sum = whole.at(sumsOutput ? "output" : "input.grad");
-  if (part->index > 0) {
-    // The sums' relative bounds are the same in every part (their length is the whole's).
-    part->send(sum.value.values);
-    part->send(sum.bound);
+  if (!sumParts(*part, {&sum.value.values, &sum.bound})) {
     whole.erase(sumsOutput ? "output" : "input.grad");
     if (sumsOutput) whole.erase("bias.grad");  // the first part's
-  } else {
-    std::vector<double> theirs;
-    for (int from = 1; from < part->count; ++from)
-      for (std::vector<double>* sums : {&sum.value.values, &sum.bound}) {
-        part->receive(from, theirs);
-        TPSIM_INTERNAL_ASSERT(theirs.size() == sums->size(), "linearLayer: part ", from, " sent ", theirs.size(),
-                              " sums for ", sums->size());
-        for (std::size_t i = 0; i < theirs.size(); ++i) (*sums)[i] += theirs[i];
-      }
   }
   if (sumsOutput && whole.count("output") && b) {
     Mat total{tokens, nWhole, std::move(sum.value.values)}, totalBound{tokens, nWhole, std::move(sum.bound)};
@@ -734,20 +744,7 @@ void embeddingReference(const ReferenceOptions& o, const InputMap& in, Reference
     std::map<std::string, Checked> output;
     Checked& out = output["output"] = checked(o.accumulationUnit, outputShape, w.dtype, std::move(eMat),
                                               std::move(magnitude), 0, roundings(1 + o.tp, w.dtype));
-    if (part && part->index > 0) {
-      part->send(out.value.values);
-      part->send(out.bound);
-    } else {
-      std::vector<double> theirs;
-      for (int from = 1; part && from < part->count; ++from)
-        for (std::vector<double>* sums : {&out.value.values, &out.bound}) {
-          part->receive(from, theirs);
-          TPSIM_INTERNAL_ASSERT(theirs.size() == sums->size(), "embeddingReference: part ", from, " sent ",
-                                theirs.size(), " sums for ", sums->size());
-          for (std::size_t i = 0; i < theirs.size(); ++i) (*sums)[i] += theirs[i];
-        }
-      sendBlocks(output, sink);
-    }
+    if (!part || sumParts(*part, {&out.value.values, &out.bound})) sendBlocks(output, sink);
   }
   // The table's gradient, a scatter-add of grad_output's rows, a block of the table's rows at a time:
   // each row's tokens in token order, as one pass over the tokens adds them.
@@ -961,20 +958,7 @@ void mlpReference(const ReferenceOptions& o, const InputMap& in, ReferenceSink& 
       }
   }
   sink.block("fc1.bias.grad", {0, fBegin, 1, fHere, fHere, db1.data(), db1Bound.data()});
-  if (part && part->index > 0) {  // the first part adds the others' sums to its own
-    for (const Mat* sums : {&y, &boundY, &dX, &boundX}) part->send(sums->v);
-    return;
-  }
-  std::vector<double> theirs;
-  for (int from = 1; part && from < part->count; ++from)
-    for (Mat* sums : {&y, &boundY, &dX, &boundX}) {
-      part->receive(from, theirs);
-      TPSIM_INTERNAL_ASSERT(theirs.size() == sums->v.size(), "mlpReference: part ", from, " sent ", theirs.size(),
-                            " sums for ", sums->v.size());
-      forChunks(std::int64_t(theirs.size()), [&](std::int64_t begin, std::int64_t end) {
-        for (std::int64_t i = begin; i < end; ++i) sums->v[std::size_t(i)] += theirs[std::size_t(i)];
-      });
-    }
+  if (part && !sumParts(*part, {&y.v, &boundY.v, &dX.v, &boundX.v})) return;
   addRows(y, b2.values);
   addRows(boundY, evaluate(relY * viewOf(b2).cwiseAbs()).v);
 
