@@ -35,6 +35,28 @@ constexpr std::int64_t kNg = 256;
 constexpr std::int64_t kPackedBytes = std::int64_t(32) << 20;
 constexpr int kMaxTile = 14 * 32;  // MR x NR of the largest micro-kernel
 
+// A chunk of an operand that packedGemm packs at once: `extent` rows of A (block kMc) or columns
+// of B (block kNg) rounded up to whole blocks, as many as kPackedBytes holds at `steps` packed steps
+// of K, `elementBytes` each (at least one block).
+constexpr std::int64_t packedChunk(std::int64_t extent, std::int64_t block, std::int64_t steps,
+                                   std::int64_t elementBytes) {
+  const std::int64_t whole = (extent + block - 1) / block * block;
+  return std::min(whole, std::max(block, kPackedBytes / elementBytes / steps / block * block));
+}
+
+// The bytes of the packed copies of A and of B that an (m x k)·(k x n) product leaves on the
+// calling thread, which keeps them for its next product (they only grow): `elementBytes` a packed
+// step of `perStep` values of K (8 and 1 for dgemm, 4 and 1 for sgemm, 4 and 2 for bf16 pairs).
+struct PackedBytes {
+  std::int64_t a = 0, b = 0;
+};
+constexpr PackedBytes packedOperandBytes(std::int64_t m, std::int64_t n, std::int64_t k, std::int64_t elementBytes,
+                                         std::int64_t perStep) {
+  const std::int64_t steps = (k + perStep - 1) / perStep;
+  return {packedChunk(m, kMc, steps, elementBytes) * steps * elementBytes,
+          packedChunk(n, kNg, steps, elementBytes) * steps * elementBytes};
+}
+
 // c (MR x NR tile, row stride ldc, unit column stride) = alpha·acc + beta·c, acc = Σ_p a_p·b_p
 // over kc packed steps, each element one FMA chain in increasing p. A step is one value of T, or
 // (Packed = std::uint32_t) a pair of bf16 values.
@@ -197,12 +219,7 @@ void packedGemm(GemmKernel kernel, Kernel<T, Packed> (*select)(GemmKernel), std:
   constexpr std::int64_t per = std::is_same_v<T, Packed> ? 1 : 2;
   auto steps = [](std::int64_t values) { return (values + per - 1) / per; };
   const std::int64_t kBlocks = (k + kKc - 1) / kKc, ks = steps(k);
-  constexpr std::int64_t kPackedElements = kPackedBytes / std::int64_t(sizeof(Packed));
-  auto chunk = [&](std::int64_t extent, std::int64_t block) {  // a multiple of block, up to extent rounded up
-    const std::int64_t whole = (extent + block - 1) / block * block;
-    return std::min(whole, std::max(block, kPackedElements / ks / block * block));
-  };
-  const std::int64_t mChunk = chunk(m, kMc), nChunk = chunk(n, kNg);
+  const std::int64_t mChunk = packedChunk(m, kMc, ks, sizeof(Packed)), nChunk = packedChunk(n, kNg, ks, sizeof(Packed));
   thread_local Scratch<Packed> scratchA, scratchB;
   // A block i, K block p at packedA[i·kMc·ks + p·kMc·kKc / per], its sliver s kc·MR further on (kc:
   // the K block's steps); B likewise in groups of kNg columns and panels of NR.

@@ -81,6 +81,8 @@ CASES = [
     "--layer mlp --batch 2 --seq 16 --in-features 1024 --ffn-hidden 4096 --tp 2",
     "--layer mlp --batch 2 --seq 16 --in-features 1024 --ffn-hidden 4096 --tp 2 --weight-format mxfp8",
     "--layer column --batch 2 --seq 16 --in-features 2048 --out-features 4096 --tp 2 --weight-format mxfp8",
+    # A verified row whose weight is most of the run: the reference's packed operands beside |W|.
+    "--layer row --input-is-parallel --batch 2 --seq 256 --in-features 16384 --out-features 2048 --tp 4",
     # Embedding tables that are nearly all of a verified run.
     "--layer embedding --vocab 65536 --out-features 512 --batch 4 --seq 256 --tp 1",
     "--layer embedding --vocab 65536 --out-features 512 --batch 4 --seq 256 --tp 8",

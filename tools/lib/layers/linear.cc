@@ -1,10 +1,14 @@
 // --layer column and --layer row: ColumnParallelLinear and RowParallelLinear on (s, b, K) input,
 // weight (N, K) cut over TP along N (column) or K (row).
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <initializer_list>
 
 #include "backends/errors.h"
 #include "core/checkpoint.h"
+#include "sim/gemm_driver.h"
+#include "sim/upper_gemm_bf16.h"
 #include "tools/lib/layers/kinds.h"
 #include "tools/lib/reference.h"
 
@@ -103,20 +107,42 @@ class LinearKind : public LayerKind {
   double referenceBytesPerParameter(const RunConfig& c) const override {
     return c.weightFormat == WeightFormat::kNative ? 0 : kMxfp8ReferenceBytes + double(dtypeSize(c.dtype));
   }
-  // The larger of |W| in float (half a double an element) and a block's rows of W (and of its dgrad
-  // copy under MXFP8) and of dW and its bound in double, W's rows packed for the products, and the
-  // bound's float product. Under MXFP8 the making of the copies is over before the blocks start,
-  // which go with the two copies (2d bytes an element, d the dtype's): the larger of the two counts.
-  // A part of the reference holds its share of the weight's rows (a column's) or columns (a row's).
+  // The larger of a block's rows of W (and of its dgrad copy under MXFP8) and of dW and its bound in
+  // double, W's rows packed for the products, and the bound's float product; and |W| in float (half
+  // a double an element) with the packed operands the verifying thread keeps by then: the blocks'
+  // products' in double and the bounds' products' over the whole |W| (a row of
+  // 2048 x 16384 at T = 4 on 512 tokens held 126 MB of them beside |W|, above the 42 bytes an
+  // activation element fitted on smaller runs). Under MXFP8 the making of the copies is over before
+  // the blocks start, which go with the two copies (2d bytes an element, d the dtype's): the larger
+  // of the two counts. A part of the reference holds its share of the weight's rows (a column's) or
+  // columns (a row's).
   double referenceIntermediates(const RunConfig& c, const ShapeMap& shapes, double part) const override {
-    const auto w = shapes.find("weight");
-    if (w == shapes.end() || w->second.size() != 2) return 0;
+    const auto w = shapes.find("weight"), x = shapes.find("input");
+    if (w == shapes.end() || w->second.size() != 2 || x == shapes.end() || x->second.empty()) return 0;
     std::int64_t n = w->second[0], k = w->second[1];
     (cutsOutput_ ? n : k) = std::int64_t(std::ceil(part * double(cutsOutput_ ? n : k)));
-    const double block = double(blockRows(ReferenceOptions(), n, k) * k);
-    if (c.weightFormat == WeightFormat::kNative) return std::max(0.5 * double(n * k), 4.5 * block);
+    std::int64_t tokens = x->second.back() == 0 ? 0 : 1;
+    for (std::size_t d = 0; d + 1 < x->second.size(); ++d) tokens *= x->second[d];
+    const std::int64_t rows = blockRows(ReferenceOptions(), n, k), block = rows * k;
+    // The larger of each operand's packed copies over the products that leave them (linearLayer's).
+    auto packed = [](std::int64_t elementBytes, std::int64_t perStep,
+                     std::initializer_list<std::array<std::int64_t, 3>> products) {
+      std::int64_t a = 0, b = 0;
+      for (const auto& [m, cols, depth] : products) {
+        const sim::gemm_driver::PackedBytes p = sim::gemm_driver::packedOperandBytes(m, cols, depth, elementBytes,
+                                                                                     perStep);
+        a = std::max(a, p.a), b = std::max(b, p.b);
+      }
+      return double(a + b);
+    };
+    const double blocksPacked = packed(8, 1, {{tokens, rows, k}, {tokens, k, rows}, {rows, k, tokens}});
+    // bf16 pairs, or floats where the cores lack AVX512-BF16
+    const double boundsPacked =
+        packed(4, sim::upperGemmBf16Runs() ? 2 : 1, {{rows, k, tokens}, {tokens, n, k}, {tokens, k, n}});
+    const double wholeW = 0.5 * double(n * k) + (blocksPacked + boundsPacked) / 8;
+    if (c.weightFormat == WeightFormat::kNative) return std::max(wholeW, 4.5 * double(block));
     const double making = kMxfp8ReferenceBytes + double(dtypeSize(c.dtype)), held = 2 * double(dtypeSize(c.dtype));
-    return std::max(0.0, 5.5 * block - (making - held) / 8 * double(n * k));
+    return std::max(0.0, std::max(wholeW, 5.5 * double(block)) - (making - held) / 8 * double(n * k));
   }
   std::int64_t longestSum(const RunConfig& c) const override {
     return std::max({c.inFeatures + 1, c.outFeatures, c.seq * c.batch});
