@@ -365,6 +365,33 @@ TEST(Reference, LinearInPartsOfWholeRanksGivesTheWhole) {
   expectPartsGiveTheWhole(row, rowIn, wide, {{"weight", 1}}, {"output"});
 }
 
+// Grouped experts (3, the second without tokens) at T = 4, each a column (N = 1200 split, with
+// biases) or a row (K = 1200 split), whole and in 2 and 4 parts: the column's input.grad sums over
+// N, the row's output over K; the empty expert's zero gradients come once each.
+TEST(Reference, GroupedInPartsOfWholeRanksGivesTheWhole) {
+  const std::int64_t wide = 1200, narrow = 5, tokens = 7, experts = 3;
+  std::mt19937_64 rng(31);
+  const HostTensor ids{{tokens}, DType::kInt64, {2, 0, 2, 2, 0, 0, 2}};
+  for (const bool column : {true, false}) {
+    ReferenceOptions whole;
+    whole.layer = layerKind(column ? "grouped-column" : "grouped-row");
+    whole.tp = 4;
+    whole.blockElements = narrow * 256;
+    const std::int64_t n = column ? wide : narrow, k = column ? narrow : wide;
+    TensorMap in = {{"input", randomTensor({tokens, k}, rng)},
+                    {"expert_ids", ids},
+                    {"grad_output", randomTensor({tokens, n}, rng)}};
+    std::map<std::string, int> split;
+    for (std::int64_t e = 0; e < experts; ++e) {
+      const std::string weight = "weight" + std::to_string(e), bias = "bias" + std::to_string(e);
+      in[weight] = randomTensor({n, k}, rng), in[bias] = randomTensor({n}, rng);
+      split[weight] = column ? 0 : 1;
+      if (column) split[bias] = 0;
+    }
+    expectPartsGiveTheWhole(whole, in, wide, split, {column ? "input.grad" : "output"});
+  }
+}
+
 // An embedding of 1200 rows (in blocks of 256) at T = 4, whole and in 2 and 4 parts of its
 // vocabulary, its output reduce-scattered and not: every result the whole's bit for bit (each
 // token's row comes from one part, and the others add zeros).

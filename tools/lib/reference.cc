@@ -998,20 +998,25 @@ class ExpertSink final : public ReferenceSink {
   const std::string bias_;
 };
 
-// A result of zeros, announced and sent `rowsPerBlock` rows at a time.
+// A result of zeros, announced and sent `rowsPerBlock` rows at a time: all of it, or only the
+// indices [begin, begin + count) along its dimension `dim` (a vector's along its one).
 void sendZeros(const std::string& name, const std::vector<std::int64_t>& shape, DType dtype,
-               std::int64_t rowsPerBlock, ReferenceSink& sink) {
+               std::int64_t rowsPerBlock, ReferenceSink& sink, int dim = -1, std::int64_t begin = 0,
+               std::int64_t count = 0) {
   sink.result(name, shape, dtype);
   const std::int64_t cols = shape.empty() ? 1 : shape.back();
   std::int64_t rows = 1;
   for (std::int64_t d : shape) rows *= d;
   rows = cols == 0 ? 0 : rows / cols;
+  const bool alongCols = dim >= 0 && dim + 1 == int(shape.size()), alongRows = dim >= 0 && !alongCols;
+  const std::int64_t rowBegin = alongRows ? begin : 0, rowEnd = alongRows ? begin + count : rows;
+  const std::int64_t col = alongCols ? begin : 0, width = alongCols ? count : cols;
   std::vector<double> value, bound;
-  for (std::int64_t r0 = 0; r0 < rows; r0 += rowsPerBlock) {
-    const std::int64_t n = std::min(rowsPerBlock, rows - r0);
-    value.assign(std::size_t(n * cols), 0.0);  // again for each block: the sink may change them
-    bound.assign(std::size_t(n * cols), 0.0);
-    sink.block(name, {r0, 0, n, cols, cols, value.data(), bound.data()});
+  for (std::int64_t r0 = rowBegin; r0 < rowEnd; r0 += rowsPerBlock) {
+    const std::int64_t n = std::min(rowsPerBlock, rowEnd - r0);
+    value.assign(std::size_t(n * width), 0.0);  // again for each block: the sink may change them
+    bound.assign(std::size_t(n * width), 0.0);
+    sink.block(name, {r0, col, n, width, width, value.data(), bound.data()});
   }
 }
 
@@ -1044,13 +1049,22 @@ void groupedReference(const ReferenceOptions& o, const InputMap& in, std::int64_
     const std::string weight = detail::concat("weight", e), bias = detail::concat("bias", e);
     const std::optional<HostTensor> b = in.count(bias) ? std::optional(needHost(in, bias)) : std::nullopt;
     const std::vector<std::int64_t>& rows = tokensOf[std::size_t(e)];
+    const StoredTensor& w = need(in, weight);
     if (rows.empty()) {  // an expert without tokens gets no gradient
-      sendZeros(weight + ".grad", {N, K}, o.computeDtype, blockRows(o, N, K), sink);
-      if (b) sendZeros(bias + ".grad", {N}, o.computeDtype, 1, sink);
+      if (!o.part) {
+        sendZeros(weight + ".grad", {N, K}, o.computeDtype, blockRows(o, N, K), sink);
+        if (b) sendZeros(bias + ".grad", {N}, o.computeDtype, 1, sink);
+        continue;
+      }
+      // A part's rows (a column's) or columns (a row's) of it; the first part a row's bias.grad.
+      const int dim = o.part->split.at(weight);
+      const std::int64_t count = w.shape[std::size_t(dim)];
+      sendZeros(weight + ".grad", {N, K}, o.computeDtype, blockRows(o, N, K), sink, dim, o.part->begin, count);
+      if (b && o.part->split.count(bias)) sendZeros(bias + ".grad", {N}, o.computeDtype, 1, sink, 0, o.part->begin, count);
+      else if (b && o.part->index == 0) sendZeros(bias + ".grad", {N}, o.computeDtype, 1, sink);
       continue;
     }
     ExpertSink expert(sink, rows, bias);
-    const StoredTensor& w = need(in, weight);
     std::map<std::string, Checked> whole =
         linearLayer(o, rowsOf(x, rows), w, w, b ? &*b : nullptr, rowsOf(dy, rows), weight, true, expert);
     sendBlocks(whole, expert);

@@ -130,7 +130,8 @@ void embeddingReference(const ReferenceOptions& options, const InputMap& inputs,
 void mlpReference(const ReferenceOptions& options, const InputMap& inputs, ReferenceSink& sink);
 // The experts' grouped linear: token i (input, grad_output rows) goes through expert
 // expert_ids[i]'s weight<e> and bias<e>, one expert at a time, each expert's weight gradient sent a
-// block of rows at a time as linearReference sends it; output and input.grad are sent whole.
+// block of rows at a time as linearReference sends it; output and input.grad are sent whole. A part
+// (options.part) takes every expert's rows or columns that it holds, as linearReference its one.
 void groupedReference(const ReferenceOptions& options, const InputMap& inputs, std::int64_t experts,
                       ReferenceSink& sink);
 

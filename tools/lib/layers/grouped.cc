@@ -171,8 +171,22 @@ class GroupedKind final : public LayerKind {
   // for that expert alone, and its weight in blocks of rows (linearLayer).
   double referenceBytesPerActivation(const RunConfig& c) const override { return 52.0 / double(c.experts); }
   double referenceBytesPerParameter(const RunConfig& c) const override { return 4.0 / double(c.experts); }
-  double referenceIntermediates(const RunConfig& c, const ShapeMap&, double) const override {
-    return 4.5 * double(blockRows(ReferenceOptions(), c.outFeatures, c.inFeatures) * c.inFeatures);
+  // A part of the reference holds its share of each weight's rows (a column's) or columns (a row's).
+  double referenceIntermediates(const RunConfig& c, const ShapeMap&, double part) const override {
+    std::int64_t n = c.outFeatures, k = c.inFeatures;
+    (column() ? n : k) = std::int64_t(std::ceil(part * double(column() ? n : k)));
+    return 4.5 * double(blockRows(ReferenceOptions(), n, k) * k);
+  }
+  // Each expert's rows of N (a column's, with its bias's) or columns of K (a row's) that the parts'
+  // TP ranks hold, without GTP_remat (which cuts a rank's rows among its peers): the results of
+  // those rows where the ranks split them, the column's output and the row's input.grad among them.
+  std::vector<std::string> partResults(const RunConfig& c) const override {
+    if (c.gtpRemat > 1) return {};
+    std::vector<std::string> results = {column() ? "output" : "input.grad"};
+    for (std::int64_t i = 0; i < c.experts; ++i) results.push_back(detail::concat("weight", i, ".grad"));
+    if (column() && c.bias)
+      for (std::int64_t i = 0; i < c.experts; ++i) results.push_back(detail::concat("bias", i, ".grad"));
+    return results;
   }
   // The experts' weights and biases are saved as one key each, expert i at index i of its leading axis.
   CheckpointSlot checkpointSlot(const std::string& parameter) const override {
