@@ -131,11 +131,18 @@ int leaveJob(int code) {
 void agreeToRun(std::exception_ptr mine, int code, const std::string& message, std::chrono::milliseconds timeout) {
   if (jobProcesses() > 1) {
     // Process 0 picks the first failure, "P CODE MESSAGE", and every process gets it.
-    const std::vector<std::string> parts = session()->gather(mine ? detail::concat(code, " ", message) : "", timeout);
-    std::string first;
-    for (std::size_t p = 0; p < parts.size() && first.empty(); ++p)
-      if (!parts[p].empty()) first = detail::concat(p, " ", parts[p]);
-    const std::string agreed = session()->broadcast(first, timeout);
+    std::string agreed;
+    try {
+      const std::vector<std::string> parts =
+          session()->gather(mine ? detail::concat(code, " ", message) : "", timeout);
+      std::string first;
+      for (std::size_t p = 0; p < parts.size() && first.empty(); ++p)
+        if (!parts[p].empty()) first = detail::concat(p, " ", parts[p]);
+      agreed = session()->broadcast(first, timeout);
+    } catch (const Error&) {
+      if (mine) std::rethrow_exception(mine);
+      throw;
+    }
     if (!agreed.empty() && !mine) {
       std::istringstream in(agreed);
       int process = 0, exitCode = 0;

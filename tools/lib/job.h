@@ -39,17 +39,19 @@ mpi::Session* jobSession();
 // Ends this process's part of the job with the command's exit code, returned (mpi::Session::finish).
 int leaveJob(int code);
 
-// A failure another process of the job met before its world started (agreeToRun): its exit code
-// and its message, "process P: ...".
+// A failure another process of the job met before its world started, or after its ranks were done
+// (agreeToRun): its exit code and its message, "process P: ...".
 struct JobRefusal : std::runtime_error {
   JobRefusal(int exitCode, const std::string& message) : std::runtime_error(message), code(exitCode) {}
   int code;
 };
-// Every process's failure before its world starts, agreed at the same point in each: `mine` is this
-// process's (null for none), `code` and `message` its exit code and line. Where any process failed,
-// each rethrows its own, and each that did not throws JobRefusal with the first failed process's.
-// A process that failed alone (its machine's memory, a file only it reads) would otherwise leave
-// the others waiting in the world's first collective until their timeout. Waits at most `timeout`.
+// Every process's failure before its world starts (and after its ranks are done), agreed at the same
+// point in each: `mine` is this process's (null for none), `code` and `message` its exit code and
+// line. Where any process failed, each rethrows its own, and each that did not throws JobRefusal
+// with the first failed process's. A process that failed alone (its machine's memory, a file only
+// it reads) would otherwise leave the others waiting in the world's first collective until their
+// timeout. Waits at most `timeout`: where another process never comes, this one rethrows its own
+// failure, or throws the wait's.
 void agreeToRun(std::exception_ptr mine, int code, const std::string& message, std::chrono::milliseconds timeout);
 
 // Process 0 gets every process's `mine`, in process order; the others get nothing. Every process

@@ -218,7 +218,22 @@ RunResult runShardedFrom(const RunConfig& config, const ShapeMap& shapes, const 
     if (progress) progress->passed("backward");
   };
   if (progress) progress->counted({"forward", "backward"}, grid.size());
-  runWorld(*world, rankMain);
+  // A failure this process's world meets alone once its ranks are done (an injected fault that
+  // never fired on its ranks) reaches the others now, as one before the run does (agreeToRun), not
+  // at the results' gather's timeout; a collective's failure (WorldError) every process's world met.
+  std::exception_ptr failure;
+  int failureCode = 0;
+  std::string failureText;
+  try {
+    runWorld(*world, rankMain);
+  } catch (const WorldError&) {
+    throw;
+  } catch (const InvalidArgument& e) {
+    failure = std::current_exception(), failureCode = 2, failureText = e.what();
+  } catch (const std::exception& e) {
+    failure = std::current_exception(), failureCode = 3, failureText = e.what();
+  }
+  agreeToRun(failure, failureCode, failureText, c.timeout);
 #if defined(__GLIBC__)
   // The ranks' freed memory goes back to the system before the other processes' results come in,
   // which would otherwise take their place beside it in the one heap (tools/cli/main.cc keeps it).
