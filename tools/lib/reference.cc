@@ -1060,8 +1060,10 @@ void groupedReference(const ReferenceOptions& o, const InputMap& in, std::int64_
       const int dim = o.part->split.at(weight);
       const std::int64_t count = w.shape[std::size_t(dim)];
       sendZeros(weight + ".grad", {N, K}, o.computeDtype, blockRows(o, N, K), sink, dim, o.part->begin, count);
-      if (b && o.part->split.count(bias)) sendZeros(bias + ".grad", {N}, o.computeDtype, 1, sink, 0, o.part->begin, count);
-      else if (b && o.part->index == 0) sendZeros(bias + ".grad", {N}, o.computeDtype, 1, sink);
+      if (b && o.part->split.count(bias))
+        sendZeros(bias + ".grad", {N}, o.computeDtype, 1, sink, 0, o.part->begin, count);
+      else if (b && o.part->index == 0)
+        sendZeros(bias + ".grad", {N}, o.computeDtype, 1, sink);
       continue;
     }
     ExpertSink expert(sink, rows, bias);
